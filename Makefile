@@ -1,0 +1,37 @@
+# cotserve: the two set-up commands are `make up` and `make test` (see README.md).
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+
+.PHONY: install install-dev up test protos lint-protos demo-model demo-eval clean
+
+# Keep an installed torch; otherwise take 2.13.0 (on the project's CPU machines pip finds the
+# CPU build on disk). The project's own bound (torch>=2.4) is then already satisfied.
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -q -e .
+
+install-dev:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -q -e ".[dev]"
+
+## Start the whole stack on the embedded defaults (bundled demo model), Ctrl-C to stop.
+up: install
+	cotserve up
+
+## Install with the dev extra and run the whole test suite.
+test: install-dev
+	$(PYTHON) -m pytest -q
+
+## Regenerate services/<service>/v1/ from protos/ (a test fails when they drift apart).
+protos:
+	$(PYTHON) -m cotserve.common.protogen
+
+lint-protos:
+	cd protos && buf lint
+
+## Retrain the bundled demo model (about 15 minutes on 2 CPU cores).
+demo-model:
+	$(PYTHON) -m cotserve.worker.demo.train --out services/worker/demo/model
+
+clean:
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

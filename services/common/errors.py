@@ -1,0 +1,42 @@
+"""Domain errors that map onto gRPC status codes at the service edge.
+
+Business logic raises these; the server interceptor in `cotserve.common.server` turns them into
+the status the design names (DESIGN.md, Conventions: Errors). Nothing below the servicer imports grpc.
+"""
+
+from __future__ import annotations
+
+
+class CotserveError(Exception):
+    """Base class; `code` is the name of a `grpc.StatusCode` member."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str, *, trailers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.trailers = trailers or {}
+
+
+class InvalidArgument(CotserveError):
+    """Bad input: the message names the field and the allowed range."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(CotserveError):
+    code = "NOT_FOUND"
+
+
+class ResourceExhausted(CotserveError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(CotserveError):
+    code = "UNAVAILABLE"
+
+
+class ModelLoadError(CotserveError):
+    """A model folder cannot be served; the message names the file and the problem."""
+
+    code = "FAILED_PRECONDITION"

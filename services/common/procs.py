@@ -1,0 +1,73 @@
+"""Child-process supervision for `cotserve up`: start services, wait for SERVING, stop them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def health_status(address: str, timeout_s: float = 1.0) -> int | None:
+    """The server's overall health status, or None when it does not answer."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            return resp.status
+    except grpc.RpcError:
+        return None
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    log_file: object = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_file = tempfile.NamedTemporaryFile(prefix=f"cotserve-{self.name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_file.name, errors="replace") as fh:  # type: ignore[union-attr]
+                return "".join(fh.readlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s + 5)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def python_cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cotserve.cli", *args]
+
+
+def wait_serving(child: Child, timeout_s: float, progress: callable) -> None:
+    """Block until `child` reports SERVING; raise RuntimeError with its log if it dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.proc is not None and child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}:\n{child.log_tail()}")
+        if health_status(child.address, 0.5) == health_pb2.HealthCheckResponse.SERVING:
+            return
+        progress()
+        time.sleep(0.25)
+    raise RuntimeError(f"{child.name} did not report SERVING within {timeout_s:.0f}s:\n{child.log_tail()}")
