@@ -1,0 +1,35 @@
+"""The one place that chooses a kernel implementation for a device.
+
+Triton on CUDA, the plain-torch reference elsewhere (DESIGN.md, Conventions: Kernels). Until the
+Triton kernels land, every device gets the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cotserve.kernels import paged_attention
+
+
+@dataclass(slots=True, frozen=True)
+class KernelSet:
+    """The attention kernels one worker uses, fixed at start-up."""
+
+    name: str
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+
+
+REFERENCE = KernelSet(
+    name="torch-reference",
+    reshape_and_cache=paged_attention.reshape_and_cache_ref,
+    paged_attention=paged_attention.paged_attention_ref,
+)
+
+
+def kernels_for(device: torch.device) -> KernelSet:
+    """Kernels for `device`."""
+    return REFERENCE

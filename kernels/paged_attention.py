@@ -1,0 +1,62 @@
+"""Paged attention over a block-table KV cache.
+
+Layout of one layer's cache: `[num_blocks, block_size, num_kv_heads, head_dim]` for keys and for
+values. A sequence's tokens live in the blocks its block table lists, in order; token `p` of a
+sequence sits at slot `block_table[p // block_size] * block_size + p % block_size`.
+
+This module holds the plain-torch reference. The Triton kernels (FP8 pages, top-k page selection)
+arrive behind the same two functions; `cotserve.kernels.dispatch` picks the implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Write each new token's key and value into its slot."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [batch, max_query_len, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [batch, max_blocks] int64, padded with any valid block id
+    context_lens: torch.Tensor,  # [batch] int64: tokens in the cache, the queries' own included
+    query_lens: torch.Tensor,  # [batch] int64: real queries per row (<= max_query_len)
+    scale: float,
+) -> torch.Tensor:  # [batch, max_query_len, num_heads, head_dim]
+    """Causal attention of each row's queries over that row's cached keys.
+
+    Query `i` of row `b` sits at position `context_lens[b] - query_lens[b] + i` and attends to
+    cache positions `0..` that position inclusive. Padding rows (i >= query_lens[b]) return
+    finite values that the caller discards.
+    """
+    batch, max_q, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_ctx = int(context_lens.max())
+    num_blocks = (max_ctx + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks]
+    keys = k_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+    values = v_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+    keys, values = keys.to(query.dtype), values.to(query.dtype)
+
+    q = query.view(batch, max_q, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bqkgd,bskd->bkgqs", q, keys).float() * scale  # [b, kvh, g, q, s]
+    key_pos = torch.arange(max_ctx, device=query.device)
+    q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=query.device)[None]
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    out = torch.einsum("bkgqs,bskd->bqkgd", probs, values)
+    return out.reshape(batch, max_q, num_heads, head_dim)

@@ -1,0 +1,99 @@
+"""Attention backends the model calls per layer: paged (serving) and dense causal (training).
+
+The model code is written once against `attend(layer, q, k, v)` over a flat token dimension, so
+the same layers serve a continuous batch of ragged sequences and train on a padded batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from cotserve.kernels.dispatch import KernelSet
+
+
+class AttentionBackend(Protocol):
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+@dataclass(slots=True)
+class DenseCausalAttention:
+    """Plain causal self-attention over `batch` rows of `seq_len` tokens each (no cache)."""
+
+    batch: int
+    seq_len: int
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        group = num_heads // k.shape[1]
+
+        def rows(x: torch.Tensor) -> torch.Tensor:  # [b, heads, len, dim]
+            return x.view(self.batch, self.seq_len, x.shape[1], head_dim).transpose(1, 2)
+
+        kk, vv = rows(k), rows(v)
+        if group > 1:
+            kk, vv = kk.repeat_interleave(group, dim=1), vv.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(rows(q), kk, vv, is_causal=True)
+        return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+
+
+@dataclass(slots=True)
+class PagedBatch:
+    """Where each scheduled sequence's tokens sit in the flat batch and in the cache.
+
+    Decode rows (one query each) are attended together; each prefill chunk attends on its own,
+    which bounds the padded score tensor by one chunk rather than the whole batch.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    decode_token_idx: torch.Tensor  # [num_decode] int64 into the flat batch
+    decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64
+    decode_context_lens: torch.Tensor  # [num_decode] int64
+    prefill_rows: list[tuple[int, int, torch.Tensor, int]]  # (start, query_len, block_table [1, n], context_len)
+
+
+@dataclass(slots=True)
+class PagedAttention:
+    """Attention that writes new K/V into the paged cache and reads through block tables."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, dim] x2
+    batch: PagedBatch
+    kernels: KernelSet
+    scale: float
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer]
+        b = self.batch
+        self.kernels.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
+        out = torch.empty_like(q)
+        if b.decode_token_idx.numel():
+            num = b.decode_token_idx.numel()
+            ones = torch.ones(num, dtype=torch.int64, device=q.device)
+            dq = q.index_select(0, b.decode_token_idx).unsqueeze(1)  # [num_decode, 1, heads, dim]
+            res = self.kernels.paged_attention(
+                dq, k_cache, v_cache, b.decode_block_tables, b.decode_context_lens, ones, self.scale
+            )
+            out.index_copy_(0, b.decode_token_idx, res.squeeze(1))
+        for start, qlen, table, ctx in b.prefill_rows:
+            dev = q.device
+            res = self.kernels.paged_attention(
+                q[start : start + qlen].unsqueeze(0),
+                k_cache,
+                v_cache,
+                table,
+                torch.tensor([ctx], device=dev),
+                torch.tensor([qlen], device=dev),
+                self.scale,
+            )
+            out[start : start + qlen] = res[0]
+        return out

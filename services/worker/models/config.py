@@ -1,0 +1,149 @@
+"""Model configuration read from a Hugging Face `config.json`.
+
+One dataclass covers the Llama family; the differences between Llama, Mistral and Qwen2 are
+fields here (biases, sliding window), never separate model classes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cotserve.common.errors import ModelLoadError
+
+
+@dataclass(slots=True, frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters: base frequency plus optional `llama3` scaling."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+# Per-architecture differences, as data. Each entry says which projections carry biases.
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
+    "MistralForCausalLM": {"qkv_bias": False, "o_bias": False, "mlp_bias": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False, "mlp_bias": False},
+}
+
+SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """Everything the model code needs from `config.json`, validated."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    @property
+    def max_context(self) -> int:
+        """Longest context served exactly: a sliding window caps it (we never drop keys)."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in _FAMILIES:
+            raise ModelLoadError(
+                f"{source}: architecture {arch!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        fam = _FAMILIES[arch]
+
+        def flag(spec: Any) -> bool:
+            return bool(raw.get(spec, False)) if isinstance(spec, str) else bool(spec)
+
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            head_dim = int(raw.get("head_dim") or hidden // num_heads)
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            use_sw = raw.get("use_sliding_window", True)
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=flag(fam["qkv_bias"]),
+                o_bias=flag(fam["o_bias"]),
+                mlp_bias=flag(fam["mlp_bias"]),
+                rope=_parse_rope(raw),
+                sliding_window=(raw.get("sliding_window") if use_sw else None) or None,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{source}: missing or invalid field: {exc}") from exc
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ModelLoadError(f"{path}: file not found (a model folder needs config.json)") from None
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+        cfg = cls.from_dict(raw, str(path))
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ModelLoadError(
+                f"{path}: num_attention_heads ({cfg.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({cfg.num_kv_heads})"
+            )
+        return cfg
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ("default", "llama3"):
+        raise ModelLoadError(f"config.json: rope type {rope_type!r} is not supported (default, llama3)")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,149 @@
+"""The Llama family (Llama, Mistral, Qwen2) as one model.
+
+Parameter names match Hugging Face's, so a checkpoint's state dict loads as is. Tokens are flat:
+a continuous batch of ragged sequences is `[num_tokens]` with per-token positions, and attention
+goes through an `AttentionBackend` that knows where each sequence's keys live.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from cotserve.worker.models.attention import AttentionBackend
+from cotserve.worker.models.config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]`, computed exactly as Hugging Face does (float32)."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type != "llama3":
+        return inv
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved (rotate-half) RoPE, applied per token from its absolute position."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [num_tokens, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, q_out, kv_out = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(h, q_out, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, kv_out, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, kv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_out, h, bias=cfg.o_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        out = attn.attend(self.layer, q, k, v)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over flat tokens: `forward(ids, positions, attn) -> hidden [num_tokens, hidden]`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaBackbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        attn: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
+        return self.lm_head(hidden)

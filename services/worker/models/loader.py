@@ -1,0 +1,156 @@
+"""Load a Hugging Face checkpoint folder into our own model code.
+
+Input: `config.json`, `model.safetensors` or shards listed in `model.safetensors.index.json`,
+`tokenizer.json`, and optionally `tokenizer_config.json` / `generation_config.json` for special
+tokens and end-of-sequence ids. Every problem is a `ModelLoadError` naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from cotserve.common.errors import ModelLoadError
+from cotserve.worker.models.config import ModelConfig
+from cotserve.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    name: str
+    revision: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """float32 on the CPU, bfloat16 on CUDA."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    single = folder / "model.safetensors"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: not a valid safetensors index ({exc})") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise ModelLoadError(f"{index}: lists shard {f.name}, which is missing")
+        return files
+    if single.exists():
+        return [single]
+    raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for key in fh.keys():
+                    tensors[key] = fh.get_tensor(key)
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise ModelLoadError(f"{f}: cannot read safetensors file ({exc})") from None
+    return tensors
+
+
+def checkpoint_revision(folder: Path, files: list[Path]) -> str:
+    """Short content hash over config.json and each weight file's header and size."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in files:
+        with f.open("rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            h.update(fh.read(min(header_len, 1 << 24)))
+        h.update(str(f.stat().st_size).encode())
+    return h.hexdigest()[:12]
+
+
+def load_tokenizer(folder: Path, cfg: ModelConfig) -> tuple[Tokenizer, frozenset[int]]:
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise ModelLoadError(f"{path}: file not found (a model folder needs tokenizer.json)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: cannot load tokenizer ({exc})") from None
+    eos: set[int] = set(cfg.eos_token_ids)
+    gen_path = folder / "generation_config.json"
+    if gen_path.exists():
+        try:
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{gen_path}: not valid JSON ({exc})") from None
+        if gen_eos is not None:
+            eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    tok_cfg = folder / "tokenizer_config.json"
+    if not eos and tok_cfg.exists():
+        token = json.loads(tok_cfg.read_text()).get("eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if token is not None and tok.token_to_id(token) is not None:
+            eos.add(tok.token_to_id(token))
+    return tok, frozenset(int(e) for e in eos)
+
+
+def load_model(
+    folder: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    name: str | None = None,
+) -> LoadedModel:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder}: model folder not found")
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    cfg = ModelConfig.from_file(folder / "config.json")
+    files = weight_files(folder)
+    tensors = read_tensors(files)
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        tensors.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(k for k in set(tensors) - set(expected) if not k.endswith(_IGNORED_SUFFIXES))
+    if missing:
+        raise ModelLoadError(f"{files[0].parent}: weights missing from the checkpoint: {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    if unexpected:
+        raise ModelLoadError(f"{files[0].parent}: unexpected weights for {cfg.architecture}: {', '.join(unexpected[:5])}")
+    for key, shape in expected.items():
+        if tensors[key].shape != shape:
+            raise ModelLoadError(f"{files[0].parent}: weight {key} has shape {tuple(tensors[key].shape)}, "
+                                 f"config.json implies {tuple(shape)}")
+    state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim).to(device)  # float32 inv_freq, on device
+    model.eval().requires_grad_(False)
+    tokenizer, eos = load_tokenizer(folder, cfg)
+    return LoadedModel(
+        model=model, config=cfg, tokenizer=tokenizer, eos_token_ids=eos,
+        name=name or folder.resolve().name, revision=checkpoint_revision(folder, files),
+        dtype=dtype, device=device,
+    )

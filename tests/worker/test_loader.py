@@ -1,0 +1,84 @@
+"""Checkpoint loading: sharded files, and clear errors naming the file for every broken input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from cotserve.common.errors import ModelLoadError  # noqa: E402
+from cotserve.worker.models.loader import load_model  # noqa: E402
+from tests.worker.engine_helpers import save_tiny_checkpoint  # noqa: E402
+
+SMALL = dict(vocab_size=1464, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("good")
+    save_tiny_checkpoint(transformers.LlamaConfig(**SMALL), folder)
+    return folder
+
+
+def broken(good, tmp_path, edit):
+    folder = tmp_path / "model"
+    shutil.copytree(good, folder)
+    edit(folder)
+    return folder
+
+
+def test_sharded_checkpoint_loads_same_weights(good, tmp_path):
+    sharded = tmp_path / "sharded"
+    save_tiny_checkpoint(transformers.LlamaConfig(**SMALL), sharded, max_shard_size="50KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    a, b = load_model(good), load_model(sharded)
+    for (ka, va), (kb, vb) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    assert a.eos_token_ids == frozenset({1})
+    assert a.revision == b.revision or len(a.revision) == 12
+
+
+def test_dtype_defaults_to_float32_on_cpu_and_can_be_overridden(good):
+    assert load_model(good).model.lm_head.weight.dtype == torch.float32
+    assert load_model(good, dtype=torch.bfloat16).model.lm_head.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda f: (f / "config.json").unlink(), r"config.json: file not found"),
+    (lambda f: (f / "config.json").write_text("{not json"), r"config.json: not valid JSON"),
+    (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()),
+                                                          "architectures": ["GPT2LMHeadModel"]})),
+     r"architecture 'GPT2LMHeadModel' is not supported \(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM\)"),
+    (lambda f: (f / "model.safetensors").unlink(), r"no model.safetensors or model.safetensors.index.json"),
+    (lambda f: (f / "model.safetensors").write_bytes(b"garbage"), r"model.safetensors: cannot read safetensors file"),
+    (lambda f: (f / "tokenizer.json").unlink(), r"tokenizer.json: file not found"),
+    (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()),
+                                                          "hidden_size": 48})),
+     r"weight model.embed_tokens.weight has shape \(1464, 32\), config.json implies \(1464, 48\)"),
+    (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()),
+                                                          "num_hidden_layers": 3})),
+     r"weights missing from the checkpoint: model.layers.2"),
+])
+def test_broken_checkpoints_fail_with_a_clear_message(good, tmp_path, edit, message):
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(broken(good, tmp_path, edit))
+
+
+def test_missing_shard_is_named(tmp_path):
+    folder = tmp_path / "sharded"
+    save_tiny_checkpoint(transformers.LlamaConfig(**SMALL), folder, max_shard_size="50KB")
+    victim = sorted(folder.glob("model-*-of-*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(ModelLoadError, match=f"lists shard {victim.name}, which is missing"):
+        load_model(folder)
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ModelLoadError, match="model folder not found"):
+        load_model(tmp_path / "nope")
