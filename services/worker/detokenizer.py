@@ -1,0 +1,60 @@
+"""Streaming detokenization with stop strings.
+
+Text deltas are valid UTF-8: a token that ends inside a multi-byte character yields nothing
+until the character completes. Text that could be the start of a stop string is held back until
+it is known not to be one, so a stop string never reaches the client.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+_CONTEXT_TOKENS = 4  # prompt tokens decoded ahead of the output, so leading-space rules hold
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
+        self.tokenizer = tokenizer
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""  # all output text so far (truncated at a stop string once one is found)
+        self._emitted = 0
+        self.stopped_by_string = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add_token(self, token_id: int) -> str:
+        """Append a generated token; return the text that can be sent now (possibly empty)."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._append(new)
+        return self._ready(final=False)
+
+    def _append(self, new: str) -> None:
+        if self.stopped_by_string:
+            return
+        search_from = max(0, len(self.text) - self._holdback)
+        self.text += new
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i != -1]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped_by_string = True
+
+    def _ready(self, final: bool) -> str:
+        limit = len(self.text) if (final or self.stopped_by_string) else len(self.text) - self._holdback
+        limit = max(limit, self._emitted)
+        out = self.text[self._emitted : limit]
+        self._emitted = limit
+        return out
+
+    def flush(self) -> str:
+        """At the end of the request: whatever was held back."""
+        return self._ready(final=True)

@@ -1,0 +1,97 @@
+"""Owns the model and the KV tensors; turns a `ScheduledBatch` into logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cotserve.kernels.dispatch import kernels_for
+from cotserve.worker.models.attention import PagedAttention, PagedBatch
+from cotserve.worker.models.config import ModelConfig
+from cotserve.worker.models.loader import LoadedModel
+from cotserve.worker.scheduler import ScheduledBatch
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """Keys and values of one token across all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+
+
+@dataclass(slots=True)
+class PreparedInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    paged: PagedBatch
+    sample_rows: torch.Tensor  # [num_sampled] index of each sampling sequence's last token
+
+
+class ModelRunner:
+    """Runs one forward pass for a batch of ragged sequences over the paged KV cache."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> None:
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = loaded.device
+        self.block_size = block_size
+        self.kv_dtype = kv_dtype or loaded.dtype
+        self.kernels = kernels_for(self.device)
+        cfg = self.config
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+        self.scale = cfg.head_dim ** -0.5
+
+    def prepare_inputs(self, batch: ScheduledBatch) -> PreparedInputs:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_ctx: list[int] = []
+        prefill_rows: list[tuple[int, int, torch.Tensor, int]] = []
+        sample_rows: list[int] = []
+        bs = self.block_size
+        for item in batch.items:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
+            offset = len(ids)
+            tokens = seq.all_token_ids[start : start + n]
+            ids.extend(tokens)
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            ctx = start + n
+            if n == 1:
+                decode_idx.append(offset)
+                decode_tables.append(table[: (ctx + bs - 1) // bs])
+                decode_ctx.append(ctx)
+            else:
+                t = torch.tensor([table[: (ctx + bs - 1) // bs]], dtype=torch.int64, device=self.device)
+                prefill_rows.append((offset, n, t, ctx))
+            if item.samples:
+                sample_rows.append(offset + n - 1)
+        width = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in decode_tables]
+        dev = self.device
+
+        def as_long(x: list) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=dev)
+
+        paged = PagedBatch(
+            slot_mapping=as_long(slots),
+            decode_token_idx=as_long(decode_idx),
+            decode_block_tables=as_long(padded).view(len(padded), width),
+            decode_context_lens=as_long(decode_ctx),
+            prefill_rows=prefill_rows,
+        )
+        return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:  # [num_sampled, vocab] float32
+        inputs = self.prepare_inputs(batch)
+        attn = PagedAttention(self.kv_caches, inputs.paged, self.kernels, self.scale)
+        hidden = self.model(inputs.input_ids, inputs.positions, attn)
+        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)).float()

@@ -1,0 +1,99 @@
+"""Per-request state inside the engine. No torch, no grpc."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+class SlaClass(enum.IntEnum):
+    """Scheduling class; a lower value is more urgent."""
+
+    REALTIME = 0
+    INTERACTIVE = 1
+    BATCH = 2
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered: everything past PREEMPTED is finished, so `status > PREEMPTED` says done."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self > SequenceStatus.PREEMPTED
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Validated sampling parameters (see `cotserve.worker.requests` for the checks)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens and progress.
+
+    Invariant: `num_computed_tokens <= len(self)`; the KV cache holds exactly the first
+    `num_computed_tokens` tokens, in the blocks of `block_table`, in order.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sla_class: SlaClass = SlaClass.INTERACTIVE
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def max_len(self) -> int:
+        """Length the sequence may reach at most (prompt + max_new_tokens)."""
+        return len(self.prompt_ids) + self.params.max_new_tokens

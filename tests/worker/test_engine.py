@@ -1,0 +1,159 @@
+"""Engine behaviour on real model code: batch invariance, seeds, stops, preemption, cancel, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cotserve.worker.demo.arithmetic import problems
+from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.models.loader import load_model
+from cotserve.worker.sampler import Sampler
+from cotserve.worker.sequence import SamplingParams
+from cotserve.worker.server import DEMO_MODEL
+from tests.worker.engine_helpers import run_engine
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_model(DEMO_MODEL)
+
+
+def make_engine(loaded, num_blocks=256, block_size=16, max_num_seqs=32, budget=512) -> Engine:
+    return Engine(loaded, EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                                       max_num_batched_tokens=budget, max_model_len=loaded.config.max_context))
+
+
+def encode(loaded, text):
+    return loaded.tokenizer.encode(text).ids
+
+
+def test_batch_invariance_8_prompts_together_equal_each_alone(demo):
+    prompts = [encode(demo, p.prompt) for p in problems(7, 8)]
+    params = SamplingParams(max_new_tokens=48)
+    together = run_engine(make_engine(demo), prompts, params)
+    alone = [run_engine(make_engine(demo), [p], params)[0] for p in prompts]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert len({tuple(r.token_ids) for r in together}) == 8  # 8 different answers, not one repeated
+
+
+def test_demo_answers_and_stops_at_eos(demo):
+    p = problems(11, 1)[0]
+    (out,) = run_engine(make_engine(demo), [encode(demo, "37+48-12=")], SamplingParams(max_new_tokens=64))
+    assert out.text == "<think>37+48=85. 85-12=73.</think> 73"
+    assert out.finish_reason == "stop" and out.token_ids[-1] in demo.eos_token_ids
+    assert out.last.prompt_tokens == len(encode(demo, "37+48-12=")) and out.last.completion_tokens == len(out.token_ids)
+    assert out.last.timing.ttft_ms <= out.last.timing.total_ms
+    del p
+
+
+def test_same_seed_same_output_whatever_else_is_in_the_batch(demo):
+    seeded = SamplingParams(max_new_tokens=24, temperature=1.5, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_new_tokens=24, temperature=1.5, ignore_eos=True)
+    prompt = encode(demo, "5+5+5=")
+    alone = run_engine(make_engine(demo), [prompt], seeded)[0].token_ids
+    crowd = run_engine(make_engine(demo), [encode(demo, "9-3="), prompt, encode(demo, "1+1+1+1=")],
+                       [other, seeded, other])[1].token_ids
+    assert alone == crowd
+    different = run_engine(make_engine(demo), [prompt], SamplingParams(max_new_tokens=24, temperature=1.5, seed=99,
+                                                                       ignore_eos=True))[0].token_ids
+    assert different != alone
+
+
+def test_stop_string_is_not_in_the_text(demo):
+    (out,) = run_engine(make_engine(demo), [encode(demo, "37+48-12=")], SamplingParams(max_new_tokens=64, stop=("</think>",)))
+    assert out.text == "<think>37+48=85. 85-12=73."
+    assert out.finish_reason == "stop"
+
+
+def test_stop_token_id_and_max_new_tokens(demo):
+    dot = demo.tokenizer.token_to_id(".")
+    (out,) = run_engine(make_engine(demo), [encode(demo, "37+48-12=")], SamplingParams(max_new_tokens=64, stop_token_ids=(dot,)))
+    assert out.text == "<think>37+48=85" and out.finish_reason == "stop" and out.token_ids[-1] == dot
+    (out,) = run_engine(make_engine(demo), [encode(demo, "37+48-12=")], SamplingParams(max_new_tokens=3))
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
+def test_logprobs_are_log_softmax_of_the_chosen_token(demo):
+    (out,) = run_engine(make_engine(demo), [encode(demo, "37+48-12=")], SamplingParams(max_new_tokens=4, logprobs=True))
+    assert all(lp is not None and lp <= 0.0 for lp in out.logprobs)
+    assert out.logprobs[0] > -0.1  # a trained model is sure of `<think>`
+
+
+def test_preemption_under_a_tiny_kv_pool_gives_the_same_outputs(demo):
+    prompts = [encode(demo, p.prompt) for p in problems(21, 6)]
+    params = SamplingParams(max_new_tokens=40)
+    roomy = run_engine(make_engine(demo), prompts, params)
+    tight = make_engine(demo, num_blocks=16, block_size=4)  # 64 token slots for 6 sequences of up to 53 tokens
+    squeezed = run_engine(tight, prompts, params)
+    assert tight.scheduler.num_preemptions_total > 0
+    assert [r.token_ids for r in squeezed] == [r.token_ids for r in roomy]
+    assert tight.block_manager.num_free_blocks == tight.block_manager.num_blocks
+
+
+def test_cancel_frees_blocks_at_the_next_step(demo):
+    engine = make_engine(demo)
+    got: list[RequestOutput] = []
+    engine.submit("a", encode(demo, "1+2+3="), SamplingParams(max_new_tokens=200, ignore_eos=True), got.append)
+    engine._drain_inbox(block=False)
+    for _ in range(5):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    engine.abort("a")
+    engine._drain_inbox(block=False)
+    assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.has_work()
+    assert len(got) == 5
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(demo):
+    engine = make_engine(demo)
+    real = engine.runner.execute
+    engine.runner.execute = lambda batch: (_ for _ in ()).throw(RuntimeError("boom"))
+    (failed,) = run_engine(engine, [encode(demo, "1+1=")], SamplingParams(max_new_tokens=8))
+    assert failed.error == "engine step failed: boom"
+    assert engine.block_manager.num_used_blocks == 0
+    engine.runner.execute = real
+    (ok,) = run_engine(engine, [encode(demo, "1+1=")], SamplingParams(max_new_tokens=16))
+    assert ok.text.endswith("</think> 2")
+
+
+def test_engine_thread_serves_concurrent_submitters(demo):
+    engine = make_engine(demo)
+    engine.start()
+    try:
+        done = {i: threading.Event() for i in range(4)}
+        texts = {i: "" for i in range(4)}
+
+        def sink_for(i):
+            def sink(out):
+                texts[i] += out.text
+                if out.finish_reason or out.error:
+                    done[i].set()
+            return sink
+
+        for i, p in enumerate(problems(5, 4)):
+            engine.submit(f"t{i}", encode(demo, p.prompt), SamplingParams(max_new_tokens=64), sink_for(i))
+        assert all(e.wait(30) for e in done.values())
+        assert all(t.startswith("<think>") for t in texts.values())
+        assert engine.stats().num_requests_finished_total == 4
+    finally:
+        engine.stop()
+
+
+def test_prompt_that_can_never_fit_is_refused_at_submit(demo):
+    engine = make_engine(demo, num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match=r"prompt_tokens \+ max_new_tokens = 21 exceeds the KV cache \(8 tokens\)"):
+        engine.submit("x", [0] * 5, SamplingParams(max_new_tokens=16), lambda out: None)
+
+
+def test_top_k_and_top_p_only_sample_allowed_tokens():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    s = Sampler(torch.device("cpu"))
+    picks_k = {s.sample(logits, [1], [SamplingParams(temperature=1.0, top_k=2)]).token_ids[0] for _ in range(200)}
+    assert picks_k == {0, 1}
+    probs = torch.softmax(logits[0], 0)  # [0.57, 0.21, 0.13, 0.08, 0.03]: top_p=0.7 keeps tokens 0 and 1
+    assert probs[0] < 0.7 < probs[0] + probs[1]
+    picks_p = {s.sample(logits, [1], [SamplingParams(temperature=1.0, top_p=0.7)]).token_ids[0] for _ in range(200)}
+    assert picks_p == {0, 1}
