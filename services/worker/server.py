@@ -1,0 +1,210 @@
+"""The worker service: config, the thin gRPC servicer, and `serve()`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+import torch
+
+from cotserve.common.errors import InvalidArgument, Unavailable
+from cotserve.common.server import Server, ServiceSpec, run_until_signalled
+from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.model_runner import kv_bytes_per_token
+from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
+from cotserve.worker.requests import generate_from_pb, output_to_pb
+from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("cotserve.worker")
+DEMO_MODEL = Path(__file__).parent / "demo" / "model"
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Everything `cotserve serve worker` takes; see the CLI for each flag's help."""
+
+    model: Path = DEMO_MODEL
+    """Hugging Face checkpoint folder (default: the bundled demo model)."""
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = 50061
+    """Port to bind (0 picks a free one)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto (CUDA when available)."""
+    dtype: str = "auto"
+    """Weights' compute dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
+    kv_cache_bytes: int | None = None
+    """KV pool size in bytes; default: 5% of available RAM on CPU, 90% of free GPU memory on CUDA."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    max_num_seqs: int = 64
+    """Sequences in one batch at most."""
+    max_num_batched_tokens: int = 512
+    """Tokens per engine step at most (bounds prefill chunks)."""
+    max_model_len: int | None = None
+    """Longest sequence served (default: the model's context)."""
+    served_model_name: str | None = None
+    """Name clients use (default: the checkpoint folder's name)."""
+    grace_s: float = 5.0
+    """Seconds to drain in-flight streams on SIGTERM."""
+
+    def validate(self) -> None:
+        checks = [
+            (self.block_size >= 1, f"block_size: {self.block_size}, must be >= 1"),
+            (self.max_num_seqs >= 1, f"max_num_seqs: {self.max_num_seqs}, must be >= 1"),
+            (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens: {self.max_num_batched_tokens}, must be >= 1"),
+            (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes: must be > 0"),
+            (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
+            (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+def _available_ram_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
+    """Size the KV pool: from --kv-cache-bytes, else a share of free memory, never more than
+    max_num_seqs full-length sequences need."""
+    max_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
+    per_token = kv_bytes_per_token(loaded.config, loaded.dtype)
+    budget = cfg.kv_cache_bytes
+    if budget is None:
+        if loaded.device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(loaded.device)[0] * 0.9)
+        else:
+            budget = int(_available_ram_bytes() * 0.05)
+    num_blocks = budget // (per_token * cfg.block_size)
+    if cfg.kv_cache_bytes is None:
+        num_blocks = min(num_blocks, cfg.max_num_seqs * -(-max_len // cfg.block_size))
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes: {budget} bytes holds no block of {cfg.block_size} tokens "
+                         f"({per_token * cfg.block_size} bytes each)")
+    return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """Thin: converts at the edge and hands the request to the engine."""
+
+    def __init__(self) -> None:
+        self._engine: Engine | None = None
+        self._loaded: LoadedModel | None = None
+
+    def attach(self, engine: Engine, loaded: LoadedModel) -> None:
+        """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
+        self._engine, self._loaded = engine, loaded
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise Unavailable("the worker is still loading its model")
+        return self._engine
+
+    @property
+    def loaded(self) -> LoadedModel:
+        if self._loaded is None:
+            raise Unavailable("the worker is still loading its model")
+        return self._loaded
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        call = generate_from_pb(request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len)
+        request_id = request.request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def sink(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        try:
+            self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        finished = False
+        try:
+            while True:
+                out = await outputs.get()
+                if out.error is not None:
+                    finished = True
+                    raise Unavailable(f"request {request_id} failed: {out.error}")
+                yield output_to_pb(out)
+                if out.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # cancelled by the client, deadline, or server shutdown
+                self.engine.abort(request_id)
+
+    async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.InfoResponse:
+        lm, ec = self.loaded, self.engine.config
+        return worker_pb2.InfoResponse(
+            model_name=lm.name, model_revision=lm.revision, architecture=lm.config.architecture,
+            dtype=str(lm.dtype).removeprefix("torch."), vocab_size=lm.config.vocab_size,
+            max_context_tokens=ec.max_model_len, max_num_seqs=ec.max_num_seqs, device=str(lm.device),
+            kv_cache=worker_pb2.KvCacheInfo(
+                dtype=str(self.engine.runner.kv_dtype).removeprefix("torch."), block_size_tokens=ec.block_size,
+                total_blocks=ec.num_blocks, bytes_per_token=kv_bytes_per_token(lm.config, self.engine.runner.kv_dtype),
+            ),
+        )
+
+    async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.StatsResponse:
+        s = self.engine.stats()
+        return worker_pb2.StatsResponse(
+            num_running_seqs=s.num_running_seqs, num_waiting_seqs=s.num_waiting_seqs,
+            kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
+            step_latency_p50_ms=s.step_latency_p50_ms, step_latency_p95_ms=s.step_latency_p95_ms,
+            generated_tokens_per_s=s.generated_tokens_per_s, num_preemptions_total=s.num_preemptions_total,
+            num_requests_finished_total=s.num_requests_finished_total,
+        )
+
+    async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:
+        enc = self.loaded.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return worker_pb2.TokenizeResponse(token_ids=enc.ids, tokens=enc.tokens)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    """Start the worker: bind first (health NOT_SERVING), load the model, then SERVING."""
+    cfg.validate()
+    device = resolve_device(cfg.device)
+    servicer = WorkerServicer()
+    spec = ServiceSpec("cotserve.worker.v1.WorkerService",
+                       lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))
+    server = Server([spec], cfg.host, cfg.port)
+    await server.start()
+    log.info("worker listening on %s, loading %s", server.address, cfg.model)
+    dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    try:
+        loaded = await asyncio.to_thread(load_model, cfg.model, device=device, dtype=dtype, name=cfg.served_model_name)
+        econfig = engine_config(cfg, loaded)
+    except BaseException:
+        await server.stop(0)
+        raise
+    engine = Engine(loaded, econfig)
+    engine.start()
+    servicer.attach(engine, loaded)
+    await server.set_serving()
+    ec = engine.config
+    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d",
+             loaded.name, loaded.revision, server.address, loaded.dtype, ec.num_blocks, ec.block_size, ec.max_model_len)
+    await run_until_signalled(server, cfg.grace_s, on_stop=engine.stop)

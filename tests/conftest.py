@@ -1,0 +1,61 @@
+"""Shared fixtures: free ports, tiny checkpoints, a running worker process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(*args: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
+    """Start `cotserve serve worker` on a free loopback port and wait for SERVING."""
+    from cotserve.common.procs import health_status
+    from grpc_health.v1 import health_pb2
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cotserve.cli", "serve", "worker", "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited {proc.returncode}: {proc.stdout.read()}")
+        if health_status(address, 0.5) == health_pb2.HealthCheckResponse.SERVING:
+            return proc, address
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"worker did not become SERVING: {proc.stdout.read()}")
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
+    proc.terminate()
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+@pytest.fixture(scope="session")
+def demo_worker():
+    """One worker serving the bundled demo model for the whole session."""
+    proc, address = start_worker("--max-num-seqs", "32")
+    yield address
+    stop_process(proc)

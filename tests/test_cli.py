@@ -1,0 +1,65 @@
+"""`cotserve up` and `cotserve generate` as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.conftest import free_port
+
+
+def children_of(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
+    port = free_port()
+    log = open(tmp_path / "up.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "up", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "cotserve is up" not in (tmp_path / "up.log").read_text():
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, "cotserve up did not come up"
+            time.sleep(0.2)
+        kids = children_of(proc.pid)
+        assert kids, "up should run the services as child processes"
+        gen = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}"],
+                             capture_output=True, text=True, timeout=60)
+        assert gen.returncode == 0, gen.stderr
+        assert gen.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n[FINISH_REASON_STOP")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        for kid in kids:
+            assert not os.path.exists(f"/proc/{kid}") or open(f"/proc/{kid}/stat").read().split()[2] == "Z"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_exits_nonzero_with_the_service_error_when_a_service_cannot_start(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cotserve.cli", "up", "--port", str(free_port()), "--model", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "worker exited with code 2" in proc.stderr and "config.json: file not found" in proc.stderr
+
+
+def test_every_cli_flag_has_help_text():
+    from typer.main import get_command
+
+    from cotserve.cli import app
+
+    def walk(cmd, path):
+        for param in cmd.params:
+            if param.param_type_name == "option":
+                assert param.help, f"{path} {param.opts} has no help text"
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    walk(get_command(app), "cotserve")

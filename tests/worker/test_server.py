@@ -1,0 +1,172 @@
+"""The worker end to end: a real `cotserve serve worker` process, spoken to over gRPC."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from cotserve.common.v1 import common_pb2
+from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.conftest import free_port, start_worker, stop_process
+
+
+@pytest.fixture
+def stub(demo_worker):
+    with grpc.insecure_channel(demo_worker) as ch:
+        yield worker_pb2_grpc.WorkerServiceStub(ch)
+
+
+def gen(prompt: str = "", **sampling) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(prompt_text=prompt, sampling=common_pb2.SamplingParams(**sampling))
+
+
+def wait_idle(stub, timeout_s: float = 5.0) -> worker_pb2.StatsResponse:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = stub.Stats(worker_pb2.StatsRequest())
+        if stats.kv_blocks_used == 0 and stats.num_running_seqs == 0 and stats.num_waiting_seqs == 0:
+            return stats
+        assert time.monotonic() < deadline, f"blocks not freed: {stats}"
+        time.sleep(0.05)
+
+
+def test_health_and_reflection(demo_worker):
+    with grpc.insecure_channel(demo_worker) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for name in ("", "cotserve.worker.v1.WorkerService"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in resp.list_services_response.service}
+        assert {"cotserve.worker.v1.WorkerService", "grpc.health.v1.Health"} <= names
+
+
+def test_info_describes_model_and_cache(stub):
+    info = stub.Info(worker_pb2.InfoRequest())
+    assert (info.model_name, info.architecture, info.dtype, info.device) == ("model", "LlamaForCausalLM", "float32", "cpu")
+    assert info.vocab_size == 1464 and info.max_context_tokens == 256 and len(info.model_revision) == 12
+    assert info.kv_cache.dtype == "float32" and info.kv_cache.block_size_tokens == 16
+    assert info.kv_cache.bytes_per_token == 2 * 4 * 3 * 64 * 4  # K+V, 4 layers, 3 KV heads, head_dim 64, fp32
+    assert info.kv_cache.total_blocks == 32 * 16  # capped at max_num_seqs full-length sequences
+
+
+def test_streaming_generate(stub):
+    chunks = list(stub.Generate(gen("37+48-12=", max_new_tokens=64)))
+    assert "".join(c.text for c in chunks) == "<think>37+48=85. 85-12=73.</think> 73"
+    last = chunks[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    assert last.usage.prompt_tokens == 6 and last.usage.completion_tokens == len(chunks)
+    assert 0 <= last.timing.queue_ms <= last.timing.ttft_ms <= last.timing.total_ms
+    assert chunks[0].timing.ttft_ms > 0
+
+
+def test_prompt_token_ids_logprobs_and_length(stub):
+    ids = stub.Tokenize(worker_pb2.TokenizeRequest(text="37+48-12=", add_special_tokens=True)).token_ids
+    req = worker_pb2.GenerateRequest(prompt_token_ids=ids, sampling=common_pb2.SamplingParams(max_new_tokens=4, logprobs=True))
+    chunks = list(stub.Generate(req))
+    assert "".join(c.text for c in chunks) == "<think>37+48"  # <think>, 37, +, 48
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert all(c.HasField("logprob") and c.logprob <= 0 for c in chunks)
+
+
+def test_tokenize(stub):
+    resp = stub.Tokenize(worker_pb2.TokenizeRequest(text="85-12=", add_special_tokens=True))
+    assert list(resp.tokens) == ["<s>", "85", "-12", "="]
+    assert len(resp.token_ids) == 4
+
+
+BAD = [
+    (gen("1+1=", max_new_tokens=-1), "sampling.max_new_tokens: -1 is out of range (1..256)"),
+    (gen("1+1=", max_new_tokens=100000), "sampling.max_new_tokens: 100000 is out of range (1..256)"),
+    (gen("1+1=", temperature=3.0), "sampling.temperature: 3.0 is out of range (0..2)"),
+    (gen("1+1=", temperature=float("nan")), "sampling.temperature: nan is out of range (0..2)"),
+    (gen("1+1=", top_p=0.0), "sampling.top_p: 0.0 is out of range (0 < top_p <= 1)"),
+    (gen("1+1=", top_k=-2), "sampling.top_k: -2 is out of range (0..1464, 0 = off)"),
+    (gen("1+1=", stop=["a"] * 9), "sampling.stop: 9 strings, at most 8 allowed"),
+    (gen("1+1=", stop_token_ids=[5000]), "sampling.stop_token_ids: 5000 is out of range (0..1463)"),
+    (gen(""), "prompt_text / prompt_token_ids: the prompt is empty"),
+    (worker_pb2.GenerateRequest(prompt_text="1", prompt_token_ids=[1]), "prompt_text and prompt_token_ids: set exactly one, not both"),
+    (worker_pb2.GenerateRequest(prompt_token_ids=[1, 99999]), "prompt_token_ids: token 99999 is out of range (0..1463)"),
+    (gen("1+" * 200), "prompt: 401 tokens is over the model's context (prompt must be at most 255 tokens"),
+    (worker_pb2.GenerateRequest(prompt_text="1+1=", sla_class=42), "sla_class: unknown value 42 (allowed: REALTIME, INTERACTIVE, BATCH)"),
+]
+
+
+@pytest.mark.parametrize("request_,message", BAD, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD)])
+def test_bad_input_is_invalid_argument_naming_the_field(stub, request_, message):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request_))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    wait_idle(stub)
+
+
+def test_cancel_midway_frees_the_blocks(stub):
+    call = stub.Generate(gen("1+2+3=", max_new_tokens=250, ignore_eos=True))
+    got = [next(call) for _ in range(3)]
+    assert len(got) == 3
+    assert stub.Stats(worker_pb2.StatsRequest()).kv_blocks_used > 0
+    call.cancel()
+    stats = wait_idle(stub)
+    assert stats.kv_blocks_free == 32 * 16
+
+
+def test_deadline_exceeded_frees_the_blocks(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(gen("1+2+3=", max_new_tokens=250, ignore_eos=True), timeout=0.3))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(stub)
+
+
+def test_concurrent_streams_and_stats(stub):
+    results: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        results[i] = "".join(c.text for c in stub.Generate(gen(f"{i}+{i}=", max_new_tokens=32)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert {i: r for i, r in results.items()} == {i: f"<think>{i}+{i}={2 * i}.</think> {2 * i}" for i in range(12)}
+    stats = wait_idle(stub)
+    assert stats.num_requests_finished_total >= 12
+    assert stats.step_latency_p50_ms > 0 and stats.step_latency_p95_ms >= stats.step_latency_p50_ms
+    assert stats.generated_tokens_per_s > 0
+
+
+def test_broken_model_folder_fails_at_start_with_a_clear_message(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "cotserve.cli", "serve", "worker", "--model", str(tmp_path), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "architecture 'BertModel' is not supported" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_sigterm_drains_in_flight_streams_then_exits_cleanly():
+    proc, address = start_worker("--grace-s", "20")
+    try:
+        with grpc.insecure_channel(address) as ch:
+            call = worker_pb2_grpc.WorkerServiceStub(ch).Generate(gen("1+2=", max_new_tokens=120, ignore_eos=True))
+            first = next(call)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(call)
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert 1 + len(rest) == 120 and first.text
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
