@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cotserve.worker.sequence import SamplingParams
+from cotserve.common.sampling import SamplingParams
 
 
 @dataclass(slots=True)

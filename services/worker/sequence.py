@@ -1,5 +1,7 @@
 """Per-request state inside the engine. No torch, no grpc."""
 
+# SamplingParams and SlaClass are shared with the gateway; re-exported here for the engine.
+
 from __future__ import annotations
 
 import enum
@@ -7,13 +9,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-
-class SlaClass(enum.IntEnum):
-    """Scheduling class; a lower value is more urgent."""
-
-    REALTIME = 0
-    INTERACTIVE = 1
-    BATCH = 2
+from cotserve.common.sampling import SamplingParams, SlaClass
 
 
 class SequenceStatus(enum.IntEnum):
@@ -30,25 +26,6 @@ class SequenceStatus(enum.IntEnum):
     @property
     def is_finished(self) -> bool:
         return self > SequenceStatus.PREEMPTED
-
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    """Validated sampling parameters (see `cotserve.worker.requests` for the checks)."""
-
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: bool = False
-    ignore_eos: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 _ids = itertools.count()

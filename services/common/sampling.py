@@ -1,0 +1,104 @@
+"""Sampling parameters and SLA classes: the domain types, and their validation from protobuf.
+
+Shared by the gateway (validation at the edge) and the worker (the engine's input).
+No torch, no grpc.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from cotserve.common.errors import InvalidArgument
+from cotserve.common.v1 import common_pb2
+
+
+class SlaClass(enum.IntEnum):
+    """Scheduling class; a lower value is more urgent."""
+
+    REALTIME = 0
+    INTERACTIVE = 1
+    BATCH = 2
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Validated sampling parameters (`sampling_from_pb` checks every field)."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+DEFAULT_MAX_NEW_TOKENS = 256
+MAX_STOP_STRINGS = 8
+MAX_STOP_STRING_CHARS = 256
+
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+_SLA = {
+    common_pb2.SLA_CLASS_UNSPECIFIED: SlaClass.INTERACTIVE,
+    common_pb2.SLA_CLASS_REALTIME: SlaClass.REALTIME,
+    common_pb2.SLA_CLASS_INTERACTIVE: SlaClass.INTERACTIVE,
+    common_pb2.SLA_CLASS_BATCH: SlaClass.BATCH,
+}
+
+
+def sla_from_pb(value: int) -> SlaClass:
+    if value not in _SLA:
+        raise InvalidArgument(f"sla_class: unknown value {value} (allowed: REALTIME, INTERACTIVE, BATCH)")
+    return _SLA[value]
+
+
+def sampling_from_pb(
+    sp: common_pb2.SamplingParams, *, vocab_size: int, max_model_len: int, max_new_tokens_limit: int
+) -> SamplingParams:
+    """Validate and convert. `max_new_tokens` may be up to the model's context; generation is
+    capped at `max_new_tokens_limit`, what the context leaves after the prompt ("length")."""
+    max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+    if not 1 <= max_new <= max_model_len:
+        raise InvalidArgument(f"sampling.max_new_tokens: {max_new} is out of range (1..{max_model_len})")
+    temperature = sp.temperature if sp.HasField("temperature") else 0.0
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+        raise InvalidArgument(f"sampling.temperature: {temperature} is out of range (0..2)")
+    top_p = sp.top_p if sp.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise InvalidArgument(f"sampling.top_p: {top_p} is out of range (0 < top_p <= 1)")
+    top_k = sp.top_k if sp.HasField("top_k") else 0
+    if not 0 <= top_k <= vocab_size:
+        raise InvalidArgument(f"sampling.top_k: {top_k} is out of range (0..{vocab_size}, 0 = off)")
+    if len(sp.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"sampling.stop: {len(sp.stop)} strings, at most {MAX_STOP_STRINGS} allowed")
+    for s in sp.stop:
+        if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+            raise InvalidArgument(f"sampling.stop: each stop string must have 1..{MAX_STOP_STRING_CHARS} characters")
+    for t in sp.stop_token_ids:
+        if t >= vocab_size:
+            raise InvalidArgument(f"sampling.stop_token_ids: {t} is out of range (0..{vocab_size - 1})")
+    return SamplingParams(
+        max_new_tokens=min(max_new, max_new_tokens_limit),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=int(top_k),
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        logprobs=sp.logprobs,
+        ignore_eos=sp.ignore_eos,
+    )
+
+
+
+
+def finish_reason_to_pb(reason: str) -> int:
+    return _FINISH[reason]
