@@ -11,6 +11,7 @@ arrive behind the same two functions; `cotserve.kernels.dispatch` picks the impl
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def reshape_and_cache_ref(
@@ -43,20 +44,18 @@ def paged_attention_ref(
     """
     batch, max_q, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_ctx = int(context_lens.max())
     num_blocks = (max_ctx + block_size - 1) // block_size
     table = block_tables[:, :num_blocks]
-    keys = k_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
-    values = v_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx]
+    # [batch, kv_heads, max_ctx, head_dim], gathered through the block table
+    keys = k_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx].transpose(1, 2)
+    values = v_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx].transpose(1, 2)
     keys, values = keys.to(query.dtype), values.to(query.dtype)
-
-    q = query.view(batch, max_q, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bqkgd,bskd->bkgqs", q, keys).float() * scale  # [b, kvh, g, q, s]
     key_pos = torch.arange(max_ctx, device=query.device)
     q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=query.device)[None]
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    out = torch.einsum("bkgqs,bskd->bqkgd", probs, values)
-    return out.reshape(batch, max_q, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )  # [batch, heads, max_q, head_dim]
+    return out.transpose(1, 2)
