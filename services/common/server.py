@@ -14,7 +14,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from opentelemetry.sdk.trace import TracerProvider
+
 from cotserve.common.errors import CotserveError
+from cotserve.common.tracing import server_interceptors
 
 log = logging.getLogger("cotserve.rpc")
 
@@ -92,13 +95,15 @@ class ServiceSpec:
 class Server:
     """A running service. Health starts NOT_SERVING and turns SERVING on `set_serving()`."""
 
-    def __init__(self, specs: list[ServiceSpec], host: str, port: int) -> None:
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=[("grpc.so_reuseport", 0)])
+    def __init__(self, specs: list[ServiceSpec], host: str, port: int, tracer_provider: TracerProvider | None = None) -> None:
+        interceptors = [*server_interceptors(tracer_provider), ErrorInterceptor()]
+        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for spec in specs:
             spec.add(self.server)
         self.names = [s.name for s in specs]
+        self.tracer_provider = tracer_provider
         reflection.enable_server_reflection([*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
@@ -121,6 +126,8 @@ class Server:
     async def stop(self, grace_s: float) -> None:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
+        if self.tracer_provider is not None:
+            self.tracer_provider.force_flush(2000)
 
 
 async def run_until_signalled(server: Server, grace_s: float, on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:

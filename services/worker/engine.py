@@ -55,6 +55,7 @@ class RequestOutput:
     completion_tokens: int = 0
     timing: Timing | None = None
     error: str | None = None  # set when the request failed inside the engine
+    events: tuple[tuple[str, int], ...] = ()  # engine events since the previous output: (name, wall ns)
 
 
 Sink = Callable[[RequestOutput], None]
@@ -79,6 +80,12 @@ class _Request:
     sink: Sink
     detok: IncrementalDetokenizer
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    num_events_sent: int = 0
+
+    def new_events(self) -> tuple[tuple[str, int], ...]:
+        events = tuple(self.seq.events[self.num_events_sent :])
+        self.num_events_sent = len(self.seq.events)
+        return events
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -219,6 +226,7 @@ class Engine:
                 seq.output_logprobs.append(lp)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                seq.record("first_token")
             self._emit(seq, token, lp, now)
         self._tokens.append((now, generated))
 
@@ -235,7 +243,7 @@ class Engine:
                 finish = "length"
         if finish is None:
             first = self._timing(seq) if len(seq.output_ids) == 1 else None
-            req.sink(RequestOutput(seq.request_id, token, text, logprob, timing=first))
+            req.sink(RequestOutput(seq.request_id, token, text, logprob, timing=first, events=req.new_events()))
             return
         text += req.detok.flush()
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED if finish == "stop" else SequenceStatus.FINISHED_LENGTH)
@@ -243,9 +251,11 @@ class Engine:
         del self._requests[seq.request_id]
         self._finished_total += 1
         seq.finish_time = now
+        seq.record("finished")
         req.sink(RequestOutput(
             seq.request_id, token, text, logprob, finish_reason=finish,
             prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids), timing=self._timing(seq),
+            events=req.new_events(),
         ))
 
     @staticmethod

@@ -99,6 +99,7 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
+            seq.record("scheduled")
             self.running.append(seq)
             batch.items.append(ScheduledSeq(seq, n))
             budget -= n
@@ -119,6 +120,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
+        seq.record("preempted")
         self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
 

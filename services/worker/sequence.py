@@ -54,6 +54,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    events: list[tuple[str, int]] = field(default_factory=list)  # (name, wall-clock ns) for the trace
+
+    def record(self, name: str) -> None:
+        self.events.append((name, time.time_ns()))
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

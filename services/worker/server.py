@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +13,12 @@ from typing import AsyncIterator
 
 import grpc
 import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import InvalidArgument, Unavailable
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
+from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.model_runner import kv_bytes_per_token
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
@@ -51,6 +55,8 @@ class WorkerConfig:
     """Longest sequence served (default: the model's context)."""
     served_model_name: str | None = None
     """Name clients use (default: the checkpoint folder's name)."""
+    torch_threads: int | None = None
+    """CPU threads for torch (default on CPU: all cores but one, which is left to the gRPC side)."""
     grace_s: float = 5.0
     """Seconds to drain in-flight streams on SIGTERM."""
 
@@ -62,6 +68,7 @@ class WorkerConfig:
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes: must be > 0"),
             (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
+            (self.torch_threads is None or self.torch_threads >= 1, f"torch_threads: {self.torch_threads}, must be >= 1"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -99,12 +106,41 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len)
 
 
+class LoopMailbox:
+    """Hands engine outputs to asyncio queues with one loop wake-up per batch, not per token.
+
+    The engine thread calls `put` for each output of a step; the first schedules a flush on the
+    loop and the rest ride along, so 32 streams cost one cross-thread wake-up per step.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self._scheduled = False
+
+    def put(self, queue: asyncio.Queue, out: RequestOutput) -> None:
+        with self._lock:
+            self._items.append((queue, out))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._items, self._scheduled = self._items, [], False
+        for queue, out in items:
+            queue.put_nowait(out)
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin: converts at the edge and hands the request to the engine."""
 
     def __init__(self) -> None:
         self._engine: Engine | None = None
         self._loaded: LoadedModel | None = None
+        self._mailbox: LoopMailbox | None = None
 
     def attach(self, engine: Engine, loaded: LoadedModel) -> None:
         """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
@@ -125,23 +161,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
         call = generate_from_pb(request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len)
         request_id = request.request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
+        if self._mailbox is None:
+            self._mailbox = LoopMailbox(asyncio.get_running_loop())
+        mailbox = self._mailbox
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
         def sink(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+            mailbox.put(outputs, out)
 
         try:
             self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        span = trace.get_current_span()  # the gRPC server span, child of the caller's (gateway's) span
+        span.update_name(f"generate {self.loaded.name}")
+        span.set_attributes({
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.loaded.name,
+            "gen_ai.request.max_tokens": call.params.max_new_tokens, "gen_ai.request.temperature": call.params.temperature,
+            "gen_ai.usage.input_tokens": len(call.prompt_ids), "cotserve.request_id": request_id,
+            "cotserve.sla_class": call.sla_class.name, "cotserve.model_revision": self.loaded.revision,
+        })
         finished = False
         try:
             while True:
                 out = await outputs.get()
+                for name, ts in out.events:
+                    span.add_event(name, timestamp=ts)
                 if out.error is not None:
                     finished = True
                     raise Unavailable(f"request {request_id} failed: {out.error}")
+                if out.finish_reason is not None:
+                    span.set_attributes({"gen_ai.usage.output_tokens": out.completion_tokens,
+                                         "gen_ai.response.finish_reasons": [out.finish_reason]})
                 yield output_to_pb(out)
                 if out.finish_reason is not None:
                     finished = True
@@ -183,14 +234,29 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-async def serve(cfg: WorkerConfig) -> None:
-    """Start the worker: bind first (health NOT_SERVING), load the model, then SERVING."""
+@dataclass(slots=True)
+class RunningWorker:
+    server: Server
+    engine: Engine
+    loaded: LoadedModel
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        await self.server.stop(grace_s)
+        self.engine.stop()
+
+
+async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None = None) -> RunningWorker:
+    """Bind first (health NOT_SERVING), load the model, start the engine, then SERVING."""
     cfg.validate()
     device = resolve_device(cfg.device)
+    if cfg.torch_threads is not None:
+        torch.set_num_threads(cfg.torch_threads)
+    elif device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     servicer = WorkerServicer()
     spec = ServiceSpec("cotserve.worker.v1.WorkerService",
                        lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))
-    server = Server([spec], cfg.host, cfg.port)
+    server = Server([spec], cfg.host, cfg.port, tracer_provider)
     await server.start()
     log.info("worker listening on %s, loading %s", server.address, cfg.model)
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
@@ -204,7 +270,12 @@ async def serve(cfg: WorkerConfig) -> None:
     engine.start()
     servicer.attach(engine, loaded)
     await server.set_serving()
-    ec = engine.config
-    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d",
-             loaded.name, loaded.revision, server.address, loaded.dtype, ec.num_blocks, ec.block_size, ec.max_model_len)
-    await run_until_signalled(server, cfg.grace_s, on_stop=engine.stop)
+    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d", loaded.name, loaded.revision,
+             server.address, loaded.dtype, econfig.num_blocks, econfig.block_size, econfig.max_model_len)
+    return RunningWorker(server, engine, loaded)
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    """Run a worker until SIGTERM/SIGINT, then drain in-flight streams for up to `cfg.grace_s`."""
+    worker = await start_worker(cfg, make_tracer_provider("cotserve-worker"))
+    await run_until_signalled(worker.server, cfg.grace_s, on_stop=worker.engine.stop)

@@ -1,0 +1,43 @@
+"""OpenTelemetry for every service: one TracerProvider, gRPC server and client instrumentation.
+
+Spans are exported over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or the traces-specific
+variable) is set, and nowhere otherwise. `OTEL_SERVICE_NAME` overrides the service name. The
+W3C trace context travels in gRPC metadata, so a gateway request and its worker stream share
+one trace.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+_NOT_HEALTH_OR_REFLECTION = filters.negate(
+    filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
+)
+
+
+def make_tracer_provider(service_name: str, env: dict[str, str] | None = None) -> TracerProvider:
+    """A provider for `service_name`, exporting over OTLP only when the environment says where."""
+    env = os.environ if env is None else env
+    name = env.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    return provider
+
+
+def server_interceptors(provider: TracerProvider | None) -> list[Any]:
+    """The gRPC aio server instrumentation (health checks and reflection are not traced)."""
+    return [] if provider is None else [aio_server_interceptor(tracer_provider=provider, filter_=_NOT_HEALTH_OR_REFLECTION)]
+
+
+def client_interceptors(provider: TracerProvider | None) -> list[Any]:
+    """The gRPC aio client instrumentation: child spans that inject the W3C context."""
+    return [] if provider is None else list(aio_client_interceptors(tracer_provider=provider, filter_=_NOT_HEALTH_OR_REFLECTION))

@@ -1,0 +1,69 @@
+"""One trace per request across gateway and worker, correctly parented (real OTel SDK, in-memory)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from cotserve.common.tracing import make_tracer_provider
+from cotserve.gateway.server import GatewayConfig, start_gateway
+from cotserve.sdk import AsyncClient
+from cotserve.worker.server import WorkerConfig, start_worker
+
+
+def test_gateway_and_worker_spans_form_one_trace():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def main():
+        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4), provider)
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]), provider)
+        try:
+            exporter.clear()  # forget the pool's start-up polls
+            async with AsyncClient(gateway.server.address) as client:
+                result = await client.generate("37+48-12=", max_new_tokens=64, sla="batch", temperature=0.0)
+            return result, worker.server.address
+        finally:
+            await gateway.stop()
+            await worker.stop()
+
+    result, worker_address = asyncio.run(main())
+    spans = [s for s in exporter.get_finished_spans() if not s.name.endswith(("/Stats", "/Info"))]
+    by_id = {s.context.span_id: s for s in spans}
+    roots = [s for s in spans if s.parent is None]
+    assert [r.name for r in roots] == ["generate model"]
+    root = roots[0]
+    assert root.kind == SpanKind.SERVER
+    assert {s.context.trace_id for s in spans} == {root.context.trace_id}
+    a = root.attributes
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == "model"
+    assert a["gen_ai.request.max_tokens"] == 64 and a["gen_ai.request.temperature"] == 0.0
+    assert a["gen_ai.usage.input_tokens"] == 6 and a["gen_ai.usage.output_tokens"] == result.usage.completion_tokens
+    assert tuple(a["gen_ai.response.finish_reasons"]) == ("stop",)
+    assert a["cotserve.sla_class"] == "SLA_CLASS_BATCH" and a["cotserve.worker"] == worker_address
+    assert a["cotserve.ttft_ms"] > 0 and a["cotserve.queue_ms"] >= 0
+
+    (client_span,) = [s for s in spans if s.kind == SpanKind.CLIENT]
+    assert client_span.parent.span_id == root.context.span_id
+    (worker_span,) = [s for s in spans if s.kind == SpanKind.SERVER and s is not root]
+    assert worker_span.name == "generate model"
+    assert worker_span.parent.span_id == client_span.context.span_id and worker_span.parent.is_remote
+    assert [e.name for e in worker_span.events] == ["scheduled", "first_token", "finished"]
+    assert worker_span.attributes["cotserve.sla_class"] == "BATCH"
+    assert worker_span.attributes["gen_ai.usage.output_tokens"] == result.usage.completion_tokens
+    assert set(by_id) == {root.context.span_id, client_span.context.span_id, worker_span.context.span_id}
+
+
+def test_otlp_exporter_only_when_the_endpoint_is_set():
+    assert make_tracer_provider("x", env={})._active_span_processor._span_processors == ()
+    provider = make_tracer_provider("x", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+                                              "OTEL_SERVICE_NAME": "custom"})
+    (processor,) = provider._active_span_processor._span_processors
+    assert type(processor.span_exporter).__name__ == "OTLPSpanExporter"
+    assert provider.resource.attributes["service.name"] == "custom"
+    provider.shutdown()
