@@ -43,6 +43,49 @@ def start_worker(*args: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen,
     raise RuntimeError(f"worker did not become SERVING: {proc.stdout.read()}")
 
 
+def start_gateway(*workers: str, extra: tuple[str, ...] = (), timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Start `cotserve serve gateway` in front of `workers` on a free port and wait for SERVING."""
+    from cotserve.common.procs import health_status
+    from grpc_health.v1 import health_pb2
+
+    port = free_port()
+    args = [a for w in workers for a in ("--worker", w)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cotserve.cli", "serve", "gateway", "--port", str(port), *args, *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited {proc.returncode}: {proc.stdout.read()}")
+        if health_status(address, 0.5) == health_pb2.HealthCheckResponse.SERVING:
+            return proc, address
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("gateway did not become SERVING")
+
+
+def worker_stats(address: str):
+    import grpc
+
+    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb2_grpc.WorkerServiceStub(ch).Stats(worker_pb2.StatsRequest(), timeout=5)
+
+
+def wait_worker_idle(address: str, timeout_s: float = 5.0):
+    """Poll until the worker holds no KV block and no sequence; fail with its stats if it does not."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = worker_stats(address)
+        if stats.kv_blocks_used == 0 and stats.num_running_seqs == 0 and stats.num_waiting_seqs == 0:
+            return stats
+        assert time.monotonic() < deadline, f"worker {address} still holds work: {stats}"
+        time.sleep(0.05)
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
     proc.terminate()
     try:
@@ -51,6 +94,14 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
         proc.kill()
         proc.wait()
         raise
+
+
+@pytest.fixture(scope="session")
+def demo_gateway(demo_worker):
+    """A gateway in front of the session's demo worker."""
+    proc, address = start_gateway(demo_worker)
+    yield address
+    stop_process(proc)
 
 
 @pytest.fixture(scope="session")

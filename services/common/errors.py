@@ -40,3 +40,15 @@ class ModelLoadError(CotserveError):
     """A model folder cannot be served; the message names the file and the problem."""
 
     code = "FAILED_PRECONDITION"
+
+
+class Unimplemented(CotserveError):
+    code = "UNIMPLEMENTED"
+
+
+class RelayedError(CotserveError):
+    """A status from a downstream service passed through unchanged (code and message)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code

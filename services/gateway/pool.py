@@ -1,0 +1,123 @@
+"""The gateway's view of its workers: what each serves, whether it is healthy, how loaded it is.
+
+A background task polls every worker's `Stats` (and `Info` until it answers) on a fixed
+interval; routing reads the latest snapshot and never calls a worker itself. A worker whose poll
+fails is out of rotation at once and back on its next good poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from cotserve.common.errors import NotFound, Unavailable
+from cotserve.common.tracing import client_interceptors
+from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("cotserve.gateway.pool")
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerServiceStub
+    info: worker_pb2.InfoResponse | None = None
+    stats: worker_pb2.StatsResponse | None = None
+    healthy: bool = False
+    in_flight: int = 0  # requests this gateway has open on the worker
+
+    @property
+    def model(self) -> str | None:
+        return self.info.model_name if self.info is not None else None
+
+    def load_key(self) -> tuple[int, int, int]:
+        """Lower is better: fewest waiting, then fewest of ours in flight, then most free blocks."""
+        s = self.stats
+        waiting = s.num_waiting_seqs if s else 0
+        free = s.kv_blocks_free if s else 0
+        return (waiting, self.in_flight, -free)
+
+
+@dataclass(slots=True)
+class WorkerPool:
+    addresses: list[str]
+    poll_interval_s: float = 0.5
+    poll_timeout_s: float = 1.0
+    tracer_provider: TracerProvider | None = None
+    workers: list[WorkerHandle] = field(default_factory=list)
+    _task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        for address in self.addresses:
+            channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors(self.tracer_provider))
+            self.workers.append(WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel)))
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever(), name="cotserve-gateway-pool")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for w in self.workers:
+            await w.channel.close()
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.workers))
+
+    async def _poll(self, w: WorkerHandle) -> None:
+        try:
+            if w.info is None or not w.healthy:
+                w.info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=self.poll_timeout_s)
+            w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.poll_timeout_s)
+        except grpc.RpcError as err:
+            if w.healthy:
+                log.warning("worker %s out of rotation: %s", w.address, err.code().name)
+            w.healthy = False
+            return
+        if not w.healthy:
+            log.info("worker %s in rotation: %s rev %s", w.address, w.info.model_name, w.info.model_revision)
+        w.healthy = True
+
+    def mark_down(self, w: WorkerHandle) -> None:
+        """Called when a request saw the worker fail; the next good poll brings it back."""
+        w.healthy = False
+
+    def models(self) -> dict[str, list[WorkerHandle]]:
+        """Every known model and its workers (healthy or not)."""
+        out: dict[str, list[WorkerHandle]] = {}
+        for w in self.workers:
+            if w.model is not None:
+                out.setdefault(w.model, []).append(w)
+        return out
+
+    def resolve_model(self, name: str) -> str:
+        """The model a request means: its name, or the only model when it names none."""
+        models = self.models()
+        if name:
+            if name not in models:
+                raise NotFound(f"model: {name!r} is not served here (served: {', '.join(sorted(models)) or 'none yet'})")
+            return name
+        if len(models) == 1:
+            return next(iter(models))
+        if not models:
+            raise Unavailable("model: no worker has answered yet")
+        raise NotFound(f"model: required when several models are served ({', '.join(sorted(models))})")
+
+    def pick(self, model: str, exclude: set[WorkerHandle] = frozenset()) -> WorkerHandle:  # type: ignore[assignment]
+        candidates = [w for w in self.workers if w.healthy and w.model == model and w not in exclude]
+        if not candidates:
+            raise Unavailable(f"no healthy worker serves model {model!r}")
+        return min(candidates, key=WorkerHandle.load_key)

@@ -1,0 +1,220 @@
+"""The gateway service: public API, validation at the edge, routing to workers, relaying tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+import tomllib
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from cotserve.common.errors import InvalidArgument, RelayedError, Unavailable, Unimplemented
+from cotserve.common.sampling import sampling_from_pb, sla_from_pb
+from cotserve.common.server import Server, ServiceSpec, run_until_signalled
+from cotserve.common.tracing import make_tracer_provider
+from cotserve.common.v1 import common_pb2
+from cotserve.gateway.pool import WorkerHandle, WorkerPool
+from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from cotserve.worker.v1 import worker_pb2
+
+log = logging.getLogger("cotserve.gateway")
+_FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """Everything `cotserve serve gateway` takes; see the CLI for each flag's help."""
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = 50051
+    """Port to bind (0 picks a free one)."""
+    workers: list[str] = field(default_factory=list)
+    """Worker addresses, HOST:PORT."""
+    workers_file: Path | None = None
+    """TOML file with `workers = ["HOST:PORT", ...]`, added to `workers`."""
+    poll_interval_s: float = 0.5
+    """Seconds between Stats polls of each worker."""
+    grace_s: float = 5.0
+    """Seconds to drain in-flight streams on SIGTERM."""
+
+    def all_workers(self) -> list[str]:
+        addresses = list(self.workers)
+        if self.workers_file is not None:
+            try:
+                data = tomllib.loads(self.workers_file.read_text())
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ValueError(f"workers_file: cannot read {self.workers_file}: {exc}") from None
+            listed = data.get("workers")
+            if not isinstance(listed, list) or not all(isinstance(a, str) for a in listed):
+                raise ValueError(f"workers_file: {self.workers_file} needs `workers = [\"HOST:PORT\", ...]`")
+            addresses += listed
+        for a in addresses:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"worker: {a!r} is not HOST:PORT")
+        if not addresses:
+            raise ValueError("worker: give at least one --worker HOST:PORT (or --workers-file)")
+        return list(dict.fromkeys(addresses))
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: {self.port}, allowed 0..65535")
+        if self.poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s: {self.poll_interval_s}, must be > 0")
+        self.all_workers()
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def _worker_request(self, request: gateway_pb2.GenerateStreamRequest | gateway_pb2.GenerateRequest) -> tuple[str, worker_pb2.GenerateRequest]:
+        """Validate at the edge; the worker re-checks what needs its tokenizer (prompt length)."""
+        if request.pre_processor or request.post_processor:
+            field_name = "pre_processor" if request.pre_processor else "post_processor"
+            raise Unimplemented(f"{field_name}: the sandbox service is not part of this deployment yet")
+        if not request.prompt:
+            raise InvalidArgument("prompt: must not be empty")
+        sla_from_pb(request.sla_class)  # raises on an unknown class
+        model = self.pool.resolve_model(request.model)
+        info = next(w.info for w in self.pool.models()[model])
+        sampling_from_pb(request.sampling, vocab_size=info.vocab_size, max_model_len=info.max_context_tokens,
+                         max_new_tokens_limit=info.max_context_tokens)
+        return model, worker_pb2.GenerateRequest(
+            request_id=uuid.uuid4().hex, prompt_text=request.prompt, sampling=request.sampling, sla_class=request.sla_class,
+        )
+
+    async def _relay(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        start = time.monotonic()
+        model, wreq = self._worker_request(request)
+        span = trace.get_current_span()
+        span.update_name(f"generate {model}")
+        sp = request.sampling
+        span.set_attributes({
+            "gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
+            "cotserve.sla_class": common_pb2.SlaClass.Name(request.sla_class or common_pb2.SLA_CLASS_INTERACTIVE),
+            "cotserve.request_id": wreq.request_id,
+            **({"gen_ai.request.max_tokens": sp.max_new_tokens} if sp.HasField("max_new_tokens") else {}),
+            **({"gen_ai.request.temperature": sp.temperature} if sp.HasField("temperature") else {}),
+        })
+        tried: set[WorkerHandle] = set()
+        while True:
+            worker = self.pool.pick(model, exclude=tried)
+            tried.add(worker)
+            span.set_attribute("cotserve.worker", worker.address)
+            sent_at = time.monotonic()
+            call = worker.stub.Generate(wreq, timeout=context.time_remaining())
+            worker.in_flight += 1
+            first_at: float | None = None
+            try:
+                async for chunk in call:
+                    now = time.monotonic()
+                    if first_at is None:
+                        first_at = now
+                        span.set_attribute("cotserve.ttft_ms", (now - start) * 1000)
+                        span.set_attribute("cotserve.queue_ms", (sent_at - start) * 1000 + chunk.timing.queue_ms)
+                    out = gateway_pb2.GenerateStreamResponse(
+                        text=chunk.text, token_id=chunk.token_id, finish_reason=chunk.finish_reason,
+                    )
+                    if chunk.HasField("logprob"):
+                        out.logprob = chunk.logprob
+                    if chunk.finish_reason:
+                        out.usage.CopyFrom(chunk.usage)
+                        out.timing.queue_ms = (sent_at - start) * 1000 + chunk.timing.queue_ms
+                        out.timing.ttft_ms = (first_at - start) * 1000
+                        out.timing.total_ms = (now - start) * 1000
+                        span.set_attributes({
+                            "gen_ai.usage.input_tokens": chunk.usage.prompt_tokens,
+                            "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
+                            "gen_ai.response.finish_reasons": [_FINISH_NAMES.get(chunk.finish_reason, "unknown")],
+                        })
+                    yield out
+                return
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self.pool.mark_down(worker)
+                    if first_at is None and len(tried) == 1:
+                        log.warning("worker %s failed before the first token; retrying once", worker.address)
+                        span.add_event("retry", {"cotserve.failed_worker": worker.address})
+                        continue
+                    where = "after the first token" if first_at is not None else "on retry"
+                    raise Unavailable(f"worker {worker.address} failed {where}: {err.details()}") from None
+                raise RelayedError(code.name, err.details() or code.name) from None
+            finally:
+                worker.in_flight -= 1
+                call.cancel()  # the client went away or we failed: free the worker's pages now
+
+    async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        async for chunk in self._relay(request, context):
+            yield chunk
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
+        resp = gateway_pb2.GenerateResponse()
+        text = []
+        async for chunk in self._relay(request, context):
+            text.append(chunk.text)
+            resp.token_ids.append(chunk.token_id)
+            if chunk.HasField("logprob"):
+                resp.logprobs.append(chunk.logprob)
+            if chunk.finish_reason:
+                resp.finish_reason = chunk.finish_reason
+                resp.usage.CopyFrom(chunk.usage)
+                resp.timing.CopyFrom(chunk.timing)
+        resp.text = "".join(text)
+        return resp
+
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+        resp = gateway_pb2.ListModelsResponse()
+        for name, workers in sorted(self.pool.models().items()):
+            info = workers[0].info
+            resp.models.add(name=name, revision=info.model_revision, max_context_tokens=info.max_context_tokens,
+                            num_healthy_workers=sum(w.healthy for w in workers))
+        return resp
+
+    async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
+        worker = self.pool.pick(self.pool.resolve_model(request.model))
+        try:
+            resp = await worker.stub.Tokenize(worker_pb2.TokenizeRequest(text=request.text, add_special_tokens=True),
+                                              timeout=context.time_remaining())
+        except grpc.aio.AioRpcError as err:
+            raise RelayedError(err.code().name, err.details() or err.code().name) from None
+        return gateway_pb2.TokenizeResponse(token_ids=resp.token_ids)
+
+
+@dataclass(slots=True)
+class RunningGateway:
+    server: Server
+    pool: WorkerPool
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        await self.server.stop(grace_s)
+        await self.pool.stop()
+
+
+async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | None = None) -> RunningGateway:
+    cfg.validate()
+    pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider)
+    servicer = GatewayServicer(pool)
+    spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
+                       lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
+    server = Server([spec], cfg.host, cfg.port, tracer_provider)
+    await server.start()
+    await pool.start()
+    await server.set_serving()
+    healthy = [w.address for w in pool.workers if w.healthy]
+    log.info("SERVING gateway on %s: %d workers (%d healthy now): %s", server.address, len(pool.workers), len(healthy),
+             ", ".join(f"{w.address}={w.model or '?'}" for w in pool.workers))
+    return RunningGateway(server, pool)
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    gw = await start_gateway(cfg, make_tracer_provider("cotserve-gateway"))
+    await run_until_signalled(gw.server, cfg.grace_s, on_stop=gw.pool.stop)

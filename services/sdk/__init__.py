@@ -1,0 +1,14 @@
+"""The cotserve client SDK: `from cotserve.sdk import Client, AsyncClient`."""
+
+from cotserve.sdk.client import AsyncClient, Client
+from cotserve.sdk.errors import (
+    CotserveError, DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated,
+    Unavailable, Unimplemented,
+)
+from cotserve.sdk.types import GenerateResult, ModelInfo, StreamChunk, Timing, Usage
+
+__all__ = [
+    "AsyncClient", "Client", "CotserveError", "DeadlineExceeded", "GenerateResult", "InvalidArgument", "ModelInfo",
+    "NotFound", "PermissionDenied", "ResourceExhausted", "StreamChunk", "Timing", "Unauthenticated", "Unavailable",
+    "Unimplemented", "Usage",
+]

@@ -1,0 +1,185 @@
+"""`Client` (blocking) and `AsyncClient` (asyncio) for the cotserve gateway."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from cotserve.common.v1 import common_pb2
+from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from cotserve.sdk.errors import InvalidArgument, from_rpc_error
+from cotserve.sdk.types import (
+    SLA_CLASSES, GenerateResult, ModelInfo, StreamChunk, chunk_from_pb, model_from_pb, result_from_pb,
+)
+
+
+def _request(cls, prompt: str, *, model: str, max_new_tokens: int | None, temperature: float | None,
+             top_p: float | None, top_k: int | None, seed: int | None, stop: Sequence[str] | None,
+             stop_token_ids: Sequence[int] | None, logprobs: bool, ignore_eos: bool, sla: str | int | None,
+             post_processor: str):
+    if isinstance(sla, str):
+        if sla.lower() not in SLA_CLASSES:
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"sla: {sla!r} is not an SLA class (allowed: {', '.join(SLA_CLASSES)})")
+        sla_value = SLA_CLASSES[sla.lower()]
+    else:
+        sla_value = sla or common_pb2.SLA_CLASS_UNSPECIFIED
+    sp = common_pb2.SamplingParams(stop=list(stop or ()), stop_token_ids=list(stop_token_ids or ()),
+                                   logprobs=logprobs, ignore_eos=ignore_eos)
+    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sp, name, value)
+    return cls(prompt=prompt, model=model, sampling=sp, sla_class=sla_value, post_processor=post_processor)
+
+
+class _Base:
+    def __init__(self, address: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+        self.address = address
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+
+    def _call_opts(self, timeout_s: float | None, api_key: str | None) -> dict:
+        key = api_key if api_key is not None else self.api_key
+        return {
+            "timeout": timeout_s if timeout_s is not None else self.timeout_s,
+            "metadata": (("authorization", f"Bearer {key}"),) if key else None,
+        }
+
+
+class Client(_Base):
+    """Blocking client. `Client("127.0.0.1:50051").generate("37+48-12=", max_new_tokens=64)`.
+
+    Every call takes `timeout_s` (the gRPC deadline) and `api_key`, overriding the client's defaults.
+    gRPC errors are raised as `cotserve.sdk.errors` exceptions that keep the code and message.
+    """
+
+    def __init__(self, address: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+        super().__init__(address, api_key=api_key, timeout_s=timeout_s)
+        self._channel = grpc.insecure_channel(address)
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+
+    def generate(self, prompt: str, *, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                 stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
+                 ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "",
+                 timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
+        req = _request(gateway_pb2.GenerateRequest, prompt, model=model, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                       stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
+                       post_processor=post_processor)
+        try:
+            return result_from_pb(self._stub.Generate(req, **self._call_opts(timeout_s, api_key)))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def stream(self, prompt: str, *, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
+               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+               stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
+               ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "",
+               timeout_s: float | None = None, api_key: str | None = None) -> Iterator[StreamChunk]:
+        """Yield one chunk per token; closing the iterator early cancels the request."""
+        req = _request(gateway_pb2.GenerateStreamRequest, prompt, model=model, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                       stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
+                       post_processor=post_processor)
+        call = self._stub.GenerateStream(req, **self._call_opts(timeout_s, api_key))
+        try:
+            for chunk in call:
+                yield chunk_from_pb(chunk)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    def list_models(self, *, timeout_s: float | None = None, api_key: str | None = None) -> list[ModelInfo]:
+        try:
+            resp = self._stub.ListModels(gateway_pb2.ListModelsRequest(), **self._call_opts(timeout_s, api_key))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return [model_from_pb(m) for m in resp.models]
+
+    def tokenize(self, text: str, *, model: str = "", timeout_s: float | None = None, api_key: str | None = None) -> list[int]:
+        try:
+            resp = self._stub.Tokenize(gateway_pb2.TokenizeRequest(text=text, model=model), **self._call_opts(timeout_s, api_key))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return list(resp.token_ids)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """The same API as `Client`, as coroutines and async iterators (`async with AsyncClient(...)`)."""
+
+    def __init__(self, address: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+        super().__init__(address, api_key=api_key, timeout_s=timeout_s)
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
+
+    async def generate(self, prompt: str, *, model: str = "", max_new_tokens: int | None = None,
+                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                       seed: int | None = None, stop: Sequence[str] | None = None,
+                       stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
+                       sla: str | int | None = None, post_processor: str = "", timeout_s: float | None = None,
+                       api_key: str | None = None) -> GenerateResult:
+        req = _request(gateway_pb2.GenerateRequest, prompt, model=model, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                       stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
+                       post_processor=post_processor)
+        try:
+            return result_from_pb(await self._stub.Generate(req, **self._call_opts(timeout_s, api_key)))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def stream(self, prompt: str, *, model: str = "", max_new_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                     seed: int | None = None, stop: Sequence[str] | None = None,
+                     stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
+                     sla: str | int | None = None, post_processor: str = "", timeout_s: float | None = None,
+                     api_key: str | None = None) -> AsyncIterator[StreamChunk]:
+        req = _request(gateway_pb2.GenerateStreamRequest, prompt, model=model, max_new_tokens=max_new_tokens,
+                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                       stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
+                       post_processor=post_processor)
+        call = self._stub.GenerateStream(req, **self._call_opts(timeout_s, api_key))
+        try:
+            async for chunk in call:
+                yield chunk_from_pb(chunk)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def list_models(self, *, timeout_s: float | None = None, api_key: str | None = None) -> list[ModelInfo]:
+        try:
+            resp = await self._stub.ListModels(gateway_pb2.ListModelsRequest(), **self._call_opts(timeout_s, api_key))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return [model_from_pb(m) for m in resp.models]
+
+    async def tokenize(self, text: str, *, model: str = "", timeout_s: float | None = None,
+                       api_key: str | None = None) -> list[int]:
+        try:
+            resp = await self._stub.Tokenize(gateway_pb2.TokenizeRequest(text=text, model=model),
+                                             **self._call_opts(timeout_s, api_key))
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        return list(resp.token_ids)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
