@@ -15,7 +15,8 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_show_locals=False)
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
 demo_app = typer.Typer(help="The bundled demo model: train it, measure it.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
@@ -38,7 +39,7 @@ def serve_worker(
     kv_cache_bytes: Optional[int] = typer.Option(None, envvar="COTSERVE_KV_CACHE_BYTES", help="KV pool size in bytes (default: 5% of available RAM on CPU, 90% of free GPU memory)."),
     block_size: int = typer.Option(16, envvar="COTSERVE_BLOCK_SIZE", help="Tokens per KV block."),
     max_num_seqs: int = typer.Option(64, envvar="COTSERVE_MAX_NUM_SEQS", help="Sequences per batch at most."),
-    max_num_batched_tokens: int = typer.Option(512, envvar="COTSERVE_MAX_NUM_BATCHED_TOKENS", help="Tokens per engine step at most (prefill chunk bound)."),
+    max_num_batched_tokens: int = typer.Option(2048, envvar="COTSERVE_MAX_NUM_BATCHED_TOKENS", help="Tokens per engine step at most (prefill chunk bound)."),
     max_model_len: Optional[int] = typer.Option(None, envvar="COTSERVE_MAX_MODEL_LEN", help="Longest sequence served (default: the model's context)."),
     served_model_name: Optional[str] = typer.Option(None, envvar="COTSERVE_SERVED_MODEL_NAME", help="Model name clients use (default: the folder's name)."),
     torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),

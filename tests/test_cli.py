@@ -64,3 +64,17 @@ def test_every_cli_flag_has_help_text():
             walk(sub, f"{path} {name}")
 
     walk(get_command(app), "cotserve")
+
+
+def test_a_port_in_use_is_a_clear_error_not_a_traceback():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        for service in (["gateway", "--worker", "127.0.0.1:1"], ["worker"]):
+            proc = subprocess.run([sys.executable, "-m", "cotserve.cli", "serve", service[0], "--port", str(port), *service[1:]],
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 2
+            assert f"port: cannot bind 127.0.0.1:{port} (in use" in proc.stderr and "Traceback" not in proc.stderr

@@ -105,9 +105,12 @@ class Server:
         self.names = [s.name for s in specs]
         self.tracer_provider = tracer_provider
         reflection.enable_server_reflection([*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+            raise OSError(f"port: cannot bind {host}:{port} (in use, or not an address of this machine)")
         self.address = f"{host}:{self.port}"
 
     async def _set(self, status: int) -> None:

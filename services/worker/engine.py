@@ -31,7 +31,7 @@ class EngineConfig:
     num_blocks: int
     block_size: int = 16
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
 
 

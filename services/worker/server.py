@@ -49,7 +49,7 @@ class WorkerConfig:
     """Tokens per KV block."""
     max_num_seqs: int = 64
     """Sequences in one batch at most."""
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     """Tokens per engine step at most (bounds prefill chunks)."""
     max_model_len: int | None = None
     """Longest sequence served (default: the model's context)."""
