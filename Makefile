@@ -16,7 +16,7 @@ install-dev:
 
 ## Start the whole stack on the embedded defaults (bundled demo model), Ctrl-C to stop.
 up: install
-	cotserve up
+	$(PYTHON) -m cotserve.cli up
 
 ## Install with the dev extra and run the whole test suite.
 test: install-dev
