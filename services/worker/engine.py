@@ -33,6 +33,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    batch_min_share: float = 0.1
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +101,8 @@ class Engine:
         self.loaded = loaded
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.batch_min_share)
         self.runner = ModelRunner(loaded, config.num_blocks, config.block_size)
         self.sampler = Sampler(loaded.device)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()

@@ -1,19 +1,20 @@
-"""Continuous-batching scheduler. No torch, no grpc.
+"""Continuous-batching scheduler with SLA-class priority. No torch, no grpc.
 
 Schedule by tokens, not phases: each step hands every scheduled sequence a number of tokens to
 compute (its whole remaining prompt, a chunk of it, or the one token of a decode) within a
-per-step token budget. Running sequences go first, oldest first, so decodes are never starved
-by a long prompt; waiting sequences fill what budget is left. When KV blocks run out, the newest
-running sequence is preempted (blocks freed, recomputed later, placed at the head of the queue).
+per-step token budget. Sequences are taken in priority order (SLA class, then arrival), so within
+a class running decodes go before a newer long prompt and are never starved by it. When KV
+blocks run out, the lowest-priority sequence is preempted (blocks freed, recomputed later).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from cotserve.worker.block_manager import BlockManager
-from cotserve.worker.sequence import Sequence, SequenceStatus
+from cotserve.worker.sequence import Sequence, SequenceStatus, SlaClass
 
 
 @dataclass(slots=True)
@@ -42,19 +43,38 @@ class ScheduledBatch:
         return bool(self.items)
 
 
-class Scheduler:
-    """Waiting and running queues over one `BlockManager`.
+def priority(seq: Sequence) -> tuple[int, float, int]:
+    """Scheduling order: SLA class (REALTIME first), then arrival (a preempted sequence keeps its
+    original arrival, so it is readmitted before newer work of its class)."""
+    return (int(seq.sla_class), seq.arrival_time, seq.seq_id)
 
-    Only the engine thread calls it. Every path that ends a sequence (`finish`, `abort`)
-    frees its blocks, so no block outlives its sequence.
+
+class Scheduler:
+    """Waiting and running queues over one `BlockManager`, in SLA-class priority.
+
+    Rules (each has a test in tests/worker/test_scheduler.py):
+    - Every step walks running and waiting sequences in `priority` order within a token budget.
+    - When blocks run short, the victim is the lowest-priority sequence not yet scheduled this
+      step whose priority is at most the requester's: BATCH before INTERACTIVE, newest first,
+      never a more urgent class for a less urgent one.
+    - A waiting sequence may take the seat of a running one of a strictly less urgent class
+      when `max_num_seqs` is reached, so REALTIME joins the very next step.
+    - BATCH work, when there is any, keeps `batch_min_share` of each step's token budget.
+
+    Only the engine thread calls it. Every path that ends a sequence (`finish`, `abort`) frees
+    its blocks, so no block outlives its sequence.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 batch_min_share: float = 0.1) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 0.0 <= batch_min_share <= 1.0:
+            raise ValueError(f"batch_min_share: {batch_min_share}, allowed 0..1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.batch_min_share = batch_min_share
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -76,43 +96,90 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _batch_reserve(self) -> int:
+        if not any(s.sla_class == SlaClass.BATCH for s in (*self.running, *self.waiting)):
+            return 0
+        return math.ceil(self.batch_min_share * self.max_num_batched_tokens)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + n, batch):
-                break  # `seq` itself was the newest and got preempted
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+        reserve = self._batch_reserve()
+        used_urgent = used_batch = 0
+        scheduled: set[int] = set()
+        admission_blocked = False
+        for seq in sorted([*self.running, *self.waiting], key=priority):
+            if seq.status == SequenceStatus.PREEMPTED and seq in batch.preempted:
+                continue  # preempted a moment ago in this very step
+            is_batch = seq.sla_class == SlaClass.BATCH
+            limit = self.max_num_batched_tokens - used_urgent - used_batch
+            if not is_batch:
+                limit -= max(0, reserve - used_batch)
+            n = min(seq.num_uncomputed_tokens, limit)
+            if n <= 0:
+                continue
+            target = seq.num_computed_tokens + n
+            if seq.status == SequenceStatus.RUNNING:
+                if not self._make_room(seq, target, batch, scheduled, allow_self=True):
+                    continue
+            else:
+                if admission_blocked:
+                    continue
+                if not self._can_admit(seq, target, scheduled) or not (
+                    self._make_seat(seq, batch, scheduled) and self._make_room(seq, target, batch, scheduled, allow_self=False)
+                ):
+                    admission_blocked = True  # strict priority: nothing newer jumps ahead of it
+                    continue
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                seq.record("scheduled")
+                self.running.append(seq)
+            self.block_manager.allocate(seq, target)
             batch.items.append(ScheduledSeq(seq, n))
-            budget -= n
-            i += 1
-        if batch.preempted:
-            return batch  # memory is short: admit nothing new this step
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
-                break
-            self.waiting.popleft()
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
-            seq.status = SequenceStatus.RUNNING
-            seq.record("scheduled")
-            self.running.append(seq)
-            batch.items.append(ScheduledSeq(seq, n))
-            budget -= n
+            scheduled.add(seq.seq_id)
+            if is_batch:
+                used_batch += n
+            else:
+                used_urgent += n
         return batch
 
-    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
-        """Preempt the newest running sequences until `seq` can hold `num_tokens`; False if `seq` went."""
+    def _victims(self, seq: Sequence, scheduled: set[int], allow_self: bool) -> list[Sequence]:
+        key = priority(seq)
+        return [r for r in self.running
+                if r.seq_id not in scheduled and (priority(r) > key or (allow_self and r is seq))]
+
+    def _can_admit(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+        """Whether preempting lower-priority work could seat `seq` and hold `num_tokens`: checked
+        first, so nobody is preempted for an admission that fails anyway."""
+        victims = self._victims(seq, scheduled, False)
+        if len(self.running) >= self.max_num_seqs and not any(v.sla_class > seq.sla_class for v in victims):
+            return False
+        reclaimable = self.block_manager.num_free_blocks + sum(len(v.block_table) for v in victims)
+        return self.block_manager.num_new_blocks(seq, num_tokens) <= reclaimable
+
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, scheduled: set[int],
+                   allow_self: bool) -> bool:
+        """Preempt lowest-priority sequences until `seq` can hold `num_tokens`; False if it cannot
+        (or, when `allow_self`, if `seq` itself was the lowest and got preempted)."""
         while not self.block_manager.can_allocate(seq, num_tokens):
-            victim = self.running[-1]
+            candidates = self._victims(seq, scheduled, allow_self)
+            if not candidates:
+                return False
+            victim = max(candidates, key=priority)
             self._preempt(victim)
             batch.preempted.append(victim)
             if victim is seq:
                 return False
+        return True
+
+    def _make_seat(self, seq: Sequence, batch: ScheduledBatch, scheduled: set[int]) -> bool:
+        """Free a batch seat for a waiting `seq` by preempting a strictly less urgent class."""
+        while len(self.running) >= self.max_num_seqs:
+            candidates = [r for r in self._victims(seq, scheduled, False) if r.sla_class > seq.sla_class]
+            if not candidates:
+                return False
+            victim = max(candidates, key=priority)
+            self._preempt(victim)
+            batch.preempted.append(victim)
         return True
 
     def _preempt(self, seq: Sequence) -> None:

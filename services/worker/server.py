@@ -55,6 +55,8 @@ class WorkerConfig:
     """Longest sequence served (default: the model's context)."""
     served_model_name: str | None = None
     """Name clients use (default: the checkpoint folder's name)."""
+    batch_min_share: float = 0.1
+    """Share of each step's token budget kept for BATCH work when there is any (0..1)."""
     torch_threads: int | None = None
     """CPU threads for torch (default on CPU: all cores but one, which is left to the gRPC side)."""
     grace_s: float = 5.0
@@ -68,6 +70,7 @@ class WorkerConfig:
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes: must be > 0"),
             (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
+            (0.0 <= self.batch_min_share <= 1.0, f"batch_min_share: {self.batch_min_share}, allowed 0..1"),
             (self.torch_threads is None or self.torch_threads >= 1, f"torch_threads: {self.torch_threads}, must be >= 1"),
         ]
         for ok, msg in checks:
@@ -103,7 +106,8 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
         raise ValueError(f"kv_cache_bytes: {budget} bytes holds no block of {cfg.block_size} tokens "
                          f"({per_token * cfg.block_size} bytes each)")
     return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len)
+                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
+                        batch_min_share=cfg.batch_min_share)
 
 
 class LoopMailbox:

@@ -1,0 +1,149 @@
+"""SLA-class rules of the scheduler (issue: SLA classes end to end). No torch, no grpc."""
+
+from __future__ import annotations
+
+import itertools
+
+from cotserve.worker.block_manager import BlockManager
+from cotserve.worker.scheduler import Scheduler
+from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
+from tests.worker.test_scheduler import assert_no_leak, run_step
+
+R, I, B = SlaClass.REALTIME, SlaClass.INTERACTIVE, SlaClass.BATCH
+_clock = itertools.count(1)
+
+
+def seq(cls: SlaClass, prompt_len: int = 4, max_new_tokens: int = 16, name: str = "") -> Sequence:
+    """A sequence that arrives now (strictly after every earlier one)."""
+    s = Sequence(name or f"{cls.name}-{prompt_len}", list(range(1, prompt_len + 1)),
+                 SamplingParams(max_new_tokens=max_new_tokens), cls)
+    s.arrival_time = float(next(_clock))
+    return s
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, share=0.1) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, share)
+
+
+def test_orders_by_class_then_arrival():
+    s = make(budget=4)  # BATCH keeps ceil(10% of 4) = 1 token per step; urgent work gets 3
+    b, i1, i2, r = seq(B), seq(I), seq(I), seq(R)
+    for q in (b, i1, i2, r):
+        s.add(q)
+    first_seen = []
+    batch = s.schedule()
+    assert [(x.seq, x.num_tokens) for x in batch.items] == [(r, 3), (b, 1)]
+    for _ in range(6):
+        first_seen += [x.seq for x in batch.items if x.seq not in first_seen]
+        run_step(s, batch)
+        batch = s.schedule()
+    assert first_seen == [r, b, i1, i2]
+
+
+def test_realtime_takes_a_batch_seat_and_joins_the_very_next_step():
+    s = make(max_num_seqs=2)
+    b1, b2 = seq(B), seq(B)
+    s.add(b1)
+    s.add(b2)
+    run_step(s, s.schedule())
+    r = seq(R)
+    s.add(r)
+    batch = s.schedule()
+    assert r in [i.seq for i in batch.items] and r.status == SequenceStatus.RUNNING
+    assert batch.preempted == [b2]  # the newest BATCH gives up its seat
+    assert len(s.running) == 2
+    assert_no_leak(s)
+
+
+def test_interactive_does_not_take_the_seat_of_interactive():
+    s = make(max_num_seqs=1)
+    old = seq(I)
+    s.add(old)
+    run_step(s, s.schedule())
+    s.add(seq(I))
+    batch = s.schedule()
+    assert [i.seq for i in batch.items] == [old] and batch.preempted == []
+
+
+def test_kv_shortage_preempts_batch_first_then_interactive_never_realtime():
+    # 6 blocks of 4 tokens. Arrival order: BATCH (oldest), INTERACTIVE, REALTIME: each holds 2 blocks.
+    s = make(num_blocks=6, block_size=4)
+    b, i, r = seq(B, 7), seq(I, 7), seq(R, 7)
+    for q in (b, i, r):
+        s.add(q)
+    run_step(s, s.schedule())  # each: 7 tokens computed, 8 tokens long, 2 blocks; pool full
+    run_step(s, s.schedule())  # each reaches 9 tokens on the next step: needs a 3rd block
+    batch = s.schedule()
+    assert batch.preempted[0] is b  # the oldest, but least urgent, goes first
+    assert r in [x.seq for x in batch.items]
+    assert_no_leak(s)
+    # Drain the realtime sequence's needs further: interactive is the next victim, realtime never.
+    while i.status == SequenceStatus.RUNNING:
+        run_step(s, batch)
+        batch = s.schedule()
+    assert r.status == SequenceStatus.RUNNING and i.status == SequenceStatus.PREEMPTED
+    assert all(p.sla_class != R for p in batch.preempted)
+
+
+def test_an_interactive_needing_blocks_preempts_itself_rather_than_realtime():
+    s = make(num_blocks=4, block_size=4)
+    r, i = seq(R, 7, max_new_tokens=4), seq(I, 8, max_new_tokens=4)
+    s.add(r)
+    s.add(i)
+    batch = s.schedule()  # r: 2 blocks (7 tokens), i: 2 blocks (8 tokens, full)
+    run_step(s, batch)
+    batch = s.schedule()  # i needs a 3rd block; the only other sequence is REALTIME
+    assert batch.preempted == [i]
+    assert [x.seq for x in batch.items] == [r]
+
+
+def test_preempted_sequence_is_readmitted_before_newer_work_of_its_class():
+    s = make(num_blocks=4, block_size=4, max_num_seqs=4)
+    old, r = seq(I, 8, max_new_tokens=4, name="old"), seq(R, 4, max_new_tokens=2)
+    s.add(old)
+    run_step(s, s.schedule())  # old: 8 prompt tokens computed + 1 sampled, 2 blocks (full)
+    s.add(r)
+    newer = seq(I, 4, max_new_tokens=2, name="newer")
+    s.add(newer)
+    big = seq(R, 5, max_new_tokens=2)
+    s.add(big)
+    batch = s.schedule()  # realtime work needs 3 blocks; 2 free: old is preempted
+    assert old in batch.preempted
+    for q in (r, big):
+        s.finish(q, SequenceStatus.FINISHED_STOPPED)
+    batch = s.schedule()
+    admitted = [x.seq for x in batch.items]
+    assert admitted.index(old) < admitted.index(newer) if newer in admitted else admitted[0] is old
+    assert_no_leak(s)
+
+
+def test_batch_keeps_its_minimum_share_of_the_token_budget():
+    s = make(num_blocks=256, block_size=16, budget=100, share=0.1)
+    for _ in range(5):
+        s.add(seq(I, 200, max_new_tokens=4))  # interactive prompts that alone would fill every step
+    b = seq(B, 50, max_new_tokens=4)
+    s.add(b)
+    batch_tokens = []
+    for _ in range(3):
+        batch = s.schedule()
+        assert batch.num_tokens <= 100
+        batch_tokens.append(sum(x.num_tokens for x in batch.items if x.seq is b))
+        run_step(s, batch)
+    assert batch_tokens == [10, 10, 10]
+
+
+def test_without_batch_work_interactive_uses_the_whole_budget():
+    s = make(num_blocks=256, block_size=16, budget=100, share=0.1)
+    s.add(seq(I, 300))
+    assert s.schedule().num_tokens == 100
+
+
+def test_failed_admission_preempts_nobody():
+    s = make(num_blocks=3, block_size=4, max_num_seqs=4)
+    r = seq(R, 6, max_new_tokens=2)
+    s.add(r)
+    run_step(s, s.schedule())  # r holds 2 blocks; 1 free
+    huge = seq(I, 11, max_new_tokens=1)  # needs 3 blocks: cannot fit while r runs (r is more urgent)
+    s.add(huge)
+    batch = s.schedule()
+    assert batch.preempted == [] and huge.status == SequenceStatus.WAITING
