@@ -71,14 +71,28 @@ def serve_gateway(
     host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
     port: int = typer.Option(50051, envvar="COTSERVE_GATEWAY_PORT", help="Port to bind (0 picks a free one)."),
     poll_interval_s: float = typer.Option(0.5, envvar="COTSERVE_POLL_INTERVAL_S", help="Seconds between Stats polls of each worker."),
+    sla_target: list[str] = typer.Option([], "--sla-target", envvar="COTSERVE_SLA_TARGETS", help="CLASS=TTFT_MS/ITL_P95_MS, e.g. interactive=1000/100 (repeatable; defaults: realtime=250/50, interactive=1000/100, batch=30000/1000)."),
+    batch_limit: int = typer.Option(128, envvar="COTSERVE_BATCH_LIMIT", help="BATCH requests in flight per worker at most."),
+    max_queue_interactive: int = typer.Option(256, envvar="COTSERVE_MAX_QUEUE_INTERACTIVE", help="INTERACTIVE requests waiting per worker at most (then RESOURCE_EXHAUSTED)."),
+    max_queue_batch: int = typer.Option(1024, envvar="COTSERVE_MAX_QUEUE_BATCH", help="BATCH requests waiting per worker at most (then RESOURCE_EXHAUSTED)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
+    from cotserve.common.sampling import SlaClass
+    from cotserve.gateway.admission import AdmissionConfig, parse_target
     from cotserve.gateway.server import GatewayConfig, serve
 
     _logging()
-    cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
-                        poll_interval_s=poll_interval_s, grace_s=grace_s)
+    try:
+        admission = AdmissionConfig(batch_limit=batch_limit,
+                                    max_queue={SlaClass.INTERACTIVE: max_queue_interactive, SlaClass.BATCH: max_queue_batch})
+        admission.targets.update(parse_target(t) for t in sla_target)
+        cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
+                            poll_interval_s=poll_interval_s, grace_s=grace_s, admission=admission)
+        cfg.validate()
+    except ValueError as exc:
+        typer.echo(f"cotserve gateway: {exc}", err=True)
+        raise typer.Exit(2) from None
     try:
         asyncio.run(serve(cfg))
     except (ValueError, OSError) as exc:

@@ -42,6 +42,10 @@ class ModelLoadError(CotserveError):
     code = "FAILED_PRECONDITION"
 
 
+class DeadlineExceeded(CotserveError):
+    code = "DEADLINE_EXCEEDED"
+
+
 class Unimplemented(CotserveError):
     code = "UNIMPLEMENTED"
 

@@ -15,6 +15,8 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import NotFound, Unavailable
+from cotserve.common.sampling import SlaClass
+from cotserve.gateway.admission import Admission, AdmissionConfig, WorkerLoad
 from cotserve.common.tracing import client_interceptors
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -30,17 +32,18 @@ class WorkerHandle:
     stats: worker_pb2.StatsResponse | None = None
     healthy: bool = False
     in_flight: int = 0  # requests this gateway has open on the worker
+    admission: Admission = field(default_factory=Admission)
 
     @property
     def model(self) -> str | None:
         return self.info.model_name if self.info is not None else None
 
-    def load_key(self) -> tuple[int, int, int]:
-        """Lower is better: fewest waiting, then fewest of ours in flight, then most free blocks."""
+    def load_key(self, cls: SlaClass = SlaClass.INTERACTIVE) -> tuple[bool, int, int, int]:
+        """Lower is better: admits the class now, then fewest waiting, fewest of ours in flight, most free blocks."""
         s = self.stats
         waiting = s.num_waiting_seqs if s else 0
         free = s.kv_blocks_free if s else 0
-        return (waiting, self.in_flight, -free)
+        return (not self.admission.can_start(cls), waiting, self.in_flight, -free)
 
 
 @dataclass(slots=True)
@@ -49,13 +52,15 @@ class WorkerPool:
     poll_interval_s: float = 0.5
     poll_timeout_s: float = 1.0
     tracer_provider: TracerProvider | None = None
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     workers: list[WorkerHandle] = field(default_factory=list)
     _task: asyncio.Task | None = None
 
     async def start(self) -> None:
         for address in self.addresses:
             channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors(self.tracer_provider))
-            self.workers.append(WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel)))
+            self.workers.append(WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel),
+                                             admission=Admission(self.admission)))
         await self.poll_once()
         self._task = asyncio.create_task(self._poll_forever(), name="cotserve-gateway-pool")
 
@@ -90,6 +95,8 @@ class WorkerPool:
         if not w.healthy:
             log.info("worker %s in rotation: %s rev %s", w.address, w.info.model_name, w.info.model_revision)
         w.healthy = True
+        s = w.stats
+        w.admission.on_stats(WorkerLoad(s.kv_blocks_free, s.kv_blocks_free + s.kv_blocks_used, s.num_waiting_urgent_seqs))
 
     def mark_down(self, w: WorkerHandle) -> None:
         """Called when a request saw the worker fail; the next good poll brings it back."""
@@ -116,8 +123,9 @@ class WorkerPool:
             raise Unavailable("model: no worker has answered yet")
         raise NotFound(f"model: required when several models are served ({', '.join(sorted(models))})")
 
-    def pick(self, model: str, exclude: set[WorkerHandle] = frozenset()) -> WorkerHandle:  # type: ignore[assignment]
+    def pick(self, model: str, exclude: set[WorkerHandle] = frozenset(),  # type: ignore[assignment]
+             cls: SlaClass = SlaClass.INTERACTIVE) -> WorkerHandle:
         candidates = [w for w in self.workers if w.healthy and w.model == model and w not in exclude]
         if not candidates:
             raise Unavailable(f"no healthy worker serves model {model!r}")
-        return min(candidates, key=WorkerHandle.load_key)
+        return min(candidates, key=lambda w: w.load_key(cls))

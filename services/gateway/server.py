@@ -14,11 +14,12 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import InvalidArgument, RelayedError, Unavailable, Unimplemented
-from cotserve.common.sampling import sampling_from_pb, sla_from_pb
+from cotserve.common.errors import DeadlineExceeded, InvalidArgument, RelayedError, Unavailable, Unimplemented
+from cotserve.common.sampling import SlaClass, sampling_from_pb, sla_from_pb
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
+from cotserve.gateway.admission import AdmissionConfig, QueueDeadlineExceeded
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
@@ -43,6 +44,8 @@ class GatewayConfig:
     """Seconds between Stats polls of each worker."""
     grace_s: float = 5.0
     """Seconds to drain in-flight streams on SIGTERM."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    """Per-class targets, limits and queue bounds."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -68,6 +71,11 @@ class GatewayConfig:
             raise ValueError(f"port: {self.port}, allowed 0..65535")
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s: {self.poll_interval_s}, must be > 0")
+        if self.admission.batch_limit < 0:
+            raise ValueError(f"batch_limit: {self.admission.batch_limit}, must be >= 0")
+        for cls, bound in self.admission.max_queue.items():
+            if bound < 0:
+                raise ValueError(f"max_queue_{cls.name.lower()}: {bound}, must be >= 0")
         self.all_workers()
 
 
@@ -75,25 +83,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
 
-    def _worker_request(self, request: gateway_pb2.GenerateStreamRequest | gateway_pb2.GenerateRequest) -> tuple[str, worker_pb2.GenerateRequest]:
+    def _worker_request(self, request: gateway_pb2.GenerateStreamRequest | gateway_pb2.GenerateRequest) -> tuple[str, SlaClass, worker_pb2.GenerateRequest]:
         """Validate at the edge; the worker re-checks what needs its tokenizer (prompt length)."""
         if request.pre_processor or request.post_processor:
             field_name = "pre_processor" if request.pre_processor else "post_processor"
             raise Unimplemented(f"{field_name}: the sandbox service is not part of this deployment yet")
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
-        sla_from_pb(request.sla_class)  # raises on an unknown class
+        sla = sla_from_pb(request.sla_class)
         model = self.pool.resolve_model(request.model)
         info = next(w.info for w in self.pool.models()[model])
         sampling_from_pb(request.sampling, vocab_size=info.vocab_size, max_model_len=info.max_context_tokens,
                          max_new_tokens_limit=info.max_context_tokens)
-        return model, worker_pb2.GenerateRequest(
+        return model, sla, worker_pb2.GenerateRequest(
             request_id=uuid.uuid4().hex, prompt_text=request.prompt, sampling=request.sampling, sla_class=request.sla_class,
         )
 
     async def _relay(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         start = time.monotonic()
-        model, wreq = self._worker_request(request)
+        model, sla, wreq = self._worker_request(request)
         span = trace.get_current_span()
         span.update_name(f"generate {model}")
         sp = request.sampling
@@ -106,16 +114,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         })
         tried: set[WorkerHandle] = set()
         while True:
-            worker = self.pool.pick(model, exclude=tried)
+            worker = self.pool.pick(model, exclude=tried, cls=sla)
             tried.add(worker)
             span.set_attribute("cotserve.worker", worker.address)
+            try:
+                gateway_queue_ms = await worker.admission.acquire(sla, context.time_remaining())
+            except QueueDeadlineExceeded as exc:
+                raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
+            span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
             sent_at = time.monotonic()
             call = worker.stub.Generate(wreq, timeout=context.time_remaining())
             worker.in_flight += 1
             first_at: float | None = None
+            last_at = sent_at
             try:
                 async for chunk in call:
                     now = time.monotonic()
+                    if first_at is not None:
+                        worker.admission.observe_itl(sla, (now - last_at) * 1000)
+                    last_at = now
                     if first_at is None:
                         first_at = now
                         span.set_attribute("cotserve.ttft_ms", (now - start) * 1000)
@@ -150,6 +167,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 raise RelayedError(code.name, err.details() or code.name) from None
             finally:
                 worker.in_flight -= 1
+                worker.admission.release(sla, service_ms=(time.monotonic() - sent_at) * 1000)
                 call.cancel()  # the client went away or we failed: free the worker's pages now
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
@@ -201,7 +219,8 @@ class RunningGateway:
 
 async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | None = None) -> RunningGateway:
     cfg.validate()
-    pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider)
+    pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
+                      admission=cfg.admission)
     servicer = GatewayServicer(pool)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))

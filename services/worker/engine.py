@@ -73,6 +73,7 @@ class EngineStats:
     generated_tokens_per_s: float = 0.0
     num_preemptions_total: int = 0
     num_requests_finished_total: int = 0
+    num_waiting_urgent_seqs: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -292,4 +293,5 @@ class Engine:
             generated_tokens_per_s=sum(n for _, n in self._tokens) / span if self._tokens else 0.0,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_requests_finished_total=self._finished_total,
+            num_waiting_urgent_seqs=sum(1 for s in self.scheduler.waiting if s.sla_class != SlaClass.BATCH),
         )

@@ -224,7 +224,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
             step_latency_p50_ms=s.step_latency_p50_ms, step_latency_p95_ms=s.step_latency_p95_ms,
             generated_tokens_per_s=s.generated_tokens_per_s, num_preemptions_total=s.num_preemptions_total,
-            num_requests_finished_total=s.num_requests_finished_total,
+            num_requests_finished_total=s.num_requests_finished_total, num_waiting_urgent_seqs=s.num_waiting_urgent_seqs,
         )
 
     async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:

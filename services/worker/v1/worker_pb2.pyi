@@ -248,6 +248,7 @@ class StatsResponse(_message.Message):
     GENERATED_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _builtins.int
     NUM_REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_URGENT_SEQS_FIELD_NUMBER: _builtins.int
     num_running_seqs: _builtins.int
     """Sequences in the running batch."""
     num_waiting_seqs: _builtins.int
@@ -266,6 +267,8 @@ class StatsResponse(_message.Message):
     """Preemptions since start."""
     num_requests_finished_total: _builtins.int
     """Requests finished since start."""
+    num_waiting_urgent_seqs: _builtins.int
+    """Waiting sequences of the REALTIME and INTERACTIVE classes (the gateway holds BATCH back while any wait)."""
     def __init__(
         self,
         *,
@@ -278,10 +281,11 @@ class StatsResponse(_message.Message):
         generated_tokens_per_s: _builtins.float = ...,
         num_preemptions_total: _builtins.int = ...,
         num_requests_finished_total: _builtins.int = ...,
+        num_waiting_urgent_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

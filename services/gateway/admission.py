@@ -1,0 +1,188 @@
+"""Per-worker, per-class admission in the gateway ("elastic batch size").
+
+- REALTIME is never queued here: it goes straight to the worker, whose scheduler lets it in at
+  the next step.
+- INTERACTIVE has an in-flight limit that follows its inter-token latency target. Every Stats
+  poll, with enough recent samples, `limit = clamp(round(target_ms / p95_ms * limit), 2, 32)`:
+  multiplicative in both directions, so it converges in a few polls when load changes, and it
+  reacts to the latency users see (measured here, per token) rather than to a proxy. Chosen over
+  AIMD because the additive increase would take tens of polls to climb from 2 to 32.
+- BATCH is admitted only while the worker has spare KV blocks and no urgent work waiting (there
+  or in this gateway's INTERACTIVE queue), up to a large limit (128 by default).
+
+Waiters queue per class with their own deadlines; a full queue is `RESOURCE_EXHAUSTED` with a
+`retry-after-ms` estimate. No grpc here: the servicer maps the exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cotserve.common.errors import ResourceExhausted
+from cotserve.common.sampling import SlaClass
+
+
+class QueueDeadlineExceeded(Exception):
+    """The request's deadline passed while it waited in the gateway; it never reached a worker."""
+
+
+@dataclass(slots=True, frozen=True)
+class SlaTarget:
+    ttft_ms: float
+    itl_p95_ms: float
+
+
+DEFAULT_TARGETS = {
+    SlaClass.REALTIME: SlaTarget(ttft_ms=250.0, itl_p95_ms=50.0),
+    SlaClass.INTERACTIVE: SlaTarget(ttft_ms=1000.0, itl_p95_ms=100.0),
+    SlaClass.BATCH: SlaTarget(ttft_ms=30000.0, itl_p95_ms=1000.0),
+}
+
+
+@dataclass(slots=True)
+class AdmissionConfig:
+    targets: dict[SlaClass, SlaTarget] = field(default_factory=lambda: dict(DEFAULT_TARGETS))
+    interactive_initial_limit: int = 8
+    interactive_min_limit: int = 2
+    interactive_max_limit: int = 32
+    batch_limit: int = 128
+    batch_min_free_kv_fraction: float = 0.1
+    max_queue: dict[SlaClass, int] = field(default_factory=lambda: {SlaClass.INTERACTIVE: 256, SlaClass.BATCH: 1024})
+    min_samples: int = 20
+    window_s: float = 2.0
+
+
+def parse_target(text: str) -> tuple[SlaClass, SlaTarget]:
+    """`interactive=1000/100` -> (INTERACTIVE, SlaTarget(ttft_ms=1000, itl_p95_ms=100))."""
+    name, _, values = text.partition("=")
+    ttft, _, itl = values.partition("/")
+    try:
+        cls = SlaClass[name.strip().upper()]
+        target = SlaTarget(float(ttft), float(itl))
+    except (KeyError, ValueError):
+        raise ValueError(f"sla_target: {text!r} is not CLASS=TTFT_MS/ITL_P95_MS (classes: realtime, interactive, batch)") from None
+    if target.ttft_ms <= 0 or target.itl_p95_ms <= 0:
+        raise ValueError(f"sla_target: {text!r}: both targets must be > 0 ms")
+    return cls, target
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """What the latest Stats poll said."""
+
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    num_waiting_urgent: int = 0
+
+
+class Admission:
+    """The admission state of one worker. All methods run on the gateway's event loop."""
+
+    def __init__(self, config: AdmissionConfig | None = None) -> None:
+        self.config = config or AdmissionConfig()
+        self.limit = {SlaClass.INTERACTIVE: self.config.interactive_initial_limit, SlaClass.BATCH: self.config.batch_limit}
+        self.in_flight = {c: 0 for c in SlaClass}
+        self.queues: dict[SlaClass, deque[asyncio.Future]] = {SlaClass.INTERACTIVE: deque(), SlaClass.BATCH: deque()}
+        self.load = WorkerLoad()
+        self._itl: deque[tuple[float, float]] = deque()  # (time, ms) of INTERACTIVE inter-token gaps
+        self._service_ms: deque[float] = deque(maxlen=64)
+
+    # ---- the request path -------------------------------------------------------------------
+    def can_start(self, cls: SlaClass) -> bool:
+        if cls == SlaClass.REALTIME:
+            return True
+        if self.in_flight[cls] >= self.limit[cls]:
+            return False
+        if cls == SlaClass.BATCH:
+            load = self.load
+            spare = load.kv_blocks_total == 0 or load.kv_blocks_free >= self.config.batch_min_free_kv_fraction * load.kv_blocks_total
+            urgent_waiting = load.num_waiting_urgent > 0 or bool(self.queues[SlaClass.INTERACTIVE])
+            return spare and not urgent_waiting
+        return True
+
+    async def acquire(self, cls: SlaClass, timeout_s: float | None) -> float:
+        """Wait for a slot; return the milliseconds spent queued here.
+
+        Raises ResourceExhausted (queue full, with retry-after-ms) or QueueDeadlineExceeded."""
+        start = time.monotonic()
+        if cls == SlaClass.REALTIME or (not self.queues[cls] and self.can_start(cls)):
+            self.in_flight[cls] += 1
+            return 0.0
+        queue = self.queues[cls]
+        if len(queue) >= self.config.max_queue[cls]:
+            raise ResourceExhausted(
+                f"sla_class {cls.name}: the gateway queue for this worker is full ({len(queue)} waiting)",
+                trailers={"retry-after-ms": str(self.retry_after_ms(cls))},
+            )
+        waiter = asyncio.get_running_loop().create_future()
+        queue.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except asyncio.TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(cls)  # granted at the very moment the deadline passed: give it back
+            raise QueueDeadlineExceeded(f"deadline passed after {(time.monotonic() - start) * 1000:.0f} ms in the "
+                                        f"gateway's {cls.name} queue") from None
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release(cls)
+            raise
+        finally:
+            if waiter in queue:
+                queue.remove(waiter)
+            if not waiter.done():
+                waiter.cancel()
+        return (time.monotonic() - start) * 1000
+
+    def release(self, cls: SlaClass, service_ms: float | None = None) -> None:
+        self.in_flight[cls] -= 1
+        if service_ms is not None:
+            self._service_ms.append(service_ms)
+        self.pump()
+
+    def pump(self) -> None:
+        """Grant queued waiters, urgent class first, while their class may start."""
+        for cls in (SlaClass.INTERACTIVE, SlaClass.BATCH):
+            queue = self.queues[cls]
+            while queue and self.can_start(cls):
+                waiter = queue.popleft()
+                if waiter.done():
+                    continue
+                self.in_flight[cls] += 1
+                waiter.set_result(None)
+
+    def retry_after_ms(self, cls: SlaClass) -> int:
+        """A rough time for a queue slot to open: queued requests over the limit, times the mean service time."""
+        mean = sum(self._service_ms) / len(self._service_ms) if self._service_ms else 1000.0
+        waves = (len(self.queues[cls]) + 1) / max(1, self.limit[cls])
+        return max(50, int(math.ceil(waves * mean)))
+
+    # ---- feedback --------------------------------------------------------------------------
+    def observe_itl(self, cls: SlaClass, gap_ms: float) -> None:
+        if cls == SlaClass.INTERACTIVE:
+            self._itl.append((time.monotonic(), gap_ms))
+
+    def itl_p95_ms(self) -> float | None:
+        cutoff = time.monotonic() - self.config.window_s
+        while self._itl and self._itl[0][0] < cutoff:
+            self._itl.popleft()
+        if len(self._itl) < self.config.min_samples:
+            return None
+        ordered = sorted(ms for _, ms in self._itl)
+        return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+    def on_stats(self, load: WorkerLoad) -> None:
+        """Called on every Stats poll: adapt the INTERACTIVE limit, then admit what now fits."""
+        self.load = load
+        p95 = self.itl_p95_ms()
+        if p95 is not None and p95 > 0:
+            cfg = self.config
+            target = cfg.targets[SlaClass.INTERACTIVE].itl_p95_ms
+            current = self.limit[SlaClass.INTERACTIVE]
+            wanted = round(target / p95 * current)
+            self.limit[SlaClass.INTERACTIVE] = min(cfg.interactive_max_limit, max(cfg.interactive_min_limit, wanted))
+        self.pump()

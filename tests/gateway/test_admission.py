@@ -1,0 +1,171 @@
+"""Gateway admission per worker and class (no grpc: the controller on its own event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cotserve.common.errors import ResourceExhausted
+from cotserve.common.sampling import SlaClass
+from cotserve.gateway.admission import Admission, AdmissionConfig, QueueDeadlineExceeded, WorkerLoad, parse_target
+
+R, I, B = SlaClass.REALTIME, SlaClass.INTERACTIVE, SlaClass.BATCH
+ROOMY = WorkerLoad(kv_blocks_free=90, kv_blocks_total=100, num_waiting_urgent=0)
+
+
+def make(**kw) -> Admission:
+    a = Admission(AdmissionConfig(**kw))
+    a.on_stats(ROOMY)
+    return a
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_realtime_is_never_queued():
+    async def main():
+        a = make(interactive_initial_limit=2, batch_limit=0)
+        for _ in range(2):
+            await a.acquire(I, None)
+        a.on_stats(WorkerLoad(0, 100, 50))  # no KV to spare, urgent work waiting
+        waits = [await a.acquire(R, 0.01) for _ in range(50)]
+        return waits, a.in_flight[R]
+
+    waits, in_flight = run(main())
+    assert waits == [0.0] * 50 and in_flight == 50
+
+
+def test_interactive_waits_for_a_slot_in_order_and_release_grants_it():
+    async def main():
+        a = make(interactive_initial_limit=2)
+        await a.acquire(I, None)
+        await a.acquire(I, None)
+        order = []
+
+        async def waiter(n):
+            await a.acquire(I, 5)
+            order.append(n)
+
+        tasks = [asyncio.create_task(waiter(n)) for n in range(3)]
+        await asyncio.sleep(0.05)
+        assert order == [] and len(a.queues[I]) == 3
+        a.release(I)
+        await asyncio.sleep(0.01)
+        a.release(I)
+        a.release(I)
+        await asyncio.gather(*tasks)
+        return order, a.in_flight[I]
+
+    order, in_flight = run(main())
+    assert order == [0, 1, 2] and in_flight == 2
+
+
+def test_full_queue_is_resource_exhausted_with_retry_after():
+    async def main():
+        a = make(interactive_initial_limit=2, max_queue={I: 1, B: 1})
+        await a.acquire(I, None)
+        await a.acquire(I, None)
+        t = asyncio.create_task(a.acquire(I, 5))
+        await asyncio.sleep(0.01)
+        with pytest.raises(ResourceExhausted) as err:
+            await a.acquire(I, 5)
+        t.cancel()
+        return err.value
+
+    err = run(main())
+    assert "sla_class INTERACTIVE: the gateway queue for this worker is full (1 waiting)" in err.message
+    assert int(err.trailers["retry-after-ms"]) >= 50
+
+
+def test_deadline_in_the_queue_fails_without_taking_a_slot():
+    async def main():
+        a = make(interactive_initial_limit=2)
+        await a.acquire(I, None)
+        await a.acquire(I, None)
+        with pytest.raises(QueueDeadlineExceeded, match="in the gateway's INTERACTIVE queue"):
+            await a.acquire(I, 0.05)
+        return a.in_flight[I], len(a.queues[I])
+
+    assert run(main()) == (2, 0)
+
+
+def test_cancelled_waiter_leaves_the_queue():
+    async def main():
+        a = make(interactive_initial_limit=1)
+        await a.acquire(I, None)
+        t = asyncio.create_task(a.acquire(I, None))
+        await asyncio.sleep(0.01)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        a.release(I)
+        return a.in_flight[I], len(a.queues[I])
+
+    assert run(main()) == (0, 0)
+
+
+@pytest.mark.parametrize("load,queued_interactive,admitted", [
+    (ROOMY, False, True),
+    (WorkerLoad(kv_blocks_free=5, kv_blocks_total=100, num_waiting_urgent=0), False, False),  # < 10% spare
+    (WorkerLoad(kv_blocks_free=90, kv_blocks_total=100, num_waiting_urgent=1), False, False),  # urgent waiting there
+    (ROOMY, True, False),  # urgent waiting here
+])
+def test_batch_only_with_spare_kv_and_no_urgent_work_waiting(load, queued_interactive, admitted):
+    a = make(interactive_initial_limit=1)
+    a.on_stats(load)
+    if queued_interactive:
+        a.in_flight[I] = 1
+        a.queues[I].append(object())  # a waiter placeholder
+    assert a.can_start(B) is admitted
+
+
+def test_held_batch_is_admitted_when_the_worker_frees_up():
+    async def main():
+        a = make()
+        a.on_stats(WorkerLoad(1, 100, 3))
+        t = asyncio.create_task(a.acquire(B, 5))
+        await asyncio.sleep(0.02)
+        assert not t.done()
+        a.on_stats(ROOMY)
+        return await t, a.in_flight[B]
+
+    queued_ms, in_flight = run(main())
+    assert queued_ms >= 15 and in_flight == 1
+
+
+def test_batch_limit_caps_batch_in_flight():
+    async def main():
+        a = make(batch_limit=3)
+        for _ in range(3):
+            await a.acquire(B, None)
+        with pytest.raises(QueueDeadlineExceeded):
+            await a.acquire(B, 0.02)
+
+    run(main())
+
+
+@pytest.mark.parametrize("p95,start,expected", [(200.0, 8, 4), (50.0, 8, 16), (10.0, 8, 32), (1000.0, 8, 2), (100.0, 8, 8)])
+def test_interactive_limit_follows_the_itl_target(p95, start, expected):
+    a = make(interactive_initial_limit=start)
+    for _ in range(40):
+        a.observe_itl(I, p95)
+    a.on_stats(ROOMY)
+    assert a.limit[I] == expected
+
+
+def test_too_few_samples_leave_the_limit_alone():
+    a = make(interactive_initial_limit=8)
+    for _ in range(5):
+        a.observe_itl(I, 1000.0)
+    a.on_stats(ROOMY)
+    assert a.limit[I] == 8
+
+
+def test_parse_target():
+    assert parse_target("interactive=800/80") == (I, parse_target("INTERACTIVE=800/80")[1])
+    assert parse_target("realtime=100/20")[1].itl_p95_ms == 20.0
+    for bad in ("fast=1/2", "interactive=1", "batch=-5/3"):
+        with pytest.raises(ValueError, match="sla_target"):
+            parse_target(bad)
