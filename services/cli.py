@@ -42,6 +42,7 @@ def serve_worker(
     max_num_batched_tokens: int = typer.Option(2048, envvar="COTSERVE_MAX_NUM_BATCHED_TOKENS", help="Tokens per engine step at most (prefill chunk bound)."),
     max_model_len: Optional[int] = typer.Option(None, envvar="COTSERVE_MAX_MODEL_LEN", help="Longest sequence served (default: the model's context)."),
     served_model_name: Optional[str] = typer.Option(None, envvar="COTSERVE_SERVED_MODEL_NAME", help="Model name clients use (default: the folder's name)."),
+    metrics_port: int = typer.Option(0, envvar="COTSERVE_WORKER_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
     batch_min_share: float = typer.Option(0.1, envvar="COTSERVE_BATCH_MIN_SHARE", help="Share of each step's token budget kept for BATCH work (0..1)."),
     torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
@@ -55,6 +56,7 @@ def serve_worker(
         model=model or DEMO_MODEL, host=host, port=port, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes,
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, served_model_name=served_model_name, batch_min_share=batch_min_share, torch_threads=torch_threads,
+        metrics_port=metrics_port,
         grace_s=grace_s,
     )
     try:
@@ -75,6 +77,7 @@ def serve_gateway(
     batch_limit: int = typer.Option(128, envvar="COTSERVE_BATCH_LIMIT", help="BATCH requests in flight per worker at most."),
     max_queue_interactive: int = typer.Option(256, envvar="COTSERVE_MAX_QUEUE_INTERACTIVE", help="INTERACTIVE requests waiting per worker at most (then RESOURCE_EXHAUSTED)."),
     max_queue_batch: int = typer.Option(1024, envvar="COTSERVE_MAX_QUEUE_BATCH", help="BATCH requests waiting per worker at most (then RESOURCE_EXHAUSTED)."),
+    metrics_port: int = typer.Option(0, envvar="COTSERVE_GATEWAY_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
@@ -88,7 +91,8 @@ def serve_gateway(
                                     max_queue={SlaClass.INTERACTIVE: max_queue_interactive, SlaClass.BATCH: max_queue_batch})
         admission.targets.update(parse_target(t) for t in sla_target)
         cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
-                            poll_interval_s=poll_interval_s, grace_s=grace_s, admission=admission)
+                            poll_interval_s=poll_interval_s, grace_s=grace_s, admission=admission,
+                            metrics_port=metrics_port)
         cfg.validate()
     except ValueError as exc:
         typer.echo(f"cotserve gateway: {exc}", err=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import tomllib
@@ -14,12 +15,14 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import DeadlineExceeded, InvalidArgument, RelayedError, Unavailable, Unimplemented
+from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, Unavailable, Unimplemented
 from cotserve.common.sampling import SlaClass, sampling_from_pb, sla_from_pb
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.admission import AdmissionConfig, QueueDeadlineExceeded
+from cotserve.common.metrics import MetricsServer, serve_metrics
+from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
@@ -46,6 +49,8 @@ class GatewayConfig:
     """Seconds to drain in-flight streams on SIGTERM."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     """Per-class targets, limits and queue bounds."""
+    metrics_port: int = 0
+    """Port for Prometheus /metrics on `host` (0 = off)."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -80,18 +85,42 @@ class GatewayConfig:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics) -> None:
         self.pool = pool
+        self.metrics = metrics
 
-    def _worker_request(self, request: gateway_pb2.GenerateStreamRequest | gateway_pb2.GenerateRequest) -> tuple[str, SlaClass, worker_pb2.GenerateRequest]:
-        """Validate at the edge; the worker re-checks what needs its tokenizer (prompt length)."""
+    async def _counted(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """`_relay`, counted in `cotserve_gateway_requests_total` by final status."""
+        labels = {"model": request.model or "unknown", "sla_class": "UNKNOWN", "tenant": "default"}
+        code = "OK"
+        try:
+            async for chunk in self._relay(request, context, labels):
+                yield chunk
+        except CotserveError as exc:
+            code = exc.code
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            self.metrics.requests.labels(labels["model"], labels["sla_class"], code, labels["tenant"]).inc()
+
+    def _worker_request(self, request: gateway_pb2.GenerateStreamRequest | gateway_pb2.GenerateRequest,
+                        labels: dict[str, str]) -> tuple[str, SlaClass, worker_pb2.GenerateRequest]:
+        """Validate at the edge; the worker re-checks what needs its tokenizer (prompt length).
+        `labels` (metrics) learn the model and class as soon as each is known."""
+        sla = sla_from_pb(request.sla_class)
+        labels["sla_class"] = sla.name
+        model = self.pool.resolve_model(request.model)
+        labels["model"] = model
         if request.pre_processor or request.post_processor:
             field_name = "pre_processor" if request.pre_processor else "post_processor"
             raise Unimplemented(f"{field_name}: the sandbox service is not part of this deployment yet")
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
-        sla = sla_from_pb(request.sla_class)
-        model = self.pool.resolve_model(request.model)
         info = next(w.info for w in self.pool.models()[model])
         sampling_from_pb(request.sampling, vocab_size=info.vocab_size, max_model_len=info.max_context_tokens,
                          max_new_tokens_limit=info.max_context_tokens)
@@ -99,9 +128,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request_id=uuid.uuid4().hex, prompt_text=request.prompt, sampling=request.sampling, sla_class=request.sla_class,
         )
 
-    async def _relay(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    async def _relay(self, request, context: grpc.aio.ServicerContext,
+                     labels: dict[str, str]) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         start = time.monotonic()
-        model, sla, wreq = self._worker_request(request)
+        model, sla, wreq = self._worker_request(request, labels)
+        m = self.metrics
+        ttft_h, itl_h = m.ttft.labels(model, sla.name), m.itl.labels(model, sla.name)
         span = trace.get_current_span()
         span.update_name(f"generate {model}")
         sp = request.sampling
@@ -122,6 +154,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             except QueueDeadlineExceeded as exc:
                 raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
             span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
+            m.queue.labels(model, sla.name).observe(gateway_queue_ms / 1000)
             sent_at = time.monotonic()
             call = worker.stub.Generate(wreq, timeout=context.time_remaining())
             worker.in_flight += 1
@@ -132,9 +165,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     now = time.monotonic()
                     if first_at is not None:
                         worker.admission.observe_itl(sla, (now - last_at) * 1000)
+                        itl_h.observe(now - last_at)
                     last_at = now
                     if first_at is None:
                         first_at = now
+                        ttft_h.observe(now - start)
                         span.set_attribute("cotserve.ttft_ms", (now - start) * 1000)
                         span.set_attribute("cotserve.queue_ms", (sent_at - start) * 1000 + chunk.timing.queue_ms)
                     out = gateway_pb2.GenerateStreamResponse(
@@ -143,6 +178,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     if chunk.HasField("logprob"):
                         out.logprob = chunk.logprob
                     if chunk.finish_reason:
+                        m.e2e.labels(model, sla.name).observe(now - start)
                         out.usage.CopyFrom(chunk.usage)
                         out.timing.queue_ms = (sent_at - start) * 1000 + chunk.timing.queue_ms
                         out.timing.ttft_ms = (first_at - start) * 1000
@@ -171,13 +207,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 call.cancel()  # the client went away or we failed: free the worker's pages now
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        async for chunk in self._relay(request, context):
+        async for chunk in self._counted(request, context):
             yield chunk
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
         resp = gateway_pb2.GenerateResponse()
         text = []
-        async for chunk in self._relay(request, context):
+        async for chunk in self._counted(request, context):
             text.append(chunk.text)
             resp.token_ids.append(chunk.token_id)
             if chunk.HasField("logprob"):
@@ -211,29 +247,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 class RunningGateway:
     server: Server
     pool: WorkerPool
+    metrics: GatewayMetrics
+    metrics_server: MetricsServer | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
         await self.pool.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
 
 
 async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | None = None) -> RunningGateway:
     cfg.validate()
     pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
                       admission=cfg.admission)
-    servicer = GatewayServicer(pool)
+    metrics = GatewayMetrics(pool)
+    servicer = GatewayServicer(pool, metrics)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)
+    metrics_server = serve_metrics(metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
     await pool.start()
     await server.set_serving()
     healthy = [w.address for w in pool.workers if w.healthy]
     log.info("SERVING gateway on %s: %d workers (%d healthy now): %s", server.address, len(pool.workers), len(healthy),
              ", ".join(f"{w.address}={w.model or '?'}" for w in pool.workers))
-    return RunningGateway(server, pool)
+    return RunningGateway(server, pool, metrics, metrics_server)
 
 
 async def serve(cfg: GatewayConfig) -> None:
     gw = await start_gateway(cfg, make_tracer_provider("cotserve-gateway"))
-    await run_until_signalled(gw.server, cfg.grace_s, on_stop=gw.pool.stop)
+    async def on_stop() -> None:
+        await gw.pool.stop()
+        if gw.metrics_server is not None:
+            gw.metrics_server.stop()
+
+    await run_until_signalled(gw.server, cfg.grace_s, on_stop=on_stop)

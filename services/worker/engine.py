@@ -74,6 +74,7 @@ class EngineStats:
     num_preemptions_total: int = 0
     num_requests_finished_total: int = 0
     num_waiting_urgent_seqs: int = 0
+    num_generated_tokens_total: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -111,6 +112,7 @@ class Engine:
         self._step_ms: deque[float] = deque(maxlen=256)
         self._tokens: deque[tuple[float, int]] = deque()
         self._finished_total = 0
+        self._generated_total = 0
         self._stats = EngineStats(kv_blocks_free=config.num_blocks)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -232,6 +234,7 @@ class Engine:
                 seq.record("first_token")
             self._emit(seq, token, lp, now)
         self._tokens.append((now, generated))
+        self._generated_total += generated
 
     def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
         req = self._requests[seq.request_id]
@@ -293,5 +296,6 @@ class Engine:
             generated_tokens_per_s=sum(n for _, n in self._tokens) / span if self._tokens else 0.0,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_requests_finished_total=self._finished_total,
+            num_generated_tokens_total=self._generated_total,
             num_waiting_urgent_seqs=sum(1 for s in self.scheduler.waiting if s.sla_class != SlaClass.BATCH),
         )

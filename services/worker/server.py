@@ -17,9 +17,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import InvalidArgument, Unavailable
+from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.metrics import worker_registry
 from cotserve.worker.model_runner import kv_bytes_per_token
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
 from cotserve.worker.requests import generate_from_pb, output_to_pb
@@ -57,6 +59,8 @@ class WorkerConfig:
     """Name clients use (default: the checkpoint folder's name)."""
     batch_min_share: float = 0.1
     """Share of each step's token budget kept for BATCH work when there is any (0..1)."""
+    metrics_port: int = 0
+    """Port for Prometheus /metrics on `host` (0 = off)."""
     torch_threads: int | None = None
     """CPU threads for torch (default on CPU: all cores but one, which is left to the gRPC side)."""
     grace_s: float = 5.0
@@ -243,10 +247,13 @@ class RunningWorker:
     server: Server
     engine: Engine
     loaded: LoadedModel
+    metrics_server: MetricsServer | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
         self.engine.stop()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
 
 
 async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None = None) -> RunningWorker:
@@ -271,15 +278,26 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
         await server.stop(0)
         raise
     engine = Engine(loaded, econfig)
+    try:
+        metrics_server = serve_metrics(worker_registry(engine.stats, loaded.name, econfig.num_blocks), cfg.host,
+                                       cfg.metrics_port)
+    except OSError:
+        await server.stop(0)
+        raise
     engine.start()
     servicer.attach(engine, loaded)
     await server.set_serving()
     log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d", loaded.name, loaded.revision,
              server.address, loaded.dtype, econfig.num_blocks, econfig.block_size, econfig.max_model_len)
-    return RunningWorker(server, engine, loaded)
+    return RunningWorker(server, engine, loaded, metrics_server)
 
 
 async def serve(cfg: WorkerConfig) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain in-flight streams for up to `cfg.grace_s`."""
     worker = await start_worker(cfg, make_tracer_provider("cotserve-worker"))
-    await run_until_signalled(worker.server, cfg.grace_s, on_stop=worker.engine.stop)
+    def on_stop() -> None:
+        worker.engine.stop()
+        if worker.metrics_server is not None:
+            worker.metrics_server.stop()
+
+    await run_until_signalled(worker.server, cfg.grace_s, on_stop=on_stop)

@@ -1,0 +1,44 @@
+"""The worker's Prometheus metrics, read from the engine's stats snapshot at scrape time."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from cotserve.common.metrics import CallbackCollector
+from cotserve.worker.engine import EngineStats
+
+
+def worker_registry(stats: Callable[[], EngineStats], model: str, total_blocks: int) -> CollectorRegistry:
+    registry = CollectorRegistry()
+
+    def collect() -> Iterable[Metric]:
+        s = stats()
+        labels = ["model"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([model], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([model], value)
+            return c
+
+        return [
+            gauge("cotserve_worker_kv_blocks_used", "KV blocks held by sequences.", s.kv_blocks_used),
+            gauge("cotserve_worker_kv_blocks_total", "KV blocks in the pool.", total_blocks),
+            gauge("cotserve_worker_running_seqs", "Sequences in the running batch.", s.num_running_seqs),
+            gauge("cotserve_worker_waiting_seqs", "Sequences waiting (preempted ones included).", s.num_waiting_seqs),
+            gauge("cotserve_worker_step_latency_p50_seconds", "Median engine step latency over recent steps.", s.step_latency_p50_ms / 1000),
+            gauge("cotserve_worker_step_latency_p95_seconds", "95th percentile engine step latency over recent steps.", s.step_latency_p95_ms / 1000),
+            counter("cotserve_worker_generated_tokens", "Tokens generated since start.", s.num_generated_tokens_total),
+            counter("cotserve_worker_preemptions", "Preemptions since start.", s.num_preemptions_total),
+            counter("cotserve_worker_requests_finished", "Requests finished (any way) since start.", s.num_requests_finished_total),
+        ]
+
+    registry.register(CallbackCollector(collect))
+    return registry

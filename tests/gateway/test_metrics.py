@@ -1,0 +1,64 @@
+"""Prometheus metrics of the gateway and the worker, scraped over HTTP as Prometheus would."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cotserve.gateway.server import GatewayConfig, start_gateway
+from cotserve.sdk import AsyncClient, InvalidArgument
+from cotserve.worker.server import WorkerConfig, start_worker
+from tests.conftest import free_port
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples, name, **labels) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_metrics_are_scraped_from_both_services():
+    wport, gport = free_port(), free_port()
+
+    async def main():
+        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, metrics_port=wport))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], metrics_port=gport))
+        try:
+            async with AsyncClient(gateway.server.address) as c:
+                await c.generate("1+1=", max_new_tokens=16)
+                await c.generate("2+2=", max_new_tokens=16)
+                await c.generate("3+3=", max_new_tokens=16, sla="batch")
+                try:
+                    await c.generate("4+4=", temperature=9.0)
+                except InvalidArgument:
+                    pass
+            await gateway.pool.poll_once()
+            return await asyncio.to_thread(scrape, gport), await asyncio.to_thread(scrape, wport), worker.server.address
+        finally:
+            await gateway.stop()
+            await worker.stop()
+
+    g, w, worker_address = asyncio.run(main())
+    ok = dict(model="model", tenant="default", code="OK")
+    assert value(g, "cotserve_gateway_requests_total", sla_class="INTERACTIVE", **ok) == 2
+    assert value(g, "cotserve_gateway_requests_total", sla_class="BATCH", **ok) == 1
+    assert value(g, "cotserve_gateway_requests_total", model="model", sla_class="INTERACTIVE", code="INVALID_ARGUMENT",
+                 tenant="default") == 1
+    assert value(g, "cotserve_gateway_ttft_seconds_count", model="model", sla_class="INTERACTIVE") == 2
+    assert value(g, "cotserve_gateway_request_duration_seconds_count", model="model", sla_class="BATCH") == 1
+    assert value(g, "cotserve_gateway_queue_seconds_count", model="model", sla_class="INTERACTIVE") == 2
+    assert value(g, "cotserve_gateway_inter_token_latency_seconds_count", model="model", sla_class="INTERACTIVE") > 0
+    assert value(g, "cotserve_gateway_in_flight_requests", model="model", sla_class="INTERACTIVE") == 0
+    assert value(g, "cotserve_gateway_queued_requests", model="model", sla_class="BATCH") == 0
+    assert value(g, "cotserve_worker_kv_blocks_total", worker=worker_address, model="model") == 4 * 16
+    assert value(g, "cotserve_worker_healthy", worker=worker_address, model="model") == 1
+    assert value(w, "cotserve_worker_kv_blocks_total", model="model") == 4 * 16
+    assert value(w, "cotserve_worker_kv_blocks_used", model="model") == 0
+    assert value(w, "cotserve_worker_requests_finished_total", model="model") == 3
+    assert value(w, "cotserve_worker_generated_tokens_total", model="model") >= 3 * 8
