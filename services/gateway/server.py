@@ -16,7 +16,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, Unavailable, Unimplemented
-from cotserve.common.sampling import SlaClass, sampling_from_pb, sla_from_pb
+from cotserve.common.sampling import DEFAULT_MAX_NEW_TOKENS, SlaClass, sampling_from_pb, sla_from_pb
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
@@ -24,6 +24,8 @@ from cotserve.gateway.admission import AdmissionConfig, QueueDeadlineExceeded
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
+from cotserve.gateway.quota import SPECIAL_TOKENS_ALLOWANCE, QuotaEnforcer, token_reservation
+from cotserve.gateway.tenants import Tenant, TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
 
@@ -51,6 +53,10 @@ class GatewayConfig:
     """Per-class targets, limits and queue bounds."""
     metrics_port: int = 0
     """Port for Prometheus /metrics on `host` (0 = off)."""
+    tenants_file: Path | None = None
+    """TOML tenants file (keys, classes, limits); without one, a single open tenant."""
+    redis_url: str | None = None
+    """Redis that holds tenant limits (shared by every gateway); needed when tenants have limits."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -85,16 +91,21 @@ class GatewayConfig:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics) -> None:
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
+                 quota: QuotaEnforcer | None = None) -> None:
         self.pool = pool
         self.metrics = metrics
+        self.tenants = tenants or TenantRegistry.open()
+        self.quota = quota
 
     async def _counted(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """`_relay`, counted in `cotserve_gateway_requests_total` by final status."""
         labels = {"model": request.model or "unknown", "sla_class": "UNKNOWN", "tenant": "default"}
         code = "OK"
         try:
-            async for chunk in self._relay(request, context, labels):
+            tenant = self.tenants.authenticate(dict(context.invocation_metadata() or ()))
+            labels["tenant"] = tenant.name
+            async for chunk in self._relay(request, context, labels, tenant):
                 yield chunk
         except CotserveError as exc:
             code = exc.code
@@ -128,18 +139,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request_id=uuid.uuid4().hex, prompt_text=request.prompt, sampling=request.sampling, sla_class=request.sla_class,
         )
 
-    async def _relay(self, request, context: grpc.aio.ServicerContext,
-                     labels: dict[str, str]) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    async def _relay(self, request, context: grpc.aio.ServicerContext, labels: dict[str, str],
+                     tenant: Tenant) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         start = time.monotonic()
         model, sla, wreq = self._worker_request(request, labels)
+        self.tenants.authorize(tenant, sla)
+        trace.get_current_span().set_attribute("cotserve.tenant", tenant.name)
+        grant = None
+        if self.quota is not None and tenant.has_limits:
+            max_new = wreq.sampling.max_new_tokens if wreq.sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+            grant = await self.quota.admit(tenant, token_reservation(request.prompt, max_new))
+        generated, used_tokens = 0, None
+        try:
+            async for out in self._stream(start, model, sla, wreq, context):
+                generated += 1
+                if out.finish_reason:
+                    used_tokens = out.usage.prompt_tokens + out.usage.completion_tokens
+                yield out
+        finally:
+            if grant is not None:
+                if used_tokens is None:  # failed or cancelled: charge what it may have used so far
+                    used_tokens = len(request.prompt.encode()) + SPECIAL_TOKENS_ALLOWANCE + generated
+                await asyncio.shield(self.quota.release(grant, used_tokens))
+
+    async def _stream(self, start: float, model: str, sla: SlaClass, wreq: worker_pb2.GenerateRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """Admission, the worker stream with its one retry, and the conversion of each chunk."""
         m = self.metrics
         ttft_h, itl_h = m.ttft.labels(model, sla.name), m.itl.labels(model, sla.name)
         span = trace.get_current_span()
         span.update_name(f"generate {model}")
-        sp = request.sampling
+        sp = wreq.sampling
         span.set_attributes({
             "gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
-            "cotserve.sla_class": common_pb2.SlaClass.Name(request.sla_class or common_pb2.SLA_CLASS_INTERACTIVE),
+            "cotserve.sla_class": common_pb2.SlaClass.Name(wreq.sla_class or common_pb2.SLA_CLASS_INTERACTIVE),
             "cotserve.request_id": wreq.request_id,
             **({"gen_ai.request.max_tokens": sp.max_new_tokens} if sp.HasField("max_new_tokens") else {}),
             **({"gen_ai.request.temperature": sp.temperature} if sp.HasField("temperature") else {}),
@@ -249,12 +282,34 @@ class RunningGateway:
     pool: WorkerPool
     metrics: GatewayMetrics
     metrics_server: MetricsServer | None = None
+    quota: QuotaEnforcer | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
+        await self.close()
+
+    async def close(self) -> None:
+        """Everything but the gRPC server: the pool, metrics and the Redis connection."""
         await self.pool.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
+        if self.quota is not None:
+            await self.quota.close()
+
+
+def tenancy(cfg: GatewayConfig) -> tuple[TenantRegistry, QuotaEnforcer | None]:
+    if cfg.tenants_file is None:
+        log.info("no tenants file: one open tenant 'default', no API keys checked, no limits")
+        return TenantRegistry.open(), None
+    registry = TenantRegistry.from_file(cfg.tenants_file)
+    limited = [t.name for t in registry.tenants.values() if t.has_limits]
+    log.info("tenants from %s: %s", cfg.tenants_file, ", ".join(sorted(registry.tenants)))
+    if not limited:
+        return registry, None
+    if not cfg.redis_url:
+        raise ValueError(f"redis_url: tenants {', '.join(limited)} have limits, which are kept in Redis: "
+                         "give --redis-url (or COTSERVE_REDIS_URL)")
+    return registry, QuotaEnforcer.from_url(cfg.redis_url)
 
 
 async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | None = None) -> RunningGateway:
@@ -262,7 +317,8 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
                       admission=cfg.admission)
     metrics = GatewayMetrics(pool)
-    servicer = GatewayServicer(pool, metrics)
+    tenants, quota = tenancy(cfg)
+    servicer = GatewayServicer(pool, metrics, tenants, quota)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)
@@ -273,14 +329,9 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     healthy = [w.address for w in pool.workers if w.healthy]
     log.info("SERVING gateway on %s: %d workers (%d healthy now): %s", server.address, len(pool.workers), len(healthy),
              ", ".join(f"{w.address}={w.model or '?'}" for w in pool.workers))
-    return RunningGateway(server, pool, metrics, metrics_server)
+    return RunningGateway(server, pool, metrics, metrics_server, quota)
 
 
 async def serve(cfg: GatewayConfig) -> None:
     gw = await start_gateway(cfg, make_tracer_provider("cotserve-gateway"))
-    async def on_stop() -> None:
-        await gw.pool.stop()
-        if gw.metrics_server is not None:
-            gw.metrics_server.stop()
-
-    await run_until_signalled(gw.server, cfg.grace_s, on_stop=on_stop)
+    await run_until_signalled(gw.server, cfg.grace_s, on_stop=gw.close)

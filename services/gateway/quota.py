@@ -1,0 +1,143 @@
+"""Tenant limits enforced in Redis, so they hold across every gateway sharing it.
+
+- requests/min and tokens/min: GCRA (a token bucket as a "theoretical arrival time") in one Lua
+  script each, timed by Redis' own clock so gateways' clocks do not matter. Tokens are reserved
+  up front at an upper bound (prompt bytes + 8 special tokens + max_new_tokens) and the unused
+  part is refunded when the request ends, so a tenant never goes over its budget.
+- concurrency: a sorted set of leases (request id -> expiry), so a gateway that dies mid-request
+  cannot leak a slot for longer than the lease.
+
+Keys: `cotserve:quota:{tenant}:rpm`, `...:tpm`, `...:concurrent`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from cotserve.common.errors import ResourceExhausted
+from cotserve.gateway.tenants import Tenant
+
+PREFIX = "cotserve:quota"
+LEASE_MS = 15 * 60 * 1000
+SPECIAL_TOKENS_ALLOWANCE = 8
+
+# KEYS[1] = bucket; ARGV = interval_ms (per unit), capacity (units), cost (units).
+# Returns {allowed (1/0), retry_after_ms}.
+_GCRA = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local interval = tonumber(ARGV[1])
+local tau = interval * tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+if tat < now then tat = now end
+local new_tat = tat + cost * interval
+if new_tat - now > tau then
+  return {0, math.ceil(new_tat - tau - now)}
+end
+redis.call('SET', KEYS[1], tostring(new_tat), 'PX', math.ceil(new_tat - now) + 1000)
+return {1, 0}
+"""
+
+# KEYS[1] = bucket; ARGV = interval_ms, units to give back.
+_REFUND = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local tat = tonumber(redis.call('GET', KEYS[1]) or now)
+local new_tat = math.max(now, tat - tonumber(ARGV[1]) * tonumber(ARGV[2]))
+if new_tat <= now then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('SET', KEYS[1], tostring(new_tat), 'PX', math.ceil(new_tat - now) + 1000)
+end
+return 1
+"""
+
+# KEYS[1] = lease set; ARGV = limit, lease id, lease ms. Returns 1 when leased.
+_LEASE = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+return 1
+"""
+
+
+def token_reservation(prompt: str, max_new_tokens: int) -> int:
+    """An upper bound on a request's prompt + completion tokens, known before tokenizing."""
+    return len(prompt.encode()) + SPECIAL_TOKENS_ALLOWANCE + max_new_tokens
+
+
+@dataclass(slots=True)
+class Grant:
+    """What a request holds until it ends: a concurrency lease and a token reservation."""
+
+    tenant: Tenant
+    lease_id: str | None
+    reserved_tokens: int
+
+
+class QuotaEnforcer:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+        self._gcra = client.register_script(_GCRA)
+        self._refund = client.register_script(_REFUND)
+        self._lease = client.register_script(_LEASE)
+
+    @classmethod
+    def from_url(cls, url: str) -> "QuotaEnforcer":
+        return cls(aioredis.Redis.from_url(url))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    @staticmethod
+    def _exhausted(tenant: Tenant, what: str, retry_after_ms: int) -> ResourceExhausted:
+        return ResourceExhausted(f"quota: tenant {tenant.name!r} is over its {what}",
+                                 trailers={"retry-after-ms": str(max(1, int(retry_after_ms)))})
+
+    async def admit(self, tenant: Tenant, reserve_tokens: int) -> Grant:
+        """Take a concurrency lease, a request and `reserve_tokens` tokens, or raise ResourceExhausted."""
+        key = f"{PREFIX}:{tenant.name}"
+        lease_id = None
+        if tenant.max_concurrent is not None:
+            lease_id = uuid.uuid4().hex
+            if not await self._lease(keys=[f"{key}:concurrent"], args=[tenant.max_concurrent, lease_id, LEASE_MS]):
+                raise self._exhausted(tenant, f"max_concurrent ({tenant.max_concurrent})", 100)
+        try:
+            if tenant.requests_per_min is not None:
+                ok, wait = await self._gcra(keys=[f"{key}:rpm"], args=[60000 / tenant.requests_per_min, tenant.requests_per_min, 1])
+                if not ok:
+                    raise self._exhausted(tenant, f"requests_per_min ({tenant.requests_per_min})", wait)
+            if tenant.tokens_per_min is not None:
+                if reserve_tokens > tenant.tokens_per_min:
+                    raise self._exhausted(tenant, f"tokens_per_min ({tenant.tokens_per_min}): this request may use "
+                                                  f"up to {reserve_tokens} tokens", 60000)
+                ok, wait = await self._gcra(keys=[f"{key}:tpm"], args=[60000 / tenant.tokens_per_min, tenant.tokens_per_min, reserve_tokens])
+                if not ok:
+                    raise self._exhausted(tenant, f"tokens_per_min ({tenant.tokens_per_min})", wait)
+        except BaseException:
+            if lease_id is not None:
+                await self.redis.zrem(f"{key}:concurrent", lease_id)
+            raise
+        return Grant(tenant, lease_id, reserve_tokens if tenant.tokens_per_min is not None else 0)
+
+    async def release(self, grant: Grant, used_tokens: int) -> None:
+        """The request ended: drop its lease and give back the tokens it reserved but did not use."""
+        key = f"{PREFIX}:{grant.tenant.name}"
+        if grant.lease_id is not None:
+            await self.redis.zrem(f"{key}:concurrent", grant.lease_id)
+        unused = grant.reserved_tokens - used_tokens
+        if grant.reserved_tokens and unused > 0:
+            await self._refund(keys=[f"{key}:tpm"], args=[60000 / grant.tenant.tokens_per_min, unused])
+

@@ -1,0 +1,155 @@
+"""Tenants: API keys (stored only as SHA-256 hashes), allowed SLA classes and limits.
+
+The tenants file is TOML:
+
+    [tenants.acme]
+    key_sha256 = ["9f86d08..."]
+    sla_classes = ["realtime", "interactive", "batch"]
+    requests_per_min = 600
+    tokens_per_min = 200000
+    max_concurrent = 16
+
+Without a file the gateway has one open tenant, `default`, with no limits (for local use).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cotserve.common.errors import CotserveError
+from cotserve.common.sampling import SlaClass
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_LIMITS = ("requests_per_min", "tokens_per_min", "max_concurrent")
+
+
+class Unauthenticated(CotserveError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(CotserveError):
+    code = "PERMISSION_DENIED"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    name: str
+    key_sha256: frozenset[str] = frozenset()
+    sla_classes: frozenset[SlaClass] = frozenset(SlaClass)
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def has_limits(self) -> bool:
+        return any(getattr(self, name) is not None for name in _LIMITS)
+
+
+OPEN_TENANT = Tenant("default")
+
+
+@dataclass(slots=True)
+class TenantRegistry:
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+    is_open: bool = True
+    _by_hash: dict[str, Tenant] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls) -> "TenantRegistry":
+        return cls({OPEN_TENANT.name: OPEN_TENANT}, True)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "TenantRegistry":
+        tenants = load_tenants(path)
+        reg = cls(tenants, False)
+        for t in tenants.values():
+            for h in t.key_sha256:
+                reg._by_hash[h] = t
+        return reg
+
+    def authenticate(self, metadata: dict[str, str]) -> Tenant:
+        """The tenant an `authorization: Bearer KEY` header names (the open tenant without a file)."""
+        if self.is_open:
+            return OPEN_TENANT
+        header = metadata.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise Unauthenticated("authorization: missing API key (send `authorization: Bearer <key>`)")
+        tenant = self._by_hash.get(hash_key(key.strip()))
+        if tenant is None:
+            raise Unauthenticated("authorization: unknown API key")
+        return tenant
+
+    @staticmethod
+    def authorize(tenant: Tenant, cls: SlaClass) -> None:
+        if cls not in tenant.sla_classes:
+            allowed = ", ".join(c.name for c in sorted(tenant.sla_classes))
+            raise PermissionDenied(f"sla_class: tenant {tenant.name!r} may not use {cls.name} (allowed: {allowed})")
+
+
+def load_tenants(path: Path) -> dict[str, Tenant]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"tenants_file: {path} not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"tenants_file: {path} is not valid TOML ({exc})") from None
+    out: dict[str, Tenant] = {}
+    for name, spec in (raw.get("tenants") or {}).items():
+        where = f"tenants_file: {path}: tenant {name!r}"
+        if not _NAME.match(name) or not isinstance(spec, dict):
+            raise ValueError(f"{where}: names are 1-64 of A-Z a-z 0-9 _ . -, each a table")
+        hashes = spec.get("key_sha256", [])
+        if not isinstance(hashes, list) or not all(isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes):
+            raise ValueError(f"{where}: key_sha256 must be a list of 64-hex-digit SHA-256 hashes")
+        try:
+            classes = frozenset(SlaClass[c.upper()] for c in spec.get("sla_classes", [c.name.lower() for c in SlaClass]))
+        except (KeyError, AttributeError):
+            raise ValueError(f"{where}: sla_classes must list realtime, interactive and/or batch") from None
+        limits = {}
+        for key in _LIMITS:
+            value = spec.get(key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{where}: {key} must be an integer >= 1 (or absent for no limit)")
+            limits[key] = value
+        out[name] = Tenant(name, frozenset(hashes), classes, **limits)
+    if not out:
+        raise ValueError(f"tenants_file: {path} defines no [tenants.NAME] table")
+    return out
+
+
+def _toml(tenants: dict[str, Tenant]) -> str:
+    lines = ["# cotserve tenants. API keys are stored as SHA-256 hashes only; add one with",
+             "# `cotserve tenants add-key NAME --file THIS_FILE`.", ""]
+    for t in tenants.values():
+        lines.append(f"[tenants.{t.name}]")
+        lines.append("key_sha256 = [" + ", ".join(f'"{h}"' for h in sorted(t.key_sha256)) + "]")
+        lines.append("sla_classes = [" + ", ".join(f'"{c.name.lower()}"' for c in sorted(t.sla_classes)) + "]")
+        for key in _LIMITS:
+            if getattr(t, key) is not None:
+                lines.append(f"{key} = {getattr(t, key)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def add_key(path: Path, name: str, **limits: int | None) -> str:
+    """Create a key for tenant `name` (the tenant too, with `limits`, if new); store its hash; return the key."""
+    if not _NAME.match(name):
+        raise ValueError(f"name: {name!r} must be 1-64 of A-Z a-z 0-9 _ . -")
+    tenants = load_tenants(path) if path.exists() else {}
+    key = "cs-" + secrets.token_urlsafe(32)
+    current = tenants.get(name, Tenant(name))
+    updates = {k: v for k, v in limits.items() if v is not None}
+    tenants[name] = Tenant(name, current.key_sha256 | {hash_key(key)}, current.sla_classes,
+                           **{k: updates.get(k, getattr(current, k)) for k in _LIMITS})
+    path.write_text(_toml(tenants))
+    return key
