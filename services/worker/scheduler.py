@@ -49,6 +49,11 @@ def priority(seq: Sequence) -> tuple[int, float, int]:
     return (int(seq.sla_class), seq.arrival_time, seq.seq_id)
 
 
+def arrival_order(seq: Sequence) -> tuple[int, float, int]:
+    """FIFO: arrival only, every class alike (the baseline the isolation benchmark compares with)."""
+    return (0, seq.arrival_time, seq.seq_id)
+
+
 class Scheduler:
     """Waiting and running queues over one `BlockManager`, in SLA-class priority.
 
@@ -66,7 +71,7 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 batch_min_share: float = 0.1) -> None:
+                 batch_min_share: float = 0.1, by_class: bool = True) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 <= batch_min_share <= 1.0:
@@ -74,7 +79,8 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.batch_min_share = batch_min_share
+        self.batch_min_share = batch_min_share if by_class else 0.0
+        self.key = priority if by_class else arrival_order
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -107,7 +113,7 @@ class Scheduler:
         used_urgent = used_batch = 0
         scheduled: set[int] = set()
         admission_blocked = False
-        for seq in sorted([*self.running, *self.waiting], key=priority):
+        for seq in sorted([*self.running, *self.waiting], key=self.key):
             if seq.status == SequenceStatus.PREEMPTED and seq in batch.preempted:
                 continue  # preempted a moment ago in this very step
             is_batch = seq.sla_class == SlaClass.BATCH
@@ -143,15 +149,15 @@ class Scheduler:
         return batch
 
     def _victims(self, seq: Sequence, scheduled: set[int], allow_self: bool) -> list[Sequence]:
-        key = priority(seq)
+        key = self.key(seq)
         return [r for r in self.running
-                if r.seq_id not in scheduled and (priority(r) > key or (allow_self and r is seq))]
+                if r.seq_id not in scheduled and (self.key(r) > key or (allow_self and r is seq))]
 
     def _can_admit(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Whether preempting lower-priority work could seat `seq` and hold `num_tokens`: checked
         first, so nobody is preempted for an admission that fails anyway."""
         victims = self._victims(seq, scheduled, False)
-        if len(self.running) >= self.max_num_seqs and not any(v.sla_class > seq.sla_class for v in victims):
+        if len(self.running) >= self.max_num_seqs and not any(self.key(v)[0] > self.key(seq)[0] for v in victims):
             return False
         reclaimable = self.block_manager.num_free_blocks + sum(len(v.block_table) for v in victims)
         return self.block_manager.num_new_blocks(seq, num_tokens) <= reclaimable
@@ -164,7 +170,7 @@ class Scheduler:
             candidates = self._victims(seq, scheduled, allow_self)
             if not candidates:
                 return False
-            victim = max(candidates, key=priority)
+            victim = max(candidates, key=self.key)
             self._preempt(victim)
             batch.preempted.append(victim)
             if victim is seq:
@@ -174,10 +180,10 @@ class Scheduler:
     def _make_seat(self, seq: Sequence, batch: ScheduledBatch, scheduled: set[int]) -> bool:
         """Free a batch seat for a waiting `seq` by preempting a strictly less urgent class."""
         while len(self.running) >= self.max_num_seqs:
-            candidates = [r for r in self._victims(seq, scheduled, False) if r.sla_class > seq.sla_class]
+            candidates = [r for r in self._victims(seq, scheduled, False) if self.key(r)[0] > self.key(seq)[0]]
             if not candidates:
                 return False
-            victim = max(candidates, key=priority)
+            victim = max(candidates, key=self.key)
             self._preempt(victim)
             batch.preempted.append(victim)
         return True

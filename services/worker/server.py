@@ -61,6 +61,8 @@ class WorkerConfig:
     """Share of each step's token budget kept for BATCH work when there is any (0..1)."""
     metrics_port: int = 0
     """Port for Prometheus /metrics on `host` (0 = off)."""
+    scheduling: str = "priority"
+    """priority (SLA class, then arrival) or fifo (arrival only; a baseline for benchmarks)."""
     torch_threads: int | None = None
     """CPU threads for torch (default on CPU: all cores but one, which is left to the gRPC side)."""
     grace_s: float = 5.0
@@ -74,6 +76,7 @@ class WorkerConfig:
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes: must be > 0"),
             (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
+            (self.scheduling in ("priority", "fifo"), f"scheduling: {self.scheduling!r}, allowed: priority, fifo"),
             (0.0 <= self.batch_min_share <= 1.0, f"batch_min_share: {self.batch_min_share}, allowed 0..1"),
             (self.torch_threads is None or self.torch_threads >= 1, f"torch_threads: {self.torch_threads}, must be >= 1"),
         ]
@@ -111,7 +114,7 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
                          f"({per_token * cfg.block_size} bytes each)")
     return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
-                        batch_min_share=cfg.batch_min_share)
+                        batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling)
 
 
 class LoopMailbox:
@@ -287,8 +290,9 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     engine.start()
     servicer.attach(engine, loaded)
     await server.set_serving()
-    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d", loaded.name, loaded.revision,
-             server.address, loaded.dtype, econfig.num_blocks, econfig.block_size, econfig.max_model_len)
+    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d, %s scheduling", loaded.name,
+             loaded.revision, server.address, loaded.dtype, econfig.num_blocks, econfig.block_size, econfig.max_model_len,
+             econfig.scheduling)
     return RunningWorker(server, engine, loaded, metrics_server)
 
 

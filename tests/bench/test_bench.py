@@ -41,3 +41,19 @@ def test_baseline_command_prints_ratios_against_transformers():
     assert out.returncode == 0, out.stderr + out.stdout
     assert "transformers one-at-a-time" in out.stdout and "transformers static batch of 2" in out.stdout
     assert out.stdout.count("x │") == 3  # three ratio cells
+
+
+def test_isolation_drive_records_every_tenant_b_request(demo_gateway):
+    from cotserve.bench.isolation import RunResult, drive, goals, summarize
+    from cotserve.common.sampling import SlaClass
+
+    seconds, records, flood_tokens = asyncio.run(drive(demo_gateway, duration_s=1.0, flood_concurrency=2,
+                                                       interactive_rps=4.0, realtime_rps=2.0))
+    assert flood_tokens > 0 and seconds >= 1.0
+    for cls in (SlaClass.INTERACTIVE, SlaClass.REALTIME):
+        assert records[cls], cls
+        assert all(r.error is None and r.tokens == (32 if cls == SlaClass.INTERACTIVE else 16) for r in records[cls])
+    run = RunResult("x", seconds, records, flood_tokens)
+    assert run.total_tokens_per_s > 0
+    summarize([run])
+    assert len(goals(run, run, run)) == 3

@@ -147,3 +147,23 @@ def test_failed_admission_preempts_nobody():
     s.add(huge)
     batch = s.schedule()
     assert batch.preempted == [] and huge.status == SequenceStatus.WAITING
+
+
+def test_fifo_mode_ignores_classes():
+    s = Scheduler(BlockManager(64, 4), 2, 64, 0.1, by_class=False)
+    b1, b2 = seq(B), seq(B)
+    s.add(b1)
+    s.add(b2)
+    run_step(s, s.schedule())
+    r = seq(R)
+    s.add(r)
+    batch = s.schedule()
+    assert r not in [i.seq for i in batch.items] and batch.preempted == []  # no seat taken from BATCH
+
+
+def test_disabled_admission_forwards_everything():
+    from cotserve.gateway.admission import Admission, AdmissionConfig, WorkerLoad
+
+    a = Admission(AdmissionConfig(enabled=False, batch_limit=0))
+    a.on_stats(WorkerLoad(0, 100, 10))
+    assert a.can_start(B) and a.can_start(I)

@@ -1,0 +1,150 @@
+"""`cotserve bench isolation`: the noisy-neighbour benchmark.
+
+Tenant A floods BATCH requests (closed loop, many at once) while tenant B sends a steady
+INTERACTIVE stream and a trickle of REALTIME (open loop, fixed rates). Three runs, each on a
+fresh worker + gateway: B alone; B + flood with SLA scheduling and admission on; B + flood with
+both off (FIFO worker, gateway forwarding everything). Reported per class of tenant B: TTFT and
+inter-token p50/p99, the share of requests that missed their targets, the TTFT spread (p99 - p50),
+and the total output tokens/s of each run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+from cotserve.bench.throughput import percentile
+from cotserve.common.sampling import SlaClass
+from cotserve.gateway.admission import DEFAULT_TARGETS, SlaTarget
+from cotserve.sdk import AsyncClient, CotserveError, ResourceExhausted
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    ttft_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+    def missed(self, target: SlaTarget) -> bool:
+        if self.error is not None or self.ttft_ms is None or self.ttft_ms > target.ttft_ms:
+            return True
+        return bool(self.itl_ms) and percentile(self.itl_ms, 95) > target.itl_p95_ms
+
+
+@dataclass(slots=True)
+class RunResult:
+    name: str
+    seconds: float
+    by_class: dict[SlaClass, list[RequestRecord]]
+    flood_tokens: int
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        b_tokens = sum(r.tokens for recs in self.by_class.values() for r in recs)
+        return (b_tokens + self.flood_tokens) / self.seconds
+
+
+async def _one(client: AsyncClient, prompt: str, cls: str, max_new_tokens: int, rec: RequestRecord) -> None:
+    start = last = time.perf_counter()
+    try:
+        async for _ in client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, sla=cls, timeout_s=120):
+            now = time.perf_counter()
+            if rec.ttft_ms is None:
+                rec.ttft_ms = (now - start) * 1000
+            else:
+                rec.itl_ms.append((now - last) * 1000)
+            last = now
+            rec.tokens += 1
+    except CotserveError as err:
+        rec.error = err.code.name
+
+
+async def _open_loop(client: AsyncClient, rate_per_s: float, stop_at: float, cls: str, prompts: list[str],
+                     max_new_tokens: int, out: list[RequestRecord], rng: random.Random) -> None:
+    tasks = []
+    next_at = time.perf_counter()
+    while next_at < stop_at:
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        rec = RequestRecord()
+        out.append(rec)
+        tasks.append(asyncio.create_task(_one(client, rng.choice(prompts), cls, max_new_tokens, rec)))
+        next_at += rng.expovariate(rate_per_s)  # Poisson arrivals at the given mean rate
+    await asyncio.gather(*tasks)
+
+
+async def _flood_loop(client: AsyncClient, stop: asyncio.Event, prompt: str, max_new_tokens: int, counter: list[int]) -> None:
+    while not stop.is_set():
+        try:
+            async for _ in client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, sla="batch", timeout_s=300):
+                counter[0] += 1
+                if stop.is_set():
+                    return
+        except ResourceExhausted as err:
+            await asyncio.sleep((err.retry_after_ms or 100) / 1000)
+        except CotserveError:
+            await asyncio.sleep(0.1)
+
+
+async def drive(address: str, *, duration_s: float, flood_concurrency: int, interactive_rps: float,
+                realtime_rps: float, seed: int = 0) -> tuple[float, dict[SlaClass, list[RequestRecord]], int]:
+    rng = random.Random(seed)
+    prompts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}-{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in range(32)]
+    flood_prompt = " ".join(str(i % 100) for i in range(40))
+    records: dict[SlaClass, list[RequestRecord]] = {SlaClass.INTERACTIVE: [], SlaClass.REALTIME: []}
+    flood_tokens = [0]
+    async with AsyncClient(address) as b_client, AsyncClient(address) as a_client:
+        stop = asyncio.Event()
+        flood = [asyncio.create_task(_flood_loop(a_client, stop, flood_prompt, 96, flood_tokens))
+                 for _ in range(flood_concurrency)]
+        if flood:
+            await asyncio.sleep(2.0)  # let the flood fill the worker before B starts
+        start = time.perf_counter()
+        stop_at = start + duration_s
+        await asyncio.gather(
+            _open_loop(b_client, interactive_rps, stop_at, "interactive", prompts, 32, records[SlaClass.INTERACTIVE], rng),
+            _open_loop(b_client, realtime_rps, stop_at, "realtime", prompts, 16, records[SlaClass.REALTIME], rng),
+        )
+        seconds = time.perf_counter() - start
+        tokens_in_window = flood_tokens[0]
+        stop.set()
+        for t in flood:
+            t.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+    return seconds, records, tokens_in_window
+
+
+def summarize(results: list[RunResult]):
+    from rich.table import Table
+
+    t = Table(title="tenant B under tenant A's BATCH flood")
+    for col in ("run", "class", "requests", "TTFT p50/p99 ms", "ITL p50/p99 ms", "missed", "TTFT spread ms", "total tok/s"):
+        t.add_column(col, justify="right")
+    for r in results:
+        for cls, recs in r.by_class.items():
+            ttft = [x.ttft_ms for x in recs if x.ttft_ms is not None]
+            itl = [g for x in recs for g in x.itl_ms]
+            missed = sum(x.missed(DEFAULT_TARGETS[cls]) for x in recs) / max(1, len(recs))
+            t.add_row(r.name, cls.name, str(len(recs)),
+                      f"{percentile(ttft, 50):.1f}/{percentile(ttft, 99):.1f}",
+                      f"{percentile(itl, 50):.1f}/{percentile(itl, 99):.1f}",
+                      f"{missed:.1%}", f"{percentile(ttft, 99) - percentile(ttft, 50):.1f}",
+                      f"{r.total_tokens_per_s:.0f}")
+    return t
+
+
+def goals(alone: RunResult, on: RunResult, fifo: RunResult) -> list[str]:
+    def p99(r: RunResult) -> float:
+        return percentile([x.ttft_ms for x in r.by_class[SlaClass.INTERACTIVE] if x.ttft_ms is not None], 99)
+
+    recs = on.by_class[SlaClass.INTERACTIVE]
+    miss = sum(x.missed(DEFAULT_TARGETS[SlaClass.INTERACTIVE]) for x in recs) / max(1, len(recs))
+    ratio = p99(on) / p99(alone) if p99(alone) else float("nan")
+    share = on.total_tokens_per_s / fifo.total_tokens_per_s if fifo.total_tokens_per_s else float("nan")
+    return [
+        f"INTERACTIVE p99 TTFT under the flood / alone: {ratio:.2f}x (goal <= 1.5x; FIFO: {p99(fifo) / p99(alone):.2f}x)",
+        f"INTERACTIVE target-miss rate under the flood: {miss:.1%} (goal < 2%)",
+        f"total output tokens/s vs FIFO: {share:.0%} (goal >= 90%)",
+    ]
