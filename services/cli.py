@@ -46,6 +46,7 @@ def serve_worker(
     served_model_name: Optional[str] = typer.Option(None, envvar="COTSERVE_SERVED_MODEL_NAME", help="Model name clients use (default: the folder's name)."),
     metrics_port: int = typer.Option(0, envvar="COTSERVE_WORKER_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
     scheduling: str = typer.Option("priority", envvar="COTSERVE_SCHEDULING", help="priority (SLA class, then arrival) or fifo (arrival only, a benchmark baseline)."),
+    max_batch_tokens_when_urgent: int = typer.Option(256, envvar="COTSERVE_MAX_BATCH_TOKENS_WHEN_URGENT", help="BATCH tokens per step at most while urgent work is present."),
     batch_min_share: float = typer.Option(0.1, envvar="COTSERVE_BATCH_MIN_SHARE", help="Share of each step's token budget kept for BATCH work (0..1)."),
     torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
@@ -59,7 +60,8 @@ def serve_worker(
         model=model or DEMO_MODEL, host=host, port=port, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes,
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, served_model_name=served_model_name, batch_min_share=batch_min_share, torch_threads=torch_threads,
-        metrics_port=metrics_port, scheduling=scheduling, grace_s=grace_s,
+        metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,
+        grace_s=grace_s,
     )
     try:
         asyncio.run(serve(cfg))

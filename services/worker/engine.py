@@ -35,6 +35,7 @@ class EngineConfig:
     max_model_len: int = 2048
     batch_min_share: float = 0.1
     scheduling: str = "priority"  # or "fifo": arrival order, classes ignored (a baseline)
+    max_batch_tokens_when_urgent: int = 256
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,7 +106,8 @@ class Engine:
         self.config = config
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.batch_min_share, by_class=config.scheduling == "priority")
+                                   config.batch_min_share, by_class=config.scheduling == "priority",
+                                   max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent)
         self.runner = ModelRunner(loaded, config.num_blocks, config.block_size)
         self.sampler = Sampler(loaded.device)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()

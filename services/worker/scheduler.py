@@ -64,14 +64,17 @@ class Scheduler:
       never a more urgent class for a less urgent one.
     - A waiting sequence may take the seat of a running one of a strictly less urgent class
       when `max_num_seqs` is reached, so REALTIME joins the very next step.
-    - BATCH work, when there is any, keeps `batch_min_share` of each step's token budget.
+    - BATCH work, when there is any, keeps `batch_min_share` of each step's token budget; while
+      urgent work is present, BATCH takes at most `max_batch_tokens_when_urgent` tokens a step
+      (but never less than its share), so a wave of BATCH prefill cannot stretch the steps that
+      urgent sequences wait on.
 
     Only the engine thread calls it. Every path that ends a sequence (`finish`, `abort`) frees
     its blocks, so no block outlives its sequence.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 batch_min_share: float = 0.1, by_class: bool = True) -> None:
+                 batch_min_share: float = 0.1, by_class: bool = True, max_batch_tokens_when_urgent: int = 256) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 <= batch_min_share <= 1.0:
@@ -81,6 +84,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch_min_share = batch_min_share if by_class else 0.0
         self.key = priority if by_class else arrival_order
+        self.by_class = by_class
+        self.max_batch_tokens_when_urgent = max_batch_tokens_when_urgent
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -110,6 +115,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         reserve = self._batch_reserve()
+        batch_cap = self.max_num_batched_tokens
+        if self.by_class and any(s.sla_class != SlaClass.BATCH for s in (*self.running, *self.waiting)):
+            batch_cap = max(reserve, self.max_batch_tokens_when_urgent)
         used_urgent = used_batch = 0
         scheduled: set[int] = set()
         admission_blocked = False
@@ -118,7 +126,9 @@ class Scheduler:
                 continue  # preempted a moment ago in this very step
             is_batch = seq.sla_class == SlaClass.BATCH
             limit = self.max_num_batched_tokens - used_urgent - used_batch
-            if not is_batch:
+            if is_batch:
+                limit = min(limit, batch_cap - used_batch)
+            else:
                 limit -= max(0, reserve - used_batch)
             n = min(seq.num_uncomputed_tokens, limit)
             if n <= 0:

@@ -63,6 +63,8 @@ class WorkerConfig:
     """Port for Prometheus /metrics on `host` (0 = off)."""
     scheduling: str = "priority"
     """priority (SLA class, then arrival) or fifo (arrival only; a baseline for benchmarks)."""
+    max_batch_tokens_when_urgent: int = 256
+    """BATCH tokens per step at most while REALTIME/INTERACTIVE work is present (BATCH's share still holds)."""
     torch_threads: int | None = None
     """CPU threads for torch (default on CPU: all cores but one, which is left to the gRPC side)."""
     grace_s: float = 5.0
@@ -77,6 +79,8 @@ class WorkerConfig:
             (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
             (self.scheduling in ("priority", "fifo"), f"scheduling: {self.scheduling!r}, allowed: priority, fifo"),
+            (self.max_batch_tokens_when_urgent >= 1,
+             f"max_batch_tokens_when_urgent: {self.max_batch_tokens_when_urgent}, must be >= 1"),
             (0.0 <= self.batch_min_share <= 1.0, f"batch_min_share: {self.batch_min_share}, allowed 0..1"),
             (self.torch_threads is None or self.torch_threads >= 1, f"torch_threads: {self.torch_threads}, must be >= 1"),
         ]
@@ -114,7 +118,8 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
                          f"({per_token * cfg.block_size} bytes each)")
     return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
-                        batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling)
+                        batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
+                        max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent)
 
 
 class LoopMailbox:

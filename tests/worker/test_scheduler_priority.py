@@ -167,3 +167,21 @@ def test_disabled_admission_forwards_everything():
     a = Admission(AdmissionConfig(enabled=False, batch_limit=0))
     a.on_stats(WorkerLoad(0, 100, 10))
     assert a.can_start(B) and a.can_start(I)
+
+
+def test_batch_prefill_is_capped_while_urgent_work_is_present():
+    s = Scheduler(BlockManager(256, 16), 8, 1000, 0.1, max_batch_tokens_when_urgent=300)
+    big = [seq(B, 400, max_new_tokens=4) for _ in range(2)]
+    for q in big:
+        s.add(q)
+    first = s.schedule()
+    assert first.num_tokens == 800  # alone, BATCH may use the whole budget
+    run_step(s, first)
+    more = [seq(B, 400, max_new_tokens=4) for _ in range(2)]
+    for q in more:
+        s.add(q)
+    urgent = seq(I, 8, max_new_tokens=4)
+    s.add(urgent)
+    batch = s.schedule()
+    by_class = {c: sum(x.num_tokens for x in batch.items if x.seq.sla_class == c) for c in (I, B)}
+    assert by_class[I] == 8 and by_class[B] == 300  # 2 decodes + 298 prefill tokens, not 800
