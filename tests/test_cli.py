@@ -20,7 +20,8 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
     port = free_port()
     log = open(tmp_path / "up.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "up", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
     try:
         deadline = time.monotonic() + 120
         while "cotserve is up" not in (tmp_path / "up.log").read_text():
@@ -29,7 +30,8 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
             time.sleep(0.2)
         kids = children_of(proc.pid)
         names = [open(f"/proc/{k}/cmdline").read() for k in kids]
-        assert len(kids) == 3 and "redis-server" in names[0] and "worker" in names[1] and "gateway" in names[2]
+        assert len(kids) == 4 and "redis-server" in names[0] and "worker" in names[1]
+        assert "sandbox" in names[2] and "gateway" in names[3]
         gen = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr
