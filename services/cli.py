@@ -87,6 +87,8 @@ def serve_gateway(
     metrics_port: int = typer.Option(0, envvar="COTSERVE_GATEWAY_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
     tenants_file: Optional[Path] = typer.Option(None, envvar="COTSERVE_TENANTS_FILE", help="TOML tenants file (API key hashes, classes, limits); without it, one open tenant."),
     redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis holding tenant limits, shared by every gateway."),
+    sandbox: Optional[str] = typer.Option(None, "--sandbox", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox service HOST:PORT for pre/post-processors."),
+    fail_open: list[str] = typer.Option([], "--fail-open", help="Module whose failure lets text through unchanged (repeatable; default: fail closed)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
@@ -101,7 +103,8 @@ def serve_gateway(
         admission.targets.update(parse_target(t) for t in sla_target)
         cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
                             poll_interval_s=poll_interval_s, grace_s=grace_s, admission=admission,
-                            metrics_port=metrics_port, tenants_file=tenants_file, redis_url=redis_url)
+                            metrics_port=metrics_port, tenants_file=tenants_file, redis_url=redis_url,
+                            sandbox_address=sandbox, fail_open_modules=frozenset(fail_open))
         cfg.validate()
     except ValueError as exc:
         typer.echo(f"cotserve gateway: {exc}", err=True)
@@ -250,8 +253,9 @@ def _stack(model: Optional[Path], port: int, redis_url: Optional[str], full: boo
         children.append(Child("sandbox", sandbox_addr, python_cli("serve", "sandbox", "--port", sandbox_addr.rsplit(":", 1)[1]),
                               grpc_ready(sandbox_addr), env))
     gateway_addr = f"127.0.0.1:{port}"
+    sandbox_args = ("--sandbox", sandbox_addr) if full else ()
     children.append(Child("gateway", gateway_addr, python_cli("serve", "gateway", "--port", str(port), "--worker", worker_addr,
-                                                              *gateway_extra), grpc_ready(gateway_addr), env))
+                                                              *sandbox_args, *gateway_extra), grpc_ready(gateway_addr), env))
     return children, redis_url
 
 
@@ -321,13 +325,15 @@ def generate(
     sla: str = typer.Option("interactive", help="SLA class: realtime, interactive or batch."),
     api_key: Optional[str] = typer.Option(None, envvar="COTSERVE_API_KEY", help="API key, sent as a Bearer token."),
     timeout_s: Optional[float] = typer.Option(None, help="Deadline for the whole call, in seconds."),
+    pre_processor: str = typer.Option("", help="Sandbox module run on the prompt first (e.g. cot-guard)."),
+    post_processor: str = typer.Option("", help="Sandbox module run on the completed text (e.g. strip-think)."),
     stream: bool = typer.Option(False, "--stream", help="Print text as it arrives."),
 ) -> None:
     """Generate a completion through the gateway and print it with its timing line."""
     from cotserve.sdk import Client, CotserveError
 
     kwargs = dict(model=model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, sla=sla,
-                  timeout_s=timeout_s, api_key=api_key)
+                  timeout_s=timeout_s, api_key=api_key, pre_processor=pre_processor, post_processor=post_processor)
     try:
         with Client(address) as client:
             if stream:

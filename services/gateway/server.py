@@ -15,7 +15,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, Unavailable, Unimplemented
+from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, Unavailable
 from cotserve.common.sampling import DEFAULT_MAX_NEW_TOKENS, SlaClass, sampling_from_pb, sla_from_pb
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
@@ -24,6 +24,7 @@ from cotserve.gateway.admission import AdmissionConfig, QueueDeadlineExceeded
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
+from cotserve.gateway.processors import Processors
 from cotserve.gateway.quota import SPECIAL_TOKENS_ALLOWANCE, QuotaEnforcer, token_reservation
 from cotserve.gateway.tenants import Tenant, TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -57,6 +58,10 @@ class GatewayConfig:
     """TOML tenants file (keys, classes, limits); without one, a single open tenant."""
     redis_url: str | None = None
     """Redis that holds tenant limits (shared by every gateway); needed when tenants have limits."""
+    sandbox_address: str | None = None
+    """The WASI sandbox service that runs pre- and post-processors (none: requests naming one fail closed)."""
+    fail_open_modules: frozenset[str] = frozenset()
+    """Modules whose failure lets the text through unchanged (all others fail the request)."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -92,11 +97,12 @@ class GatewayConfig:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
-                 quota: QuotaEnforcer | None = None) -> None:
+                 quota: QuotaEnforcer | None = None, processors: Processors | None = None) -> None:
         self.pool = pool
         self.metrics = metrics
         self.tenants = tenants or TenantRegistry.open()
         self.quota = quota
+        self.processors = processors or Processors(None)
 
     async def _counted(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """`_relay`, counted in `cotserve_gateway_requests_total` by final status."""
@@ -127,9 +133,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         labels["sla_class"] = sla.name
         model = self.pool.resolve_model(request.model)
         labels["model"] = model
-        if request.pre_processor or request.post_processor:
-            field_name = "pre_processor" if request.pre_processor else "post_processor"
-            raise Unimplemented(f"{field_name}: the sandbox service is not part of this deployment yet")
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
         info = next(w.info for w in self.pool.models()[model])
@@ -145,21 +148,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         model, sla, wreq = self._worker_request(request, labels)
         self.tenants.authorize(tenant, sla)
         trace.get_current_span().set_attribute("cotserve.tenant", tenant.name)
+        if request.pre_processor:
+            wreq.prompt_text = await self.processors.apply("pre_processor", request.pre_processor, request.prompt, tenant,
+                                                           context.time_remaining())
         grant = None
         if self.quota is not None and tenant.has_limits:
             max_new = wreq.sampling.max_new_tokens if wreq.sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
-            grant = await self.quota.admit(tenant, token_reservation(request.prompt, max_new))
+            grant = await self.quota.admit(tenant, token_reservation(wreq.prompt_text, max_new))
         generated, used_tokens = 0, None
+        completion: list[str] = []
         try:
             async for out in self._stream(start, model, sla, wreq, context):
                 generated += 1
                 if out.finish_reason:
                     used_tokens = out.usage.prompt_tokens + out.usage.completion_tokens
+                if request.post_processor:
+                    # The text is held back until the post-processor has seen all of it; each
+                    # chunk still carries its token id and logprob.
+                    completion.append(out.text)
+                    out.text = ""
+                    if out.finish_reason:
+                        out.text = await self.processors.apply("post_processor", request.post_processor,
+                                                               "".join(completion), tenant, context.time_remaining())
                 yield out
         finally:
             if grant is not None:
                 if used_tokens is None:  # failed or cancelled: charge what it may have used so far
-                    used_tokens = len(request.prompt.encode()) + SPECIAL_TOKENS_ALLOWANCE + generated
+                    used_tokens = len(wreq.prompt_text.encode()) + SPECIAL_TOKENS_ALLOWANCE + generated
                 await asyncio.shield(self.quota.release(grant, used_tokens))
 
     async def _stream(self, start: float, model: str, sla: SlaClass, wreq: worker_pb2.GenerateRequest,
@@ -283,6 +298,7 @@ class RunningGateway:
     metrics: GatewayMetrics
     metrics_server: MetricsServer | None = None
     quota: QuotaEnforcer | None = None
+    processors: Processors | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
@@ -295,6 +311,8 @@ class RunningGateway:
             self.metrics_server.stop()
         if self.quota is not None:
             await self.quota.close()
+        if self.processors is not None:
+            await self.processors.close()
 
 
 def tenancy(cfg: GatewayConfig) -> tuple[TenantRegistry, QuotaEnforcer | None]:
@@ -318,7 +336,8 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
                       admission=cfg.admission)
     metrics = GatewayMetrics(pool)
     tenants, quota = tenancy(cfg)
-    servicer = GatewayServicer(pool, metrics, tenants, quota)
+    processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider)
+    servicer = GatewayServicer(pool, metrics, tenants, quota, processors)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)
@@ -329,7 +348,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     healthy = [w.address for w in pool.workers if w.healthy]
     log.info("SERVING gateway on %s: %d workers (%d healthy now): %s", server.address, len(pool.workers), len(healthy),
              ", ".join(f"{w.address}={w.model or '?'}" for w in pool.workers))
-    return RunningGateway(server, pool, metrics, metrics_server, quota)
+    return RunningGateway(server, pool, metrics, metrics_server, quota, processors)
 
 
 async def serve(cfg: GatewayConfig) -> None:

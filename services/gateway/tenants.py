@@ -8,6 +8,7 @@ The tenants file is TOML:
     requests_per_min = 600
     tokens_per_min = 200000
     max_concurrent = 16
+    modules = ["strip-think", "cot-guard"]   # sandbox modules it may name (absent: any)
 
 Without a file the gateway has one open tenant, `default`, with no limits (for local use).
 """
@@ -48,6 +49,7 @@ class Tenant:
     requests_per_min: int | None = None
     tokens_per_min: int | None = None
     max_concurrent: int | None = None
+    modules: frozenset[str] | None = None  # sandbox modules it may name; None = any
 
     @property
     def has_limits(self) -> bool:
@@ -121,7 +123,11 @@ def load_tenants(path: Path) -> dict[str, Tenant]:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{where}: {key} must be an integer >= 1 (or absent for no limit)")
             limits[key] = value
-        out[name] = Tenant(name, frozenset(hashes), classes, **limits)
+        modules = spec.get("modules")
+        if modules is not None and (not isinstance(modules, list) or not all(isinstance(m, str) for m in modules)):
+            raise ValueError(f"{where}: modules must be a list of sandbox module names (or absent for any)")
+        out[name] = Tenant(name, frozenset(hashes), classes, **limits,
+                           modules=frozenset(modules) if modules is not None else None)
     if not out:
         raise ValueError(f"tenants_file: {path} defines no [tenants.NAME] table")
     return out
@@ -137,6 +143,8 @@ def _toml(tenants: dict[str, Tenant]) -> str:
         for key in _LIMITS:
             if getattr(t, key) is not None:
                 lines.append(f"{key} = {getattr(t, key)}")
+        if t.modules is not None:
+            lines.append("modules = [" + ", ".join(f'"{m}"' for m in sorted(t.modules)) + "]")
         lines.append("")
     return "\n".join(lines)
 
@@ -150,6 +158,6 @@ def add_key(path: Path, name: str, **limits: int | None) -> str:
     current = tenants.get(name, Tenant(name))
     updates = {k: v for k, v in limits.items() if v is not None}
     tenants[name] = Tenant(name, current.key_sha256 | {hash_key(key)}, current.sla_classes,
-                           **{k: updates.get(k, getattr(current, k)) for k in _LIMITS})
+                           **{k: updates.get(k, getattr(current, k)) for k in _LIMITS}, modules=current.modules)
     path.write_text(_toml(tenants))
     return key
