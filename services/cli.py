@@ -513,6 +513,33 @@ def bench_isolation(
         console.print(line)
 
 
+@bench_app.command("sandbox")
+def bench_sandbox(
+    runs: int = typer.Option(1000, help="Runs for the latency percentiles and for the throughput pass."),
+    threads: int = typer.Option(2, help="Threads running modules at once for the throughput pass."),
+) -> None:
+    """Sandbox per-run overhead (strip-think, 2 KB input) and runs/s; cot-guard detection and false-positive rates."""
+    from rich.table import Table
+
+    from cotserve.bench.sandbox import bench_runs, evaluate_guard
+
+    console = _wide_console()
+    b = bench_runs(runs, threads)
+    t = Table(title="sandbox: strip-think on 2 KB, fresh store + instance per run")
+    for col in ("runs", "p50 ms", "p99 ms", "threads", "runs/s"):
+        t.add_column(col, justify="right")
+    t.add_row(str(b.runs), f"{b.p50_ms:.3f}", f"{b.p99_ms:.3f}", str(b.threads), f"{b.runs_per_s:.0f}")
+    console.print(t)
+    g = evaluate_guard()
+    console.print(f"cot-guard detection: {g.detected}/{g.attacks} = {g.detected / g.attacks:.1%}; "
+                  f"false positives: {g.false_positives}/{g.ordinary} = {g.false_positives / g.ordinary:.1%} "
+                  f"(arithmetic prompts rejected: {g.arithmetic_rejected})")
+    for a in g.missed:
+        console.print(f"  missed: {a!r}", markup=False)
+    for p in g.flagged:
+        console.print(f"  flagged: {p!r}", markup=False)
+
+
 @demo_app.command("train")
 def demo_train(
     out: Path = typer.Option(..., help="Folder to write the checkpoint to."),

@@ -194,3 +194,20 @@ def test_limits_dataclass_defaults_fit_under_the_maximum():
     for f in ("fuel", "memory_bytes", "timeout_ms", "max_output_bytes"):
         assert getattr(cfg.default_limits, f) <= getattr(cfg.max_limits, f)
     assert isinstance(cfg.default_limits, Limits)
+
+
+def test_guard_passes_every_arithmetic_prompt_and_catches_most_attacks():
+    from cotserve.bench.sandbox import evaluate_guard
+
+    g = evaluate_guard()
+    assert g.ordinary == 500 and g.arithmetic_rejected == 0
+    assert g.attacks == len(set(g.missed)) + g.detected and g.detected >= 0.75 * g.attacks
+
+
+def test_bench_sandbox_command_prints_its_table_and_rates():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "sandbox", "--runs", "20"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "runs/s" in out.stdout and "cot-guard detection:" in out.stdout and "false positives:" in out.stdout
