@@ -19,6 +19,7 @@ from cotserve.worker.block_manager import BlockManager
 from cotserve.worker.detokenizer import IncrementalDetokenizer
 from cotserve.worker.model_runner import ModelRunner
 from cotserve.worker.models.loader import LoadedModel
+from cotserve.worker.models.moe import RoutingPolicy
 from cotserve.worker.sampler import Sampler
 from cotserve.worker.scheduler import ScheduledBatch, Scheduler
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
@@ -77,6 +78,7 @@ class EngineStats:
     num_requests_finished_total: int = 0
     num_waiting_urgent_seqs: int = 0
     num_generated_tokens_total: int = 0
+    moe_policy_version: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -116,6 +118,7 @@ class Engine:
         self._tokens: deque[tuple[float, int]] = deque()
         self._finished_total = 0
         self._generated_total = 0
+        self.policy_version = 0
         self._stats = EngineStats(kv_blocks_free=config.num_blocks)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -131,6 +134,11 @@ class Engine:
                 f"({self.scheduler.capacity_tokens} tokens)"
             )
         self._inbox.put(("add", (seq, sink)))
+
+    def set_routing_policy(self, policy: RoutingPolicy) -> None:
+        """Queue a routing policy; the engine thread applies it to all layers together between two
+        steps, and only when it is newer than the one in force."""
+        self._inbox.put(("policy", policy))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed before the next step."""
@@ -167,10 +175,20 @@ class Engine:
                 self._add(*payload)  # type: ignore[misc]
             elif kind == "abort":
                 self._abort(payload)  # type: ignore[arg-type]
+            elif kind == "policy":
+                self._apply_policy(payload)  # type: ignore[arg-type]
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _apply_policy(self, policy: RoutingPolicy) -> None:
+        if policy.version <= self.policy_version:
+            log.info("routing policy v%d ignored: v%d is in force", policy.version, self.policy_version)
+            return
+        self.loaded.model.set_routing_policy(policy)
+        self.policy_version = policy.version
+        self._publish_stats()
 
     def _add(self, seq: Sequence, sink: Sink) -> None:
         if seq.request_id in self._requests:
@@ -300,5 +318,6 @@ class Engine:
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_requests_finished_total=self._finished_total,
             num_generated_tokens_total=self._generated_total,
+            moe_policy_version=self.policy_version,
             num_waiting_urgent_seqs=sum(1 for s in self.scheduler.waiting if s.sla_class != SlaClass.BATCH),
         )

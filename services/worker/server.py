@@ -223,6 +223,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             model_name=lm.name, model_revision=lm.revision, architecture=lm.config.architecture,
             dtype=str(lm.dtype).removeprefix("torch."), vocab_size=lm.config.vocab_size,
             max_context_tokens=ec.max_model_len, max_num_seqs=ec.max_num_seqs, device=str(lm.device),
+            num_experts=lm.config.num_experts, num_experts_per_tok=lm.config.num_experts_per_tok,
             kv_cache=worker_pb2.KvCacheInfo(
                 dtype=str(self.engine.runner.kv_dtype).removeprefix("torch."), block_size_tokens=ec.block_size,
                 total_blocks=ec.num_blocks, bytes_per_token=kv_bytes_per_token(lm.config, self.engine.runner.kv_dtype),
@@ -237,6 +238,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             step_latency_p50_ms=s.step_latency_p50_ms, step_latency_p95_ms=s.step_latency_p95_ms,
             generated_tokens_per_s=s.generated_tokens_per_s, num_preemptions_total=s.num_preemptions_total,
             num_requests_finished_total=s.num_requests_finished_total, num_waiting_urgent_seqs=s.num_waiting_urgent_seqs,
+            moe_policy_version=s.moe_policy_version,
         )
 
     async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:

@@ -31,6 +31,8 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
     "MistralForCausalLM": {"qkv_bias": False, "o_bias": False, "mlp_bias": False},
     "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False, "mlp_bias": False},
+    # Mixtral is Llama/Mistral attention with a mixture-of-experts feed-forward block.
+    "MixtralForCausalLM": {"qkv_bias": False, "o_bias": False, "mlp_bias": False},
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
@@ -56,6 +58,8 @@ class ModelConfig:
     mlp_bias: bool
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_window: int | None = None
+    num_experts: int = 0  # 0: a dense SwiGLU MLP; else the number of experts per MoE block
+    num_experts_per_tok: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -105,6 +109,8 @@ class ModelConfig:
                 mlp_bias=flag(fam["mlp_bias"]),
                 rope=_parse_rope(raw),
                 sliding_window=(raw.get("sliding_window") if use_sw else None) or None,
+                num_experts=int(raw.get("num_local_experts") or 0),
+                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -121,6 +127,9 @@ class ModelConfig:
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
         cfg = cls.from_dict(raw, str(path))
+        if cfg.num_experts and not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ModelLoadError(f"{path}: num_experts_per_tok ({cfg.num_experts_per_tok}) must be 1..num_local_experts "
+                                 f"({cfg.num_experts})")
         if cfg.num_heads % cfg.num_kv_heads:
             raise ModelLoadError(
                 f"{path}: num_attention_heads ({cfg.num_heads}) must be a multiple of "

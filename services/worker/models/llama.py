@@ -14,6 +14,7 @@ from torch import nn
 
 from cotserve.worker.models.attention import AttentionBackend
 from cotserve.worker.models.config import ModelConfig, RopeConfig
+from cotserve.worker.models.moe import RoutingPolicy, SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -101,16 +102,26 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention plus a feed-forward block: a dense SwiGLU `mlp`, or Mixtral's `block_sparse_moe`
+    (the attribute names are the checkpoints')."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        if cfg.num_experts:
+            self.block_sparse_moe = SparseMoeBlock(cfg)
+        else:
+            self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x))
 
 
 class LlamaBackbone(nn.Module):
@@ -147,3 +158,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         return self.lm_head(hidden)
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
+
+    def set_routing_policy(self, policy: RoutingPolicy) -> None:
+        """Switch every MoE layer to `policy` together; call only between two forward passes."""
+        for i, layer in enumerate(self.model.layers):
+            if hasattr(layer, "block_sparse_moe"):
+                layer.block_sparse_moe.set_routing(policy.layers.get(i), policy.top_k)
+
+    def take_expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed per expert in each MoE layer since the last call (and reset)."""
+        out = {}
+        for i, layer in enumerate(self.model.layers):
+            if hasattr(layer, "block_sparse_moe"):
+                block = layer.block_sparse_moe
+                out[i] = block.load.tolist()
+                block.load.zero_()
+        return out

@@ -175,6 +175,8 @@ class InfoResponse(_message.Message):
     KV_CACHE_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_FIELD_NUMBER: _builtins.int
+    NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Served model name (the checkpoint folder's name unless overridden)."""
     model_revision: _builtins.str
@@ -191,6 +193,10 @@ class InfoResponse(_message.Message):
     """Sequences scheduled together at most."""
     device: _builtins.str
     """Device the model runs on (cpu, cuda:0)."""
+    num_experts: _builtins.int
+    """Experts per mixture-of-experts block (0 for a dense model)."""
+    num_experts_per_tok: _builtins.int
+    """Experts each token is routed to by default (0 for a dense model)."""
     @_builtins.property
     def kv_cache(self) -> Global___KvCacheInfo:
         """The KV cache."""
@@ -207,10 +213,12 @@ class InfoResponse(_message.Message):
         kv_cache: Global___KvCacheInfo | None = ...,
         max_num_seqs: _builtins.int = ...,
         device: _builtins.str = ...,
+        num_experts: _builtins.int = ...,
+        num_experts_per_tok: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "model_name", b"model_name", "model_revision", b"model_revision", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -249,6 +257,7 @@ class StatsResponse(_message.Message):
     NUM_PREEMPTIONS_TOTAL_FIELD_NUMBER: _builtins.int
     NUM_REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _builtins.int
     NUM_WAITING_URGENT_SEQS_FIELD_NUMBER: _builtins.int
+    MOE_POLICY_VERSION_FIELD_NUMBER: _builtins.int
     num_running_seqs: _builtins.int
     """Sequences in the running batch."""
     num_waiting_seqs: _builtins.int
@@ -269,6 +278,8 @@ class StatsResponse(_message.Message):
     """Requests finished since start."""
     num_waiting_urgent_seqs: _builtins.int
     """Waiting sequences of the REALTIME and INTERACTIVE classes (the gateway holds BATCH back while any wait)."""
+    moe_policy_version: _builtins.int
+    """Version of the expert-routing policy in force (0: none applied; dense models stay at 0)."""
     def __init__(
         self,
         *,
@@ -282,10 +293,11 @@ class StatsResponse(_message.Message):
         num_preemptions_total: _builtins.int = ...,
         num_requests_finished_total: _builtins.int = ...,
         num_waiting_urgent_seqs: _builtins.int = ...,
+        moe_policy_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

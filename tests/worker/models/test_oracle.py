@@ -24,6 +24,8 @@ CASES = {
                       "original_max_position_embeddings": 32, "rope_theta": 500000.0})),
     "mistral-gqa": (transformers.MistralConfig, dict(BASE, rope_theta=1e6, sliding_window=None, tie_word_embeddings=False)),
     "qwen2-bias": (transformers.Qwen2Config, dict(BASE, rope_theta=1e6, num_key_value_heads=4, tie_word_embeddings=False)),
+    "mixtral-moe": (transformers.MixtralConfig, dict(BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                                     tie_word_embeddings=False)),
 }
 TOL = dict(atol=2e-5, rtol=1e-4)
 
