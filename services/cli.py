@@ -48,6 +48,8 @@ def serve_worker(
     served_model_name: Optional[str] = typer.Option(None, envvar="COTSERVE_SERVED_MODEL_NAME", help="Model name clients use (default: the folder's name)."),
     metrics_port: int = typer.Option(0, envvar="COTSERVE_WORKER_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
     scheduling: str = typer.Option("priority", envvar="COTSERVE_SCHEDULING", help="priority (SLA class, then arrival) or fifo (arrival only, a benchmark baseline)."),
+    redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis of the MoE control plane (MoE models follow their routing policy there)."),
+    worker_id: Optional[str] = typer.Option(None, envvar="COTSERVE_WORKER_ID", help="This worker's name in Redis keys (default: its address)."),
     max_batch_tokens_when_urgent: int = typer.Option(256, envvar="COTSERVE_MAX_BATCH_TOKENS_WHEN_URGENT", help="BATCH tokens per step at most while urgent work is present."),
     batch_min_share: float = typer.Option(0.1, envvar="COTSERVE_BATCH_MIN_SHARE", help="Share of each step's token budget kept for BATCH work (0..1)."),
     torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),
@@ -63,6 +65,7 @@ def serve_worker(
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, served_model_name=served_model_name, batch_min_share=batch_min_share, torch_threads=torch_threads,
         metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,
+        redis_url=redis_url, worker_id=worker_id,
         grace_s=grace_s,
     )
     try:

@@ -119,6 +119,7 @@ class Engine:
         self._finished_total = 0
         self._generated_total = 0
         self.policy_version = 0
+        self.policy_listeners: list[Callable[[int], None]] = []  # called on the engine thread after each apply
         self._stats = EngineStats(kv_blocks_free=config.num_blocks)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -139,6 +140,10 @@ class Engine:
         """Queue a routing policy; the engine thread applies it to all layers together between two
         steps, and only when it is newer than the one in force."""
         self._inbox.put(("policy", policy))
+
+    def request_expert_load(self, callback: Callable[[dict[int, list[int]]], None]) -> None:
+        """Ask for the tokens routed per expert since the last ask; `callback` runs on the engine thread."""
+        self._inbox.put(("load", callback))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed before the next step."""
@@ -177,6 +182,8 @@ class Engine:
                 self._abort(payload)  # type: ignore[arg-type]
             elif kind == "policy":
                 self._apply_policy(payload)  # type: ignore[arg-type]
+            elif kind == "load":
+                payload(self.loaded.model.take_expert_load())  # type: ignore[operator]
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
@@ -189,6 +196,8 @@ class Engine:
         self.loaded.model.set_routing_policy(policy)
         self.policy_version = policy.version
         self._publish_stats()
+        for listener in self.policy_listeners:
+            listener(policy.version)
 
     def _add(self, seq: Sequence, sink: Sink) -> None:
         if seq.request_id in self._requests:

@@ -22,6 +22,7 @@ from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.metrics import worker_registry
+from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.model_runner import kv_bytes_per_token
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
 from cotserve.worker.requests import generate_from_pb, output_to_pb
@@ -65,6 +66,10 @@ class WorkerConfig:
     """priority (SLA class, then arrival) or fifo (arrival only; a baseline for benchmarks)."""
     max_batch_tokens_when_urgent: int = 256
     """BATCH tokens per step at most while REALTIME/INTERACTIVE work is present (BATCH's share still holds)."""
+    redis_url: str | None = None
+    """Redis of the MoE control plane (an MoE model then follows its routing policy there)."""
+    worker_id: str | None = None
+    """This worker's name in Redis keys (default: its address)."""
     torch_threads: int | None = None
     """CPU threads for torch (default on CPU: all cores but one, which is left to the gRPC side)."""
     grace_s: float = 5.0
@@ -258,9 +263,16 @@ class RunningWorker:
     engine: Engine
     loaded: LoadedModel
     metrics_server: MetricsServer | None = None
+    follower: PolicyFollower | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
+        await self.close()
+
+    async def close(self) -> None:
+        """Everything but the gRPC server: the policy follower, the engine, metrics."""
+        if self.follower is not None:
+            await self.follower.stop()
         self.engine.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
@@ -295,20 +307,19 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
         await server.stop(0)
         raise
     engine.start()
+    follower = None
+    if loaded.config.num_experts and cfg.redis_url:
+        follower = PolicyFollower(cfg.redis_url, engine, loaded.name, cfg.worker_id or server.address, tracer_provider)
+        await follower.start()  # the current policy is in force before the first request
     servicer.attach(engine, loaded)
     await server.set_serving()
     log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d, %s scheduling", loaded.name,
              loaded.revision, server.address, loaded.dtype, econfig.num_blocks, econfig.block_size, econfig.max_model_len,
              econfig.scheduling)
-    return RunningWorker(server, engine, loaded, metrics_server)
+    return RunningWorker(server, engine, loaded, metrics_server, follower)
 
 
 async def serve(cfg: WorkerConfig) -> None:
     """Run a worker until SIGTERM/SIGINT, then drain in-flight streams for up to `cfg.grace_s`."""
     worker = await start_worker(cfg, make_tracer_provider("cotserve-worker"))
-    def on_stop() -> None:
-        worker.engine.stop()
-        if worker.metrics_server is not None:
-            worker.metrics_server.stop()
-
-    await run_until_signalled(worker.server, cfg.grace_s, on_stop=on_stop)
+    await run_until_signalled(worker.server, cfg.grace_s, on_stop=worker.close)

@@ -9,29 +9,11 @@ computes exactly what Mixtral does. The block counts tokens routed to each exper
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
+from cotserve.common.routing import LayerRouting, RoutingPolicy  # noqa: F401 - re-exported for the engine
 from cotserve.worker.models.config import ModelConfig
-
-
-@dataclass(slots=True, frozen=True)
-class LayerRouting:
-    """One layer's policy: additive bias per expert (choice only) and experts never chosen."""
-
-    bias: tuple[float, ...] = ()
-    disabled: frozenset[int] = frozenset()
-
-
-@dataclass(slots=True, frozen=True)
-class RoutingPolicy:
-    """A whole model's routing policy; `version` 0 is the empty policy."""
-
-    version: int = 0
-    layers: dict[int, LayerRouting] = field(default_factory=dict)
-    top_k: int = 0  # 0: the checkpoint's
 
 
 class Expert(nn.Module):
