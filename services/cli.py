@@ -20,6 +20,8 @@ app = typer.Typer(help="cotserve: serve language models, reasoning models first.
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
 demo_app = typer.Typer(help="The bundled demo model: train it, measure it.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
+moe_app = typer.Typer(help="Mixture-of-experts routing: policy and expert load.", no_args_is_help=True)
+app.add_typer(moe_app, name="moe")
 sandbox_app = typer.Typer(help="The WASI sandbox: register, list and run modules.", no_args_is_help=True)
 app.add_typer(sandbox_app, name="sandbox")
 tenants_app = typer.Typer(help="Tenants of the gateway: API keys and limits.", no_args_is_help=True)
@@ -147,6 +149,74 @@ def serve_sandbox(
         raise typer.Exit(2) from None
 
 
+@serve_app.command("router")
+def serve_router(
+    redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="COTSERVE_REDIS_URL", help="Redis of the MoE control plane."),
+    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
+    port: int = typer.Option(50081, envvar="COTSERVE_ROUTER_PORT", help="Port to bind (0 picks a free one)."),
+    balance: bool = typer.Option(True, "--balance/--no-balance", help="Run the load-balancing loop."),
+    balance_interval_s: float = typer.Option(2.0, help="Seconds between balancing rounds."),
+    gamma: float = typer.Option(0.05, help="Bias step of the sign rule b += gamma * sign(mean - load)."),
+    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight calls on SIGTERM."),
+) -> None:
+    """Start the MoE router (policy over Redis, expert load, balancing)."""
+    from cotserve.router.server import RouterConfig, serve
+
+    _logging()
+    if gamma <= 0 or balance_interval_s <= 0:
+        typer.echo("cotserve router: gamma and balance_interval_s must be > 0", err=True)
+        raise typer.Exit(2)
+    cfg = RouterConfig(redis_url=redis_url, host=host, port=port, balance=balance, balance_interval_s=balance_interval_s,
+                       gamma=gamma, grace_s=grace_s)
+    try:
+        asyncio.run(serve(cfg))
+    except OSError as exc:
+        typer.echo(f"cotserve router: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+
+@moe_app.command("policy")
+def moe_policy(
+    model: str = typer.Argument(..., help="Model name."),
+    address: str = typer.Option("127.0.0.1:50081", envvar="COTSERVE_ROUTER_ADDRESS", help="Router address."),
+) -> None:
+    """Print a model's current routing policy."""
+    import grpc
+
+    from cotserve.router.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            p = router_pb2_grpc.RouterServiceStub(ch).GetPolicy(router_pb2.GetPolicyRequest(model=model), timeout=10).policy
+        except grpc.RpcError as err:
+            _rpc_error(err)
+    typer.echo(f"{p.model} v{p.version} top_k={p.top_k or 'checkpoint'}")
+    for layer in p.layers:
+        bias = " ".join(f"{b:+.3f}" for b in layer.expert_bias) or "none"
+        typer.echo(f"  layer {layer.layer}: bias [{bias}] disabled {list(layer.disabled_experts)}")
+
+
+@moe_app.command("load")
+def moe_load(
+    model: str = typer.Argument(..., help="Model name."),
+    window_s: float = typer.Option(10.0, help="Window to sum over."),
+    address: str = typer.Option("127.0.0.1:50081", envvar="COTSERVE_ROUTER_ADDRESS", help="Router address."),
+) -> None:
+    """Print tokens per expert per layer and each layer's balancedness (mean / max)."""
+    import grpc
+
+    from cotserve.router.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = router_pb2_grpc.RouterServiceStub(ch).GetExpertLoad(
+                router_pb2.GetExpertLoadRequest(model=model, window_ms=int(window_s * 1000)), timeout=10)
+        except grpc.RpcError as err:
+            _rpc_error(err)
+    for layer in resp.layers:
+        typer.echo(f"layer {layer.layer}: {list(layer.tokens_per_expert)} balancedness {layer.balancedness:.3f}")
+
+
 def _sandbox_stub(address: str):
     import grpc
 
@@ -253,6 +323,9 @@ def _stack(model: Optional[Path], port: int, redis_url: Optional[str], full: boo
     children.append(Child("worker", worker_addr, python_cli(*worker_args), grpc_ready(worker_addr), env))
     sandbox_addr = f"127.0.0.1:{free_port()}"
     if full:
+        router_addr = f"127.0.0.1:{free_port()}"
+        children.append(Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1]),
+                              grpc_ready(router_addr), env))
         children.append(Child("sandbox", sandbox_addr, python_cli("serve", "sandbox", "--port", sandbox_addr.rsplit(":", 1)[1]),
                               grpc_ready(sandbox_addr), env))
     gateway_addr = f"127.0.0.1:{port}"

@@ -30,8 +30,8 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
             time.sleep(0.2)
         kids = children_of(proc.pid)
         names = [open(f"/proc/{k}/cmdline").read() for k in kids]
-        assert len(kids) == 4 and "redis-server" in names[0] and "worker" in names[1]
-        assert "sandbox" in names[2] and "gateway" in names[3]
+        assert len(kids) == 5 and "redis-server" in names[0] and "worker" in names[1]
+        assert "router" in names[2] and "sandbox" in names[3] and "gateway" in names[4]
         gen = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr

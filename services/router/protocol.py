@@ -34,6 +34,39 @@ def load_stream(model: str) -> str:
     return f"{PREFIX}:{model}:load"
 
 
+def shape_key(model: str) -> str:
+    """JSON {num_experts, top_k, moe_layers} that workers of the model register (the router validates with it)."""
+    return f"{PREFIX}:{model}:shape"
+
+
+def load_bucket_key(model: str, second: int) -> str:
+    """Per-second sums of load windows, hash field `layer:expert` -> tokens (expiring)."""
+    return f"{PREFIX}:{model}:loadsec:{second}"
+
+
+LOAD_GROUP = "router"
+LOAD_BUCKET_TTL_S = 3600
+
+# Compare-and-set publish. KEYS[1] = policy key (also the channel), KEYS[2] = version key;
+# ARGV[1] = the version the caller expects to be current, ARGV[2] = the policy encoded with
+# version ARGV[1] + 1. Returns {1, new_version}, or {0, current_version} when another writer won.
+CAS_SCRIPT = """
+local cur = redis.call('GET', KEYS[2])
+local current = tonumber(cur or '0')
+if current ~= tonumber(ARGV[1]) then
+  return {0, current}
+end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('SET', KEYS[2], tostring(current + 1))
+redis.call('PUBLISH', KEYS[1], ARGV[2])
+return {1, current + 1}
+"""
+
+
+def version_key(model: str) -> str:
+    return f"{PREFIX}:{model}:version"
+
+
 class PolicyError(ValueError):
     """A policy that does not fit the model; the message names the problem."""
 

@@ -48,6 +48,8 @@ class PolicyFollower:
         self._loop = asyncio.get_running_loop()
         self.engine.policy_listeners.append(self._on_applied_threadsafe)
         try:
+            shape = {**self.shape, "moe_layers": sorted(self.shape["moe_layers"])}
+            await self.redis.set(protocol.shape_key(self.model), json.dumps(shape))
             await self._sync_from_key(wait=True)
         except (aioredis.RedisError, OSError) as exc:
             log.warning("MoE policy: Redis unreachable at start (%s); following it once it is back", exc)

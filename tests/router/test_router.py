@@ -1,0 +1,167 @@
+"""The router service against a real Redis: compare-and-set, validation, watch, load, balancing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry.sdk.trace import TracerProvider
+
+from cotserve.router import protocol
+from cotserve.router.server import (
+    RouterConfig, balance_once, balancedness, consume_load, expert_load, sign_rule, start_router,
+)
+from cotserve.router.v1 import router_pb2, router_pb2_grpc
+
+SHAPE = {"num_experts": 4, "top_k": 2, "moe_layers": [0, 1]}
+
+
+def with_router(redis_url, body, **cfg):
+    async def main():
+        r = aioredis.Redis.from_url(redis_url)
+        await r.set(protocol.shape_key("m"), json.dumps(SHAPE))
+        router = await start_router(RouterConfig(redis_url=redis_url, port=0, balance=False, **cfg), TracerProvider())
+        try:
+            async with grpc.aio.insecure_channel(router.server.address) as ch:
+                return await body(router_pb2_grpc.RouterServiceStub(ch), r, router)
+        finally:
+            await router.stop()
+            await r.aclose()
+
+    return asyncio.run(main())
+
+
+def layer_policy(**layer) -> router_pb2.ExpertPolicy:
+    p = router_pb2.ExpertPolicy(model="m")
+    p.layers.add(**layer)
+    return p
+
+
+def test_set_policy_is_compare_and_set_and_validated(redis_url):
+    async def body(stub, r, router):
+        assert (await stub.GetPolicy(router_pb2.GetPolicyRequest(model="m"))).policy.version == 0
+        v1 = (await stub.SetPolicy(router_pb2.SetPolicyRequest(policy=layer_policy(layer=0, disabled_experts=[3]),
+                                                               expected_version=0))).policy
+        errors = []
+        for req in (
+            router_pb2.SetPolicyRequest(policy=layer_policy(layer=0), expected_version=0),  # stale
+            router_pb2.SetPolicyRequest(policy=layer_policy(layer=0, expert_bias=[1.0, 2.0]), expected_version=1),
+            router_pb2.SetPolicyRequest(policy=layer_policy(layer=7), expected_version=1),
+            router_pb2.SetPolicyRequest(policy=layer_policy(layer=1, disabled_experts=[0, 1, 2]), expected_version=1),
+            router_pb2.SetPolicyRequest(policy=router_pb2.ExpertPolicy(model="nope"), expected_version=0),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.SetPolicy(req)
+            errors.append((err.value.code(), err.value.details()))
+        stored = router_pb2.ExpertPolicy()
+        stored.ParseFromString(await r.get(protocol.policy_key("m")))
+        return v1, errors, stored
+
+    v1, errors, stored = with_router(redis_url, body)
+    assert v1.version == 1 and stored.version == 1 and list(stored.layers[0].disabled_experts) == [3]
+    assert "traceparent" in stored.trace_context
+    assert errors[0] == (grpc.StatusCode.ABORTED, "expected_version: 0 is stale; the current version is 1")
+    assert errors[1] == (grpc.StatusCode.INVALID_ARGUMENT, "policy.layers[0].expert_bias: 2 values, the model has 4 experts")
+    assert errors[2][0] == grpc.StatusCode.INVALID_ARGUMENT and "layers[7]: not an MoE layer" in errors[2][1]
+    assert errors[3] == (grpc.StatusCode.INVALID_ARGUMENT,
+                         "policy.layers[1].disabled_experts: 3 disabled leaves fewer than top_k (2) experts")
+    assert errors[4] == (grpc.StatusCode.NOT_FOUND, "model: no worker of 'nope' has registered its experts")
+
+
+def test_watch_streams_each_new_version(redis_url):
+    async def body(stub, r, router):
+        seen = []
+
+        async def watch():
+            async for msg in stub.WatchPolicy(router_pb2.WatchPolicyRequest(model="m")):
+                seen.append(msg.policy.version)
+                if len(seen) == 3:
+                    return
+
+        task = asyncio.create_task(watch())
+        await asyncio.sleep(0.2)
+        for v in (0, 1):
+            await stub.SetPolicy(router_pb2.SetPolicyRequest(policy=layer_policy(layer=0), expected_version=v))
+        await asyncio.wait_for(task, 5)
+        return seen
+
+    assert with_router(redis_url, body) == [0, 1, 2]
+
+
+def window(load: dict[int, list[int]]) -> dict[str, str]:
+    return {"worker": "w", "end_unix_ms": str(int(time.time() * 1000)), "window_s": "1", "policy_version": "0",
+            "load": json.dumps({str(k): v for k, v in load.items()})}
+
+
+def test_load_windows_are_counted_exactly_once_across_a_router_restart(redis_url):
+    async def main():
+        r = aioredis.Redis.from_url(redis_url)
+        await r.set(protocol.shape_key("m"), json.dumps(SHAPE))
+        stream = protocol.load_stream("m")
+        for _ in range(3):
+            await r.xadd(stream, window({0: [1, 2, 3, 4], 1: [5, 0, 0, 5]}))
+        await r.xgroup_create(stream, protocol.LOAD_GROUP, id="0")
+        # a router that read the windows and died before acknowledging them
+        await r.xreadgroup(protocol.LOAD_GROUP, "router-1", {stream: ">"}, count=2)
+        folded = await consume_load(r, "m")  # the restarted router: its pending two, then the third
+        again = await consume_load(r, "m")
+        load = await expert_load(r, "m", 10)
+        pending = await r.xpending(stream, protocol.LOAD_GROUP)
+        await r.aclose()
+        return folded, again, load, pending
+
+    folded, again, load, pending = asyncio.run(main())
+    assert (folded, again) == (3, 0)
+    assert load == {0: [3, 6, 9, 12], 1: [15, 0, 0, 15]}
+    assert pending["pending"] == 0
+
+
+def test_sign_rule_and_balancedness():
+    assert sign_rule([0.0, 0.0, 0.0, 0.0], [10, 0, 5, 5], 0.1) == [-0.1, 0.1, 0.0, 0.0]
+    assert balancedness([5, 5, 5, 5]) == 1.0 and balancedness([20, 0, 0, 0]) == 0.25 and balancedness([0, 0]) == 0.0
+
+
+def test_balancing_round_publishes_a_nudged_bias_and_get_expert_load_reports_it(redis_url):
+    async def body(stub, r, router):
+        await r.xadd(protocol.load_stream("m"), window({0: [30, 10, 0, 0], 1: [10, 10, 10, 10]}))
+        await consume_load(r, "m")
+        from cotserve.router.server import RouterServicer
+
+        servicer = RouterServicer(r, RouterConfig(redis_url=redis_url, gamma=0.5))
+        published = await balance_once(servicer, "m")
+        load = await stub.GetExpertLoad(router_pb2.GetExpertLoadRequest(model="m", window_ms=10_000))
+        return published, load
+
+    published, load = with_router(redis_url, body)
+    layers = {l.layer: list(l.expert_bias) for l in published.layers}
+    assert published.version == 1 and layers[0] == [-0.5, 0.0, 0.5, 0.5] and layers[1] == [0.0] * 4
+    assert [list(l.tokens_per_expert) for l in load.layers] == [[30, 10, 0, 0], [10, 10, 10, 10]]
+    assert [round(l.balancedness, 3) for l in load.layers] == [0.333, 1.0]
+
+
+def test_set_policy_reaches_a_worker(redis_url, mixtral):
+    from cotserve.worker.server import WorkerConfig, start_worker
+
+    async def main():
+        worker = await start_worker(WorkerConfig(model=mixtral, port=0, max_num_seqs=2, redis_url=redis_url))
+        router = await start_router(RouterConfig(redis_url=redis_url, port=0, balance=False))
+        try:
+            async with grpc.aio.insecure_channel(router.server.address) as ch:
+                stub = router_pb2_grpc.RouterServiceStub(ch)
+                p = router_pb2.ExpertPolicy(model="tiny-moe")
+                p.layers.add(layer=1, disabled_experts=[0])
+                start = time.monotonic()
+                v = (await stub.SetPolicy(router_pb2.SetPolicyRequest(policy=p, expected_version=0))).policy.version
+                while worker.engine.policy_version != v:
+                    assert time.monotonic() - start < 5
+                    await asyncio.sleep(0.002)
+                return v
+        finally:
+            await router.stop()
+            await worker.stop()
+
+    assert asyncio.run(main()) == 1
