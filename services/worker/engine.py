@@ -196,7 +196,7 @@ class Engine:
         self.loaded.model.set_routing_policy(policy)
         self.policy_version = policy.version
         self._publish_stats()
-        for listener in self.policy_listeners:
+        for listener in tuple(self.policy_listeners):  # a snapshot: listeners may be added meanwhile
             listener(policy.version)
 
     def _add(self, seq: Sequence, sink: Sink) -> None:
