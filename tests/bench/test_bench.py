@@ -57,3 +57,14 @@ def test_isolation_drive_records_every_tenant_b_request(demo_gateway):
     assert run.total_tokens_per_s > 0
     summarize([run])
     assert len(goals(run, run, run)) == 3
+
+
+def test_moe_benches_run_end_to_end():
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "moe", "--workers", "2", "--updates", "5"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "propagation to all 2 workers over 5 updates: p50" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "moe-balance", "--timeout-s", "3"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "before: balancedness per layer" in out.stdout and "mean KL(unbiased || balanced)" in out.stdout

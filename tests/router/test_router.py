@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.router import protocol
 from cotserve.router.server import (
-    RouterConfig, balance_once, balancedness, consume_load, expert_load, sign_rule, start_router,
+    RouterConfig, balance_once, balancedness, consume_load, expert_load, proportional_rule, sign_rule, start_router,
 )
 from cotserve.router.v1 import router_pb2, router_pb2_grpc
 
@@ -122,6 +122,8 @@ def test_load_windows_are_counted_exactly_once_across_a_router_restart(redis_url
 
 def test_sign_rule_and_balancedness():
     assert sign_rule([0.0, 0.0, 0.0, 0.0], [10, 0, 5, 5], 0.1) == [-0.1, 0.1, 0.0, 0.0]
+    assert proportional_rule([0.0, 0.0, 0.0, 0.0], [20, 0, 6, 6], 0.1) == pytest.approx([-0.1, 0.1, 0.025, 0.025])
+    assert proportional_rule([1.0, 2.0], [0, 0], 0.1) == [1.0, 2.0]
     assert balancedness([5, 5, 5, 5]) == 1.0 and balancedness([20, 0, 0, 0]) == 0.25 and balancedness([0, 0]) == 0.0
 
 
@@ -143,12 +145,19 @@ def test_balancing_round_publishes_a_nudged_bias_and_get_expert_load_reports_it(
     assert [round(l.balancedness, 3) for l in load.layers] == [0.333, 1.0]
 
 
-def test_set_policy_reaches_a_worker(redis_url, mixtral):
+def test_set_policy_reaches_a_worker_in_the_same_trace(redis_url, mixtral):
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
     from cotserve.worker.server import WorkerConfig, start_worker
 
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
     async def main():
-        worker = await start_worker(WorkerConfig(model=mixtral, port=0, max_num_seqs=2, redis_url=redis_url))
-        router = await start_router(RouterConfig(redis_url=redis_url, port=0, balance=False))
+        worker = await start_worker(WorkerConfig(model=mixtral, port=0, max_num_seqs=2, redis_url=redis_url), provider)
+        router = await start_router(RouterConfig(redis_url=redis_url, port=0, balance=False), provider)
         try:
             async with grpc.aio.insecure_channel(router.server.address) as ch:
                 stub = router_pb2_grpc.RouterServiceStub(ch)
@@ -165,3 +174,8 @@ def test_set_policy_reaches_a_worker(redis_url, mixtral):
             await worker.stop()
 
     assert asyncio.run(main()) == 1
+    spans = exporter.get_finished_spans()
+    (set_span,) = [s for s in spans if s.name.endswith("/SetPolicy")]
+    (apply_span,) = [s for s in spans if s.name == "moe.apply_policy v1"]
+    assert apply_span.context.trace_id == set_span.context.trace_id
+    assert apply_span.parent.span_id == set_span.context.span_id
