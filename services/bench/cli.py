@@ -1,0 +1,297 @@
+"""`cotserve bench ...`: every benchmark prints a table, with ratios against a baseline run in the same process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cotserve.common.clitools import stack, wide_console
+
+
+bench_app = typer.Typer(help="Benchmarks: tables, and ratios against a baseline run in the same process.", no_args_is_help=True)
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give comma-separated integers, e.g. 1,8,32") from None
+    if not levels or min(levels) < 1:
+        raise typer.BadParameter(f"{text!r}: every level must be >= 1")
+    return levels
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    address: str = typer.Option("127.0.0.1:50051", envvar="COTSERVE_ADDRESS", help="Gateway address."),
+    concurrency: str = typer.Option("1,8,32", help="Comma-separated concurrency levels."),
+    prompt_tokens: int = typer.Option(64, help="Tokens per prompt (built with the served tokenizer)."),
+    max_new_tokens: int = typer.Option(64, help="Tokens generated per request (end-of-sequence ignored)."),
+    requests_per_level: Optional[int] = typer.Option(None, help="Requests per level (default: max(16, 2 x concurrency))."),
+    model: str = typer.Option("", help="Model name (empty: the only model served)."),
+) -> None:
+    """Streaming load through the gateway: req/s, output tok/s, TTFT and inter-token latency percentiles."""
+    from cotserve.bench.throughput import run, table
+
+    console = wide_console()
+    results = asyncio.run(run(address, _levels(concurrency), prompt_tokens, max_new_tokens, requests_per_level, model,
+                              progress=lambda m: console.print(m, style="dim")))
+    console.print(table(results))
+
+
+@bench_app.command("baseline")
+def bench_baseline(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the bundled demo model)."),
+    address: Optional[str] = typer.Option(None, help="A gateway already serving MODEL (default: start worker + gateway here)."),
+    concurrency: int = typer.Option(32, help="cotserve's concurrency (and transformers' static batch size)."),
+    prompt_tokens: int = typer.Option(64, help="Tokens per prompt."),
+    max_new_tokens: int = typer.Option(64, help="Tokens generated per request."),
+    requests: int = typer.Option(64, help="Requests for cotserve and for static batching."),
+    single_requests: int = typer.Option(16, help="Requests for transformers one-at-a-time."),
+) -> None:
+    """Same workload through cotserve and through transformers' generate; prints cotserve's throughput ratios."""
+    from rich.table import Table
+
+    from cotserve.bench.baseline import run_transformers
+    from cotserve.bench.throughput import prompt_of_tokens, run_level, table
+    from cotserve.common.procs import free_port, wait_serving
+    from cotserve.sdk import AsyncClient
+    from cotserve.worker.server import DEMO_MODEL
+
+    console = wide_console()
+    model_dir = model or DEMO_MODEL
+    children = []
+    if address is None:
+        children, _ = stack(model_dir, free_port(), None, full=False)
+        address = children[-1].address
+    try:
+        for child in children:
+            child.start()
+            console.print(f"starting {child.name} ...", style="dim")
+            wait_serving(child, 120, lambda: None)
+
+        async def ours():
+            async with AsyncClient(address) as c:
+                prompt = await prompt_of_tokens(c, prompt_tokens)
+                ids = await c.tokenize(prompt)
+                await c.generate(prompt, max_new_tokens=4)
+            return prompt, ids, await run_level(address, concurrency, prompt, max_new_tokens, requests)
+
+        console.print(f"cotserve: {requests} requests at concurrency {concurrency} ...", style="dim")
+        prompt, ids, level = asyncio.run(ours())
+    finally:
+        for child in reversed(children):
+            child.stop(5.0)
+    console.print(table([level]))
+    console.print(f"transformers: {single_requests} requests one at a time ...", style="dim")
+    single = run_transformers(model_dir, ids, max_new_tokens, single_requests, 1)
+    console.print(f"transformers: {requests} requests in static batches of {concurrency} ...", style="dim")
+    static = run_transformers(model_dir, ids, max_new_tokens, requests, concurrency)
+    t = Table(title=f"{prompt_tokens}+{max_new_tokens} tokens per request, {model_dir.name}")
+    for col in ("system", "requests", "output tok/s", "cotserve ratio"):
+        t.add_column(col, justify="right")
+    t.add_row(f"cotserve via gateway, concurrency {concurrency}", str(level.num_requests),
+              f"{level.output_tokens_per_s:.1f}", "1.00x")
+    for b in (single, static):
+        t.add_row(b.name, str(b.num_requests), f"{b.output_tokens_per_s:.1f}",
+                  f"{level.output_tokens_per_s / b.output_tokens_per_s:.2f}x")
+    console.print(t)
+
+
+@bench_app.command("isolation")
+def bench_isolation(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the bundled demo model)."),
+    duration_s: float = typer.Option(20.0, help="Seconds of tenant B's load per run."),
+    flood_concurrency: int = typer.Option(64, help="Tenant A's BATCH requests in flight at once."),
+    interactive_rps: float = typer.Option(4.0, help="Tenant B's INTERACTIVE requests per second (Poisson)."),
+    realtime_rps: float = typer.Option(1.0, help="Tenant B's REALTIME requests per second (Poisson)."),
+    max_num_seqs: int = typer.Option(32, help="The worker's batch size, so that the flood contends for it."),
+) -> None:
+    """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
+    from cotserve.bench.isolation import RunResult, drive, goals, summarize
+    from cotserve.common.procs import free_port, wait_serving
+
+    console = wide_console()
+    worker_common = ("--max-num-seqs", str(max_num_seqs))
+    runs = [
+        ("B alone", 0, worker_common, ()),
+        ("B + flood, SLA on", flood_concurrency, worker_common, ()),
+        ("B + flood, FIFO", flood_concurrency, (*worker_common, "--scheduling", "fifo"), ("--no-admission",)),
+    ]
+    results = []
+    for name, flood, wargs, gargs in runs:
+        children, _ = stack(model, free_port(), None, full=False, worker_extra=wargs, gateway_extra=gargs)
+        try:
+            for child in children:
+                child.start()
+                wait_serving(child, 120, lambda: None)
+            console.print(f"{name}: {duration_s:.0f} s ...", style="dim")
+            seconds, records, flood_tokens = asyncio.run(drive(
+                children[-1].address, duration_s=duration_s, flood_concurrency=flood,
+                interactive_rps=interactive_rps, realtime_rps=realtime_rps))
+            results.append(RunResult(name, seconds, records, flood_tokens))
+        finally:
+            for child in reversed(children):
+                child.stop(5.0)
+    console.print(summarize(results))
+    for line in goals(*results):
+        console.print(line)
+
+
+@bench_app.command("sandbox")
+def bench_sandbox(
+    runs: int = typer.Option(1000, help="Runs for the latency percentiles and for the throughput pass."),
+    threads: int = typer.Option(2, help="Threads running modules at once for the throughput pass."),
+) -> None:
+    """Sandbox per-run overhead (strip-think, 2 KB input) and runs/s; cot-guard detection and false-positive rates."""
+    from rich.table import Table
+
+    from cotserve.bench.sandbox import bench_runs, evaluate_guard
+
+    console = wide_console()
+    b = bench_runs(runs, threads)
+    t = Table(title="sandbox: strip-think on 2 KB, fresh store + instance per run")
+    for col in ("runs", "p50 ms", "p99 ms", "threads", "runs/s"):
+        t.add_column(col, justify="right")
+    t.add_row(str(b.runs), f"{b.p50_ms:.3f}", f"{b.p99_ms:.3f}", str(b.threads), f"{b.runs_per_s:.0f}")
+    console.print(t)
+    g = evaluate_guard()
+    console.print(f"cot-guard detection: {g.detected}/{g.attacks} = {g.detected / g.attacks:.1%}; "
+                  f"false positives: {g.false_positives}/{g.ordinary} = {g.false_positives / g.ordinary:.1%} "
+                  f"(arithmetic prompts rejected: {g.arithmetic_rejected})")
+    for a in g.missed:
+        console.print(f"  missed: {a!r}", markup=False)
+    for p in g.flagged:
+        console.print(f"  flagged: {p!r}", markup=False)
+
+
+@bench_app.command("moe")
+def bench_moe(
+    workers: int = typer.Option(4, help="Workers following the policy."),
+    updates: int = typer.Option(200, help="Policies set through the router."),
+) -> None:
+    """Policy propagation: SetPolicy returning -> every worker has applied that version (p50/p99)."""
+    import tempfile
+
+    from cotserve.bench.moe import make_mixtral, measure_propagation, percentile, stop_all
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_serving
+
+    console = wide_console()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_mixtral(Path(tmp) / "moe-bench")
+        redis, url = redis_child(free_port())
+        children = [redis]
+        names = [f"w{i}" for i in range(workers)]
+        for name in names:
+            addr = f"127.0.0.1:{free_port()}"
+            children.append(Child(name, addr, python_cli("serve", "worker", "--model", str(model), "--port", addr.rsplit(":", 1)[1],
+                                                         "--redis-url", url, "--worker-id", name, "--torch-threads", "1",
+                                                         "--max-num-seqs", "4"), grpc_ready(addr)))
+        router_addr = f"127.0.0.1:{free_port()}"
+        children.append(Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1],
+                                                                "--redis-url", url, "--no-balance"), grpc_ready(router_addr)))
+        try:
+            for child in children:
+                child.start()
+                wait_serving(child, 120, lambda: None)
+            console.print(f"{workers} workers, {updates} policy updates ...", style="dim")
+            times = measure_propagation(router_addr, url, "moe-bench", names, updates,
+                                        progress=lambda m: console.print(m, style="dim"))
+        finally:
+            stop_all([c.proc for c in reversed(children) if c.proc is not None])
+    console.print(f"propagation to all {workers} workers over {updates} updates: p50 {percentile(times, 50):.2f} ms, "
+                  f"p99 {percentile(times, 99):.2f} ms, max {max(times):.2f} ms (goal: p99 < 50 ms)")
+
+
+@bench_app.command("moe-balance")
+def bench_moe_balance(
+    skew: float = typer.Option(1.5, help="How hard the checkpoint's gates favour experts 0 and 1."),
+    gamma: float = typer.Option(0.1, help="Bias step of the router's balancing rule."),
+    rule: str = typer.Option("sign", help="The router's balancing rule: sign or proportional."),
+    timeout_s: float = typer.Option(120.0, help="Give up after this long."),
+) -> None:
+    """Balancing: a skewed Mixtral under load, the router's loop on; balancedness per layer before and after."""
+    import tempfile
+    import threading
+
+    import grpc
+
+    from cotserve.bench.moe import make_mixtral, mean_kl, stop_all
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_serving
+    from cotserve.common.v1 import common_pb2
+    from cotserve.router import protocol
+    from cotserve.router.v1 import router_pb2, router_pb2_grpc
+    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    console = wide_console()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_mixtral(Path(tmp) / "moe-skewed", skew=skew)
+        redis, url = redis_child(free_port())
+        worker_addr, router_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        children = [
+            redis,
+            Child("worker", worker_addr, python_cli("serve", "worker", "--model", str(model_dir), "--port",
+                                                    worker_addr.rsplit(":", 1)[1], "--redis-url", url), grpc_ready(worker_addr)),
+            Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1], "--redis-url",
+                                                    url, "--balance-interval-s", "1", "--gamma", str(gamma), "--rule", rule),
+                  grpc_ready(router_addr)),
+        ]
+        stop = threading.Event()
+        prompts = [[0, *range(3 + i, 35 + i)] for i in range(8)]
+
+        def load_loop() -> None:
+            with grpc.insecure_channel(worker_addr) as ch:
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                i = 0
+                while not stop.is_set():
+                    req = worker_pb2.GenerateRequest(prompt_token_ids=prompts[i % len(prompts)], sampling=common_pb2.SamplingParams(
+                        max_new_tokens=32, ignore_eos=True, temperature=1.0, seed=i))
+                    for _ in stub.Generate(req):
+                        pass
+                    i += 1
+
+        try:
+            for child in children:
+                child.start()
+                wait_serving(child, 120, lambda: None)
+            loaders = [threading.Thread(target=load_loop, daemon=True) for _ in range(4)]
+            for t in loaders:
+                t.start()
+            with grpc.insecure_channel(router_addr) as ch:
+                router = router_pb2_grpc.RouterServiceStub(ch)
+
+                def balance() -> tuple[int, list[float]]:
+                    resp = router.GetExpertLoad(router_pb2.GetExpertLoadRequest(model="moe-skewed", window_ms=2000))
+                    version = router.GetPolicy(router_pb2.GetPolicyRequest(model="moe-skewed")).policy.version
+                    return version, [l.balancedness for l in resp.layers]
+
+                start = time.monotonic()
+                history = []
+                while time.monotonic() - start < timeout_s:
+                    time.sleep(1.0)
+                    history.append((time.monotonic() - start, *balance()))
+                    t_s, version, b = history[-1]
+                    console.print(f"  {t_s:5.1f}s  policy v{version}  balancedness {' '.join(f'{x:.3f}' for x in b)}", style="dim")
+                    if len(history) >= 3 and all(min(h[2] or [0]) >= 0.9 for h in history[-3:]):
+                        break
+                final = router.GetPolicy(router_pb2.GetPolicyRequest(model="moe-skewed")).policy
+        finally:
+            stop.set()
+            stop_all([c.proc for c in reversed(children) if c.proc is not None])
+        first = next((h for h in history if h[2]), None)
+        converged = next((h for h in history if h[2] and min(h[2]) >= 0.9), None)
+        kl = mean_kl(model_dir, protocol.to_routing(final), prompts)
+    if first:
+        console.print(f"before: balancedness per layer {' '.join(f'{x:.3f}' for x in first[2])} (policy v{first[1]})")
+    last = history[-1] if history else None
+    if last:
+        console.print(f"after:  balancedness per layer {' '.join(f'{x:.3f}' for x in last[2])} (policy v{last[1]}, {last[0]:.0f} s)")
+    if converged:
+        console.print(f"every layer >= 0.9 first at {converged[0]:.0f} s, policy v{converged[1]} ({converged[1]} balancing windows)")
+    else:
+        console.print("not every layer reached balancedness 0.9 within the time limit")
+    console.print(f"output change, mean KL(unbiased || balanced) per token: {kl:.4f} nats")

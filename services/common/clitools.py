@@ -1,0 +1,54 @@
+"""Helpers shared by the `cotserve` commands: logging, error exits, wide tables, the local stack."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def rpc_error_exit(err) -> None:
+    typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
+    raise typer.Exit(1)
+
+
+def wide_console():
+    """Tables print whole when piped to a file (rich would otherwise assume 80 columns)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool = True,
+           worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = ()) -> tuple[list, str]:
+    """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
+    starts only the worker and the gateway."""
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child
+
+    children = []
+    if redis_url is None and full:
+        redis, redis_url = redis_child(free_port())
+        children.append(redis)
+    env = {"COTSERVE_REDIS_URL": redis_url} if redis_url else {}
+    worker_addr = f"127.0.0.1:{free_port()}"
+    worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1], *worker_extra] + (["--model", str(model)] if model else [])
+    children.append(Child("worker", worker_addr, python_cli(*worker_args), grpc_ready(worker_addr), env))
+    sandbox_addr = f"127.0.0.1:{free_port()}"
+    if full:
+        router_addr = f"127.0.0.1:{free_port()}"
+        children.append(Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1]),
+                              grpc_ready(router_addr), env))
+        children.append(Child("sandbox", sandbox_addr, python_cli("serve", "sandbox", "--port", sandbox_addr.rsplit(":", 1)[1]),
+                              grpc_ready(sandbox_addr), env))
+    gateway_addr = f"127.0.0.1:{port}"
+    sandbox_args = ("--sandbox", sandbox_addr) if full else ()
+    children.append(Child("gateway", gateway_addr, python_cli("serve", "gateway", "--port", str(port), "--worker", worker_addr,
+                                                              *sandbox_args, *gateway_extra), grpc_ready(gateway_addr), env))
+    return children, redis_url

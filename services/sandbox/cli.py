@@ -1,0 +1,93 @@
+"""`cotserve sandbox register | list | run`: manage and run WASI modules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cotserve.common.clitools import rpc_error_exit
+
+
+sandbox_app = typer.Typer(help="The WASI sandbox: register, list and run modules.", no_args_is_help=True)
+
+
+def _sandbox_stub(address: str):
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2_grpc
+
+    return grpc.insecure_channel(address), sandbox_pb2_grpc.SandboxServiceStub
+
+
+@sandbox_app.command("register")
+def sandbox_register(
+    name: str = typer.Argument(..., help="Module name."),
+    file: Path = typer.Argument(..., help="A .wasm or .wat file."),
+    address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox address."),
+) -> None:
+    """Register (compile and validate) a module."""
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2
+
+    data = file.read_bytes()
+    req = sandbox_pb2.RegisterModuleRequest(name=name)
+    if file.suffix == ".wat":
+        req.wat = data.decode()
+    else:
+        req.wasm = data
+    channel, stub = _sandbox_stub(address)
+    with channel:
+        try:
+            m = stub(channel).RegisterModule(req, timeout=60).module
+        except grpc.RpcError as err:
+            rpc_error_exit(err)
+    typer.echo(f"{m.name} {m.sha256} {m.size_bytes} bytes")
+
+
+@sandbox_app.command("list")
+def sandbox_list(address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox address.")) -> None:
+    """List registered modules."""
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2
+
+    channel, stub = _sandbox_stub(address)
+    with channel:
+        try:
+            modules = stub(channel).ListModules(sandbox_pb2.ListModulesRequest(), timeout=30).modules
+        except grpc.RpcError as err:
+            rpc_error_exit(err)
+    for m in modules:
+        typer.echo(f"{m.name}\t{m.sha256[:16]}\t{m.size_bytes} bytes")
+
+
+@sandbox_app.command("run")
+def sandbox_run(
+    name: str = typer.Argument(..., help="Module name."),
+    input_file: Optional[Path] = typer.Option(None, "--input", help="File to pass on stdin (default: this command's stdin)."),
+    arg: list[str] = typer.Option([], "--arg", help="Argument for the module (repeatable)."),
+    timeout_ms: int = typer.Option(0, help="Wall-time limit (0: the module's default)."),
+    address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox address."),
+) -> None:
+    """Run a module on stdin (or --input) and print its output; the outcome goes to stderr."""
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2
+
+    data = input_file.read_bytes() if input_file else sys.stdin.buffer.read()
+    channel, stub = _sandbox_stub(address)
+    with channel:
+        try:
+            r = stub(channel).Run(sandbox_pb2.RunRequest(name=name, input=data, args=arg,
+                                                         limits=sandbox_pb2.RunLimits(timeout_ms=timeout_ms)), timeout=60)
+        except grpc.RpcError as err:
+            rpc_error_exit(err)
+    sys.stdout.buffer.write(r.output)
+    sys.stdout.flush()
+    typer.echo(f"[{sandbox_pb2.RunOutcome.Name(r.outcome)} exit {r.exit_code} | fuel {r.fuel_used} | {r.wall_ms:.2f} ms]", err=True)
+    if r.outcome != sandbox_pb2.RUN_OUTCOME_OK:
+        raise typer.Exit(1)
