@@ -287,8 +287,10 @@ def bench_moe_balance(
         kl = mean_kl(model_dir, protocol.to_routing(final), prompts)
     if first:
         console.print(f"before: balancedness per layer {' '.join(f'{x:.3f}' for x in first[2])} (policy v{first[1]})")
+    else:
+        console.print("before: balancedness per layer not measured (no load window arrived in time)")
     last = history[-1] if history else None
-    if last:
+    if last and last[2]:
         console.print(f"after:  balancedness per layer {' '.join(f'{x:.3f}' for x in last[2])} (policy v{last[1]}, {last[0]:.0f} s)")
     if converged:
         console.print(f"every layer >= 0.9 first at {converged[0]:.0f} s, policy v{converged[1]} ({converged[1]} balancing windows)")
