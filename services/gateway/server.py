@@ -201,14 +201,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 gateway_queue_ms = await worker.admission.acquire(sla, context.time_remaining())
             except QueueDeadlineExceeded as exc:
                 raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
-            span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
-            m.queue.labels(model, sla.name).observe(gateway_queue_ms / 1000)
             sent_at = time.monotonic()
-            call = worker.stub.Generate(wreq, timeout=context.time_remaining())
             worker.in_flight += 1
+            call = None
             first_at: float | None = None
             last_at = sent_at
-            try:
+            try:  # from here on, the finally gives the admission slot back whatever happens
+                span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
+                m.queue.labels(model, sla.name).observe(gateway_queue_ms / 1000)
+                call = worker.stub.Generate(wreq, timeout=context.time_remaining())
                 async for chunk in call:
                     now = time.monotonic()
                     if first_at is not None:
@@ -252,7 +253,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             finally:
                 worker.in_flight -= 1
                 worker.admission.release(sla, service_ms=(time.monotonic() - sent_at) * 1000)
-                call.cancel()  # the client went away or we failed: free the worker's pages now
+                if call is not None:
+                    call.cancel()  # the client went away or we failed: free the worker's pages now
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         async for chunk in self._counted(request, context):
