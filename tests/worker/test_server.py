@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -15,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cotserve.common.v1 import common_pb2
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.conftest import free_port, start_worker, stop_process
+from tests.conftest import free_port, start_worker, stop_process, wait_worker_idle
 
 
 @pytest.fixture
@@ -26,16 +25,6 @@ def stub(demo_worker):
 
 def gen(prompt: str = "", **sampling) -> worker_pb2.GenerateRequest:
     return worker_pb2.GenerateRequest(prompt_text=prompt, sampling=common_pb2.SamplingParams(**sampling))
-
-
-def wait_idle(stub, timeout_s: float = 5.0) -> worker_pb2.StatsResponse:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = stub.Stats(worker_pb2.StatsRequest())
-        if stats.kv_blocks_used == 0 and stats.num_running_seqs == 0 and stats.num_waiting_seqs == 0:
-            return stats
-        assert time.monotonic() < deadline, f"blocks not freed: {stats}"
-        time.sleep(0.05)
 
 
 def test_health_and_reflection(demo_worker):
@@ -102,32 +91,32 @@ BAD = [
 
 
 @pytest.mark.parametrize("request_,message", BAD, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD)])
-def test_bad_input_is_invalid_argument_naming_the_field(stub, request_, message):
+def test_bad_input_is_invalid_argument_naming_the_field(stub, demo_worker, request_, message):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(request_))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
-    wait_idle(stub)
+    wait_worker_idle(demo_worker)
 
 
-def test_cancel_midway_frees_the_blocks(stub):
+def test_cancel_midway_frees_the_blocks(stub, demo_worker):
     call = stub.Generate(gen("1+2+3=", max_new_tokens=250, ignore_eos=True))
     got = [next(call) for _ in range(3)]
     assert len(got) == 3
     assert stub.Stats(worker_pb2.StatsRequest()).kv_blocks_used > 0
     call.cancel()
-    stats = wait_idle(stub)
+    stats = wait_worker_idle(demo_worker)
     assert stats.kv_blocks_free == 32 * 16
 
 
-def test_deadline_exceeded_frees_the_blocks(stub):
+def test_deadline_exceeded_frees_the_blocks(stub, demo_worker):
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Generate(gen("1+2+3=", max_new_tokens=250, ignore_eos=True), timeout=0.3))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_idle(stub)
+    wait_worker_idle(demo_worker)
 
 
-def test_concurrent_streams_and_stats(stub):
+def test_concurrent_streams_and_stats(stub, demo_worker):
     results: dict[int, str] = {}
 
     def one(i: int) -> None:
@@ -139,7 +128,7 @@ def test_concurrent_streams_and_stats(stub):
     for t in threads:
         t.join(60)
     assert {i: r for i, r in results.items()} == {i: f"<think>{i}+{i}={2 * i}.</think> {2 * i}" for i in range(12)}
-    stats = wait_idle(stub)
+    stats = wait_worker_idle(demo_worker)
     assert stats.num_requests_finished_total >= 12
     assert stats.step_latency_p50_ms > 0 and stats.step_latency_p95_ms >= stats.step_latency_p50_ms
     assert stats.generated_tokens_per_s > 0
