@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from cotserve.bench.cli import bench_app
-from cotserve.common.clitools import setup_logging, stack
+from cotserve.common.clitools import fail, run_service, setup_logging, stack
 from cotserve.gateway.cli import tenants_app
 from cotserve.router.cli import moe_app
 from cotserve.sandbox.cli import sandbox_app
@@ -59,7 +59,6 @@ def serve_worker(
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one model worker."""
-    from cotserve.common.errors import ModelLoadError
     from cotserve.worker.server import DEMO_MODEL, WorkerConfig, serve
 
     setup_logging()
@@ -71,11 +70,7 @@ def serve_worker(
         redis_url=redis_url, worker_id=worker_id,
         grace_s=grace_s,
     )
-    try:
-        asyncio.run(serve(cfg))
-    except (ModelLoadError, ValueError, OSError) as exc:
-        typer.echo(f"cotserve worker: {getattr(exc, 'message', exc)}", err=True)
-        raise typer.Exit(2) from None
+    run_service("worker", serve(cfg))
 
 
 @serve_app.command("gateway")
@@ -113,13 +108,8 @@ def serve_gateway(
                             sandbox_address=sandbox, fail_open_modules=frozenset(fail_open))
         cfg.validate()
     except ValueError as exc:
-        typer.echo(f"cotserve gateway: {exc}", err=True)
-        raise typer.Exit(2) from None
-    try:
-        asyncio.run(serve(cfg))
-    except (ValueError, OSError) as exc:
-        typer.echo(f"cotserve gateway: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail("gateway", exc)
+    run_service("gateway", serve(cfg))
 
 
 @serve_app.command("sandbox")
@@ -140,14 +130,9 @@ def serve_sandbox(
         cfg.store_dir = store_dir
     if pool_size is not None:
         if pool_size < 1:
-            typer.echo(f"cotserve sandbox: pool_size: {pool_size}, must be >= 1", err=True)
-            raise typer.Exit(2)
+            fail("sandbox", f"pool_size: {pool_size}, must be >= 1")
         cfg.pool_size = pool_size
-    try:
-        asyncio.run(serve(cfg))
-    except OSError as exc:
-        typer.echo(f"cotserve sandbox: {exc}", err=True)
-        raise typer.Exit(2) from None
+    run_service("sandbox", serve(cfg))
 
 
 @serve_app.command("router")
@@ -166,15 +151,10 @@ def serve_router(
 
     setup_logging()
     if gamma <= 0 or balance_interval_s <= 0 or rule not in ("sign", "proportional"):
-        typer.echo("cotserve router: gamma and balance_interval_s must be > 0; rule is sign or proportional", err=True)
-        raise typer.Exit(2)
+        fail("router", "gamma and balance_interval_s must be > 0; rule is sign or proportional")
     cfg = RouterConfig(redis_url=redis_url, host=host, port=port, balance=balance, balance_interval_s=balance_interval_s,
                        gamma=gamma, rule=rule, grace_s=grace_s)
-    try:
-        asyncio.run(serve(cfg))
-    except OSError as exc:
-        typer.echo(f"cotserve router: {exc}", err=True)
-        raise typer.Exit(2) from None
+    run_service("router", serve(cfg))
 
 
 @app.command("up")

@@ -177,7 +177,8 @@ def bench_moe(
     """Policy propagation: SetPolicy returning -> every worker has applied that version (p50/p99)."""
     import tempfile
 
-    from cotserve.bench.moe import make_mixtral, measure_propagation, percentile, stop_all
+    from cotserve.bench.moe import make_mixtral, measure_propagation, stop_all
+    from cotserve.bench.throughput import percentile
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_serving
 
     console = wide_console()

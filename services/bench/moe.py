@@ -59,11 +59,6 @@ def make_mixtral(folder: Path, *, num_experts: int = 8, top_k: int = 2, layers: 
     return folder
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 def measure_propagation(router_address: str, redis_url: str, model: str, workers: list[str], updates: int,
                         progress=print) -> list[float]:
     import grpc

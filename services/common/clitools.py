@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Coroutine, NoReturn, Optional
 
 import typer
+
+from cotserve.common.errors import CotserveError
 
 
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def fail(service: str, message: object) -> NoReturn:
+    """A start-up problem: one line on stderr naming the service, exit status 2, no traceback."""
+    typer.echo(f"cotserve {service}: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def run_service(service: str, main: Coroutine) -> None:
+    """Run a service's `serve()` to completion; configuration, model and binding errors `fail`."""
+    try:
+        asyncio.run(main)
+    except (CotserveError, ValueError, OSError) as exc:
+        fail(service, getattr(exc, "message", exc))
 
 
 def rpc_error_exit(err) -> None:
