@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install install-dev up test protos lint-protos demo-model wasm-modules clean
+.PHONY: install install-dev up test browser protos lint-protos demo-model wasm-modules clean
 
 # Keep an installed torch; otherwise take 2.13.0 (on the project's CPU machines pip finds the
 # CPU build on disk). The project's own bound (torch>=2.4) is then already satisfied.
@@ -18,9 +18,18 @@ install-dev:
 up: install
 	$(PYTHON) -m cotserve.cli up
 
-## Install with the dev extra and run the whole test suite.
-test: install-dev
+## Install with the dev extra (and Debian's chromium for the heatmap page's test), run the whole test suite.
+test: install-dev browser
 	$(PYTHON) -m pytest -q
+
+# Headless Chromium for tests/telemetry/test_page.py: Debian's package, installed when missing and
+# we are root; otherwise that test is skipped (CI sets COTSERVE_REQUIRE_BROWSER=1 to make it fail).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium for the browser test ..."; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium is not installed and apt-get needs root: the browser test will be skipped"; fi; }
 
 ## Regenerate services/<service>/v1/ from protos/ (a test fails when they drift apart).
 protos:

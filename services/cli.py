@@ -19,6 +19,7 @@ from cotserve.common.clitools import fail, run_service, setup_logging, stack
 from cotserve.gateway.cli import tenants_app
 from cotserve.router.cli import moe_app
 from cotserve.sandbox.cli import sandbox_app
+from cotserve.telemetry.cli import heatmap_command, trace_app
 
 app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_show_locals=False)
@@ -34,6 +35,8 @@ app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(moe_app, name="moe")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(demo_app, name="demo")
+app.add_typer(trace_app, name="trace")
+app.command("heatmap")(heatmap_command)
 
 
 @serve_app.command("worker")
@@ -135,6 +138,32 @@ def serve_sandbox(
     run_service("sandbox", serve(cfg))
 
 
+@serve_app.command("telemetry")
+def serve_telemetry(
+    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
+    port: int = typer.Option(4317, envvar="COTSERVE_TELEMETRY_PORT", help="gRPC port of the OTLP trace receiver and TelemetryService (0 picks a free one)."),
+    http_port: Optional[int] = typer.Option(None, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Serve the live heatmap page over HTTP on this port (0 picks a free one; default: no page)."),
+    state_file: Optional[Path] = typer.Option(None, envvar="COTSERVE_TELEMETRY_STATE", help="Where the aggregates are kept across restarts (default: ~/.cache/cotserve/telemetry-state.json)."),
+    no_state: bool = typer.Option(False, "--no-state", help="Keep nothing across restarts."),
+    slot_s: int = typer.Option(10, envvar="COTSERVE_TELEMETRY_SLOT_S", help="Seconds per time slot (the time view's resolution)."),
+    retention_s: int = typer.Option(3600, envvar="COTSERVE_TELEMETRY_RETENTION_S", help="Seconds of data kept; older slots are dropped first."),
+    max_series: int = typer.Option(100_000, envvar="COTSERVE_TELEMETRY_MAX_SERIES", help="Histogram series kept at most (oldest slots dropped beyond it)."),
+    max_traces: int = typer.Option(10_000, envvar="COTSERVE_TELEMETRY_MAX_TRACES", help="Recent traces kept for GetTrace."),
+    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight calls on SIGTERM."),
+) -> None:
+    """Start the telemetry service: OTLP trace receiver, latency heatmaps, recent traces."""
+    from cotserve.telemetry.server import TelemetryConfig, serve
+
+    setup_logging()
+    cfg = TelemetryConfig(host=host, port=port, http_port=http_port, slot_s=slot_s, retention_s=retention_s,
+                          max_series=max_series, max_traces=max_traces, grace_s=grace_s)
+    if no_state:
+        cfg.state_file = None
+    elif state_file is not None:
+        cfg.state_file = state_file
+    run_service("telemetry", serve(cfg))
+
+
 @serve_app.command("router")
 def serve_router(
     redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="COTSERVE_REDIS_URL", help="Redis of the MoE control plane."),
@@ -162,15 +191,17 @@ def up(
     model: Optional[Path] = typer.Option(None, envvar="COTSERVE_MODEL", help="Checkpoint folder for the worker (default: the bundled demo model)."),
     port: int = typer.Option(50051, envvar="COTSERVE_PORT", help="The gateway's port: the stack's public address."),
     redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Use this Redis instead of starting the embedded one."),
+    telemetry_port: int = typer.Option(4317, envvar="COTSERVE_TELEMETRY_PORT", help="The telemetry service's OTLP/gRPC port; every service exports its spans there."),
+    telemetry_http_port: int = typer.Option(8317, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Port of the live heatmap page."),
     start_timeout_s: float = typer.Option(120.0, help="Seconds to wait for each service to report SERVING."),
 ) -> None:
-    """Start every service on loopback (Redis, worker, router, sandbox, gateway), wait until each is ready, stop all on Ctrl-C/SIGTERM."""
+    """Start every service on loopback (Redis, telemetry, worker, router, sandbox, gateway), wait until each is ready, stop all on Ctrl-C/SIGTERM."""
     from rich.console import Console
 
     from cotserve.common.procs import wait_serving
 
     console = Console(stderr=True)
-    children, redis_url = stack(model, port, redis_url)
+    children, redis_url = stack(model, port, redis_url, telemetry_port=telemetry_port, telemetry_http_port=telemetry_http_port)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -192,6 +223,8 @@ def up(
             console.print(f"[green]✓[/green] {child.name} ready on {child.address}")
         console.print(f"cotserve is up: gateway on 127.0.0.1:{port} (redis {redis_url})")
         console.print(f'  try: cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream')
+        console.print(f"  latency heatmaps: http://127.0.0.1:{telemetry_http_port}/  "
+                      f"(or cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)")
         while not stopping:
             for child in children:
                 if child.proc.poll() is not None:

@@ -46,6 +46,11 @@ def start_gateway(*workers: str, extra: tuple[str, ...] = (), timeout_s: float =
     return _start_service("gateway", [a for w in workers for a in ("--worker", w)] + list(extra), timeout_s)
 
 
+def start_telemetry(*args: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """Start `cotserve serve telemetry` on a free loopback port and wait for SERVING."""
+    return _start_service("telemetry", list(args), timeout_s)
+
+
 def worker_stats(address: str):
     import grpc
 

@@ -19,7 +19,9 @@ def children_of(pid: int) -> list[int]:
 def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
     port = free_port()
     log = open(tmp_path / "up.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "up", "--port", str(port)],
+    telemetry_port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "up", "--port", str(port), "--telemetry-port", str(telemetry_port),
+                             "--telemetry-http-port", str(free_port())],
                             stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
     try:
@@ -30,12 +32,20 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
             time.sleep(0.2)
         kids = children_of(proc.pid)
         names = [open(f"/proc/{k}/cmdline").read() for k in kids]
-        assert len(kids) == 5 and "redis-server" in names[0] and "worker" in names[1]
-        assert "router" in names[2] and "sandbox" in names[3] and "gateway" in names[4]
+        assert len(kids) == 6 and "redis-server" in names[0] and "telemetry" in names[1] and "worker" in names[2]
+        assert "router" in names[3] and "sandbox" in names[4] and "gateway" in names[5]
         gen = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n[stop | 6 prompt + 17 completion tokens | queue ")
+        # every service exports its spans to the telemetry service `up` started
+        check = subprocess.run([sys.executable, "-m", "cotserve.cli", "trace", "check", "--address", f"127.0.0.1:{port}",
+                                "--telemetry", f"127.0.0.1:{telemetry_port}", "--n", "8", "--post-processor", "strip-think"],
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0 and "complete and correctly parented: 8/8 = 100.0%" in check.stdout, check.stdout + check.stderr
+        heat = subprocess.run([sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{telemetry_port}"],
+                              capture_output=True, text=True, timeout=60)
+        assert heat.returncode == 0 and "n=9" in heat.stdout, heat.stdout + heat.stderr  # 1 generate + 8 checked
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         for kid in kids:

@@ -44,9 +44,11 @@ def wide_console():
 
 
 def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool = True,
-           worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = ()) -> tuple[list, str]:
+           worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = (),
+           telemetry_port: int = 4317, telemetry_http_port: int = 8317) -> tuple[list, str]:
     """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
-    starts only the worker and the gateway."""
+    starts only the worker and the gateway. With `full`, the telemetry service starts first and every
+    other service exports its spans to it over OTLP (batched every half second)."""
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child
 
     children = []
@@ -54,6 +56,13 @@ def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool
         redis, redis_url = redis_child(free_port())
         children.append(redis)
     env = {"COTSERVE_REDIS_URL": redis_url} if redis_url else {}
+    if full:
+        telemetry_addr = f"127.0.0.1:{telemetry_port}"
+        children.append(Child("telemetry", telemetry_addr,
+                              python_cli("serve", "telemetry", "--port", str(telemetry_port), "--http-port", str(telemetry_http_port)),
+                              grpc_ready(telemetry_addr), env))
+        env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{telemetry_addr}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+               "OTEL_BSP_SCHEDULE_DELAY": "500"}
     worker_addr = f"127.0.0.1:{free_port()}"
     worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1], *worker_extra] + (["--model", str(model)] if model else [])
     children.append(Child("worker", worker_addr, python_cli(*worker_args), grpc_ready(worker_addr), env))

@@ -16,8 +16,14 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+# Not traced: health checks, reflection, and the gateway's twice-a-second polls of each worker's
+# Stats/Info (they are not requests, and would bury the request traces at the receiver).
 _NOT_HEALTH_OR_REFLECTION = filters.negate(
-    filters.any_of(filters.health_check(), filters.service_prefix("grpc.reflection"))
+    filters.any_of(
+        filters.health_check(), filters.service_prefix("grpc.reflection"),
+        filters.all_of(filters.service_name("cotserve.worker.v1.WorkerService"),
+                       filters.any_of(filters.method_name("Stats"), filters.method_name("Info"))),
+    )
 )
 
 

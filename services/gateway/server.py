@@ -97,7 +97,9 @@ class GatewayConfig:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
-                 quota: QuotaEnforcer | None = None, processors: Processors | None = None) -> None:
+                 quota: QuotaEnforcer | None = None, processors: Processors | None = None,
+                 tracer_provider: TracerProvider | None = None) -> None:
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.gateway")
         self.pool = pool
         self.metrics = metrics
         self.tenants = tenants or TenantRegistry.open()
@@ -186,6 +188,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         span.update_name(f"generate {model}")
         sp = wreq.sampling
         span.set_attributes({
+            "cotserve.component": "gateway",  # marks the request's summary span for the telemetry service
             "gen_ai.operation.name": "text_completion", "gen_ai.request.model": model,
             "cotserve.sla_class": common_pb2.SlaClass.Name(wreq.sla_class or common_pb2.SLA_CLASS_INTERACTIVE),
             "cotserve.request_id": wreq.request_id,
@@ -196,11 +199,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         while True:
             worker = self.pool.pick(model, exclude=tried, cls=sla)
             tried.add(worker)
-            span.set_attribute("cotserve.worker", worker.address)
-            try:
-                gateway_queue_ms = await worker.admission.acquire(sla, context.time_remaining())
-            except QueueDeadlineExceeded as exc:
-                raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
+            span.set_attributes({"cotserve.worker": worker.address,
+                                 "cotserve.model_version": f"{model}@{worker.info.model_revision}"})
+            with self.tracer.start_as_current_span("queue wait", attributes={"cotserve.worker": worker.address}) as qspan:
+                try:
+                    gateway_queue_ms = await worker.admission.acquire(sla, context.time_remaining())
+                except QueueDeadlineExceeded as exc:
+                    qspan.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                    raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
             sent_at = time.monotonic()
             worker.in_flight += 1
             call = None
@@ -220,7 +226,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         first_at = now
                         ttft_h.observe(now - start)
                         span.set_attribute("cotserve.ttft_ms", (now - start) * 1000)
-                        span.set_attribute("cotserve.queue_ms", (sent_at - start) * 1000 + chunk.timing.queue_ms)
+                        span.set_attributes({
+                            "cotserve.queue_ms": (sent_at - start) * 1000 + chunk.timing.queue_ms,
+                            "cotserve.kv_used_fraction_at_admission": chunk.timing.kv_used_fraction_at_admission,
+                        })
                     out = gateway_pb2.GenerateStreamResponse(
                         text=chunk.text, token_id=chunk.token_id, finish_reason=chunk.finish_reason,
                     )
@@ -232,7 +241,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         out.timing.queue_ms = (sent_at - start) * 1000 + chunk.timing.queue_ms
                         out.timing.ttft_ms = (first_at - start) * 1000
                         out.timing.total_ms = (now - start) * 1000
+                        out.timing.kv_used_fraction_at_admission = chunk.timing.kv_used_fraction_at_admission
+                        n_out = chunk.usage.completion_tokens
                         span.set_attributes({
+                            "cotserve.e2e_ms": out.timing.total_ms,
+                            **({"cotserve.tpot_ms": (now - first_at) * 1000 / (n_out - 1)} if n_out > 1 else {}),
                             "gen_ai.usage.input_tokens": chunk.usage.prompt_tokens,
                             "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
                             "gen_ai.response.finish_reasons": [_FINISH_NAMES.get(chunk.finish_reason, "unknown")],
@@ -339,7 +352,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     metrics = GatewayMetrics(pool)
     tenants, quota = tenancy(cfg)
     processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider)
-    servicer = GatewayServicer(pool, metrics, tenants, quota, processors)
+    servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)

@@ -44,6 +44,7 @@ class Timing:
     queue_ms: float
     ttft_ms: float
     total_ms: float
+    kv_used_fraction_at_admission: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -299,7 +300,8 @@ class Engine:
         def ms(t: float | None) -> float:
             return 0.0 if t is None else (t - seq.arrival_time) * 1000
 
-        return Timing(queue_ms=ms(seq.first_scheduled_time), ttft_ms=ms(seq.first_token_time), total_ms=ms(seq.finish_time))
+        return Timing(queue_ms=ms(seq.first_scheduled_time), ttft_ms=ms(seq.first_token_time), total_ms=ms(seq.finish_time),
+                      kv_used_fraction_at_admission=seq.kv_used_fraction_at_admission)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         req = self._requests.pop(seq.request_id, None)

@@ -56,4 +56,5 @@ def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
         msg.timing.queue_ms = out.timing.queue_ms
         msg.timing.ttft_ms = out.timing.ttft_ms
         msg.timing.total_ms = out.timing.total_ms
+        msg.timing.kv_used_fraction_at_admission = out.timing.kv_used_fraction_at_admission
     return msg

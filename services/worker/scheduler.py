@@ -147,6 +147,9 @@ class Scheduler:
                     continue
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
+                if not seq.num_preemptions:
+                    bm = self.block_manager
+                    seq.kv_used_fraction_at_admission = bm.num_used_blocks / bm.num_blocks
                 seq.record("scheduled")
                 self.running.append(seq)
             self.block_manager.allocate(seq, target)

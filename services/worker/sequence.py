@@ -52,6 +52,7 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    kv_used_fraction_at_admission: float = 0.0  # of the KV pool, when first admitted (before its own blocks)
     first_token_time: float | None = None
     finish_time: float | None = None
     events: list[tuple[str, int]] = field(default_factory=list)  # (name, wall-clock ns) for the trace

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,10 +156,45 @@ class LoopMailbox:
             queue.put_nowait(out)
 
 
+class _PhaseSpans:
+    """Child spans of a worker request, built from the engine's event timestamps: `queue` (arrival
+    to scheduled; again after each preemption), `prefill` (scheduled to first token) and `decode`
+    (first token to finished; a recompute after preemption is part of it). A phase still open when
+    the request ends is closed then."""
+
+    def __init__(self, tracer: trace.Tracer, parent: trace.Span, arrival_ns: int) -> None:
+        self.tracer, self.ctx = tracer, trace.set_span_in_context(parent)
+        self.preemptions, self.decoding = 0, False
+        self.current: trace.Span | None = self._start("queue", arrival_ns)
+
+    def _start(self, name: str, ts: int) -> trace.Span:
+        return self.tracer.start_span(name, context=self.ctx, start_time=ts)
+
+    def on_event(self, name: str, ts: int) -> None:
+        nxt = {"scheduled": "prefill", "first_token": "decode", "preempted": "queue", "finished": None}.get(name, "")
+        if nxt == "":
+            return
+        if name == "preempted":
+            self.preemptions += 1
+        elif name == "first_token":
+            self.decoding = True
+        elif name == "scheduled" and self.decoding:
+            nxt = "decode"  # back after a preemption: the recompute is folded into decode
+        if self.current is not None:
+            self.current.end(end_time=ts)
+        self.current = self._start(nxt, ts) if nxt else None
+
+    def close(self, ts: int) -> None:
+        if self.current is not None:
+            self.current.end(end_time=ts)
+            self.current = None
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin: converts at the edge and hands the request to the engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, tracer_provider: TracerProvider | None = None) -> None:
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.worker")
         self._engine: Engine | None = None
         self._loaded: LoadedModel | None = None
         self._mailbox: LoopMailbox | None = None
@@ -203,22 +239,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             "cotserve.sla_class": call.sla_class.name, "cotserve.model_revision": self.loaded.revision,
         })
         finished = False
+        phases = _PhaseSpans(self.tracer, span, time.time_ns())
         try:
             while True:
                 out = await outputs.get()
                 for name, ts in out.events:
                     span.add_event(name, timestamp=ts)
+                    phases.on_event(name, ts)
+                if out.timing is not None:
+                    span.set_attribute("cotserve.kv_used_fraction_at_admission", out.timing.kv_used_fraction_at_admission)
                 if out.error is not None:
                     finished = True
                     raise Unavailable(f"request {request_id} failed: {out.error}")
                 if out.finish_reason is not None:
                     span.set_attributes({"gen_ai.usage.output_tokens": out.completion_tokens,
-                                         "gen_ai.response.finish_reasons": [out.finish_reason]})
+                                         "gen_ai.response.finish_reasons": [out.finish_reason],
+                                         "cotserve.preemptions": phases.preemptions})
                 yield output_to_pb(out)
                 if out.finish_reason is not None:
                     finished = True
                     return
         finally:
+            phases.close(time.time_ns())
             if not finished:  # cancelled by the client, deadline, or server shutdown
                 self.engine.abort(request_id)
 
@@ -286,7 +328,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
         torch.set_num_threads(cfg.torch_threads)
     elif device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    servicer = WorkerServicer()
+    servicer = WorkerServicer(tracer_provider)
     spec = ServiceSpec("cotserve.worker.v1.WorkerService",
                        lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)

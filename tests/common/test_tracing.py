@@ -27,12 +27,12 @@ def test_gateway_and_worker_spans_form_one_trace():
             exporter.clear()  # forget the pool's start-up polls
             async with AsyncClient(gateway.server.address) as client:
                 result = await client.generate("37+48-12=", max_new_tokens=64, sla="batch", temperature=0.0)
-            return result, worker.server.address
+            return result, worker.server.address, worker.loaded.revision
         finally:
             await gateway.stop()
             await worker.stop()
 
-    result, worker_address = asyncio.run(main())
+    result, worker_address, revision = asyncio.run(main())
     spans = [s for s in exporter.get_finished_spans() if not s.name.endswith(("/Stats", "/Info"))]
     by_id = {s.context.span_id: s for s in spans}
     roots = [s for s in spans if s.parent is None]
@@ -47,6 +47,10 @@ def test_gateway_and_worker_spans_form_one_trace():
     assert tuple(a["gen_ai.response.finish_reasons"]) == ("stop",)
     assert a["cotserve.sla_class"] == "SLA_CLASS_BATCH" and a["cotserve.worker"] == worker_address
     assert a["cotserve.ttft_ms"] > 0 and a["cotserve.queue_ms"] >= 0
+    assert a["cotserve.component"] == "gateway" and a["cotserve.tenant"] == "default"
+    assert a["cotserve.model_version"] == f"model@{revision}"
+    assert a["cotserve.e2e_ms"] >= a["cotserve.ttft_ms"]
+    assert a["cotserve.tpot_ms"] > 0 and 0 <= a["cotserve.kv_used_fraction_at_admission"] < 1
 
     (client_span,) = [s for s in spans if s.kind == SpanKind.CLIENT]
     assert client_span.parent.span_id == root.context.span_id
@@ -56,7 +60,18 @@ def test_gateway_and_worker_spans_form_one_trace():
     assert [e.name for e in worker_span.events] == ["scheduled", "first_token", "finished"]
     assert worker_span.attributes["cotserve.sla_class"] == "BATCH"
     assert worker_span.attributes["gen_ai.usage.output_tokens"] == result.usage.completion_tokens
-    assert set(by_id) == {root.context.span_id, client_span.context.span_id, worker_span.context.span_id}
+    (queue_span,) = [s for s in spans if s.name == "queue wait"]
+    assert queue_span.parent.span_id == root.context.span_id
+    phases = sorted((s for s in spans if s.parent is not None and s.parent.span_id == worker_span.context.span_id),
+                    key=lambda s: s.start_time)
+    assert [s.name for s in phases] == ["queue", "prefill", "decode"]
+    event_ts = {e.name: e.timestamp for e in worker_span.events}
+    assert phases[0].end_time == phases[1].start_time == event_ts["scheduled"]
+    assert phases[1].end_time == phases[2].start_time == event_ts["first_token"]
+    assert phases[2].end_time == event_ts["finished"]
+    assert worker_span.attributes["cotserve.preemptions"] == 0
+    assert worker_span.attributes["cotserve.kv_used_fraction_at_admission"] == a["cotserve.kv_used_fraction_at_admission"]
+    assert set(by_id) == {s.context.span_id for s in (root, queue_span, client_span, worker_span, *phases)}
 
 
 def test_otlp_exporter_only_when_the_endpoint_is_set():

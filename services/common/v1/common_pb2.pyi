@@ -183,22 +183,26 @@ class Timing(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _builtins.int
     TTFT_MS_FIELD_NUMBER: _builtins.int
     TOTAL_MS_FIELD_NUMBER: _builtins.int
+    KV_USED_FRACTION_AT_ADMISSION_FIELD_NUMBER: _builtins.int
     queue_ms: _builtins.float
     """From arrival to first being scheduled."""
     ttft_ms: _builtins.float
     """From arrival to the first generated token."""
     total_ms: _builtins.float
     """From arrival to the last generated token."""
+    kv_used_fraction_at_admission: _builtins.float
+    """Fraction of the worker's KV-cache blocks in use when the request was admitted, 0..1."""
     def __init__(
         self,
         *,
         queue_ms: _builtins.float = ...,
         ttft_ms: _builtins.float = ...,
         total_ms: _builtins.float = ...,
+        kv_used_fraction_at_admission: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue_ms", b"queue_ms", "total_ms", b"total_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_used_fraction_at_admission", b"kv_used_fraction_at_admission", "queue_ms", b"queue_ms", "total_ms", b"total_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,21 +25,37 @@ _sym_db = _symbol_database.Default()
 from cotserve.common.v1 import common_pb2 as cotserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%cotserve/telemetry/v1/telemetry.proto\x12\x15\x63otserve.telemetry.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\x9d\x01\n\x11GetHeatmapRequest\x12\x34\n\x06metric\x18\x01 \x01(\x0e\x32$.cotserve.telemetry.v1.LatencyMetric\x12/\n\tsla_class\x18\x02 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x11\n\twindow_ms\x18\x04 \x01(\r\"}\n\x0bHeatmapCell\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x18\n\x10kv_occupancy_pct\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0e\n\x06p50_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x05 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x06 \x01(\x01\"G\n\x12GetHeatmapResponse\x12\x31\n\x05\x63\x65lls\x18\x01 \x03(\x0b\x32\".cotserve.telemetry.v1.HeatmapCell*\x93\x01\n\rLatencyMetric\x12\x1e\n\x1aLATENCY_METRIC_UNSPECIFIED\x10\x00\x12\x16\n\x12LATENCY_METRIC_E2E\x10\x01\x12\x17\n\x13LATENCY_METRIC_TTFT\x10\x02\x12\x17\n\x13LATENCY_METRIC_TPOT\x10\x03\x12\x18\n\x14LATENCY_METRIC_QUEUE\x10\x04\x32u\n\x10TelemetryService\x12\x61\n\nGetHeatmap\x12(.cotserve.telemetry.v1.GetHeatmapRequest\x1a).cotserve.telemetry.v1.GetHeatmapResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%cotserve/telemetry/v1/telemetry.proto\x12\x15\x63otserve.telemetry.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\xb4\x01\n\x11GetHeatmapRequest\x12\x34\n\x06metric\x18\x01 \x01(\x0e\x32$.cotserve.telemetry.v1.LatencyMetric\x12/\n\tsla_class\x18\x02 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x11\n\twindow_ms\x18\x04 \x01(\r\x12\x15\n\rmodel_version\x18\x05 \x01(\t\"}\n\x0bHeatmapCell\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x18\n\x10kv_occupancy_pct\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\x04\x12\x0e\n\x06p50_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p95_ms\x18\x05 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x06 \x01(\x01\"a\n\tTimeSlice\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x15\n\rstart_unix_ms\x18\x02 \x01(\x03\x12\x16\n\x0e\x62ucket_indexes\x18\x03 \x03(\r\x12\x0e\n\x06\x63ounts\x18\x04 \x03(\x04\"\xd9\x01\n\x12GetHeatmapResponse\x12\x31\n\x05\x63\x65lls\x18\x01 \x03(\x0b\x32\".cotserve.telemetry.v1.HeatmapCell\x12\x30\n\x06slices\x18\x02 \x03(\x0b\x32 .cotserve.telemetry.v1.TimeSlice\x12\x17\n\x0f\x62ucket_upper_ms\x18\x03 \x03(\x01\x12\x0f\n\x07slot_ms\x18\x04 \x01(\r\x12\x34\n\x06metric\x18\x05 \x01(\x0e\x32$.cotserve.telemetry.v1.LatencyMetric\"#\n\x0fGetTraceRequest\x12\x10\n\x08trace_id\x18\x01 \x01(\x0c\"\xa4\x02\n\tTraceSpan\x12\x0f\n\x07span_id\x18\x01 \x01(\x0c\x12\x16\n\x0eparent_span_id\x18\x02 \x01(\x0c\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0cservice_name\x18\x04 \x01(\t\x12\x0c\n\x04kind\x18\x05 \x01(\x05\x12\x17\n\x0fstart_unix_nano\x18\x06 \x01(\x06\x12\x15\n\rend_unix_nano\x18\x07 \x01(\x06\x12\x13\n\x0b\x65vent_names\x18\x08 \x03(\t\x12\x44\n\nattributes\x18\t \x03(\x0b\x32\x30.cotserve.telemetry.v1.TraceSpan.AttributesEntry\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"C\n\x10GetTraceResponse\x12/\n\x05spans\x18\x01 \x03(\x0b\x32 .cotserve.telemetry.v1.TraceSpan\"\x11\n\x0fGetStatsRequest\"\x89\x01\n\x10GetStatsResponse\x12\x16\n\x0espans_received\x18\x01 \x01(\x04\x12\x17\n\x0fspans_malformed\x18\x02 \x01(\x04\x12\x1b\n\x13requests_aggregated\x18\x03 \x01(\x04\x12\x13\n\x0btraces_held\x18\x04 \x01(\x04\x12\x12\n\nslots_held\x18\x05 \x01(\x04*\x93\x01\n\rLatencyMetric\x12\x1e\n\x1aLATENCY_METRIC_UNSPECIFIED\x10\x00\x12\x16\n\x12LATENCY_METRIC_E2E\x10\x01\x12\x17\n\x13LATENCY_METRIC_TTFT\x10\x02\x12\x17\n\x13LATENCY_METRIC_TPOT\x10\x03\x12\x18\n\x14LATENCY_METRIC_QUEUE\x10\x04\x32\xaf\x02\n\x10TelemetryService\x12\x61\n\nGetHeatmap\x12(.cotserve.telemetry.v1.GetHeatmapRequest\x1a).cotserve.telemetry.v1.GetHeatmapResponse\x12[\n\x08GetTrace\x12&.cotserve.telemetry.v1.GetTraceRequest\x1a\'.cotserve.telemetry.v1.GetTraceResponse\x12[\n\x08GetStats\x12&.cotserve.telemetry.v1.GetStatsRequest\x1a\'.cotserve.telemetry.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cotserve.telemetry.v1.telemetry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LATENCYMETRIC']._serialized_start=458
-  _globals['_LATENCYMETRIC']._serialized_end=605
+  _globals['_TRACESPAN_ATTRIBUTESENTRY']._loaded_options = None
+  _globals['_TRACESPAN_ATTRIBUTESENTRY']._serialized_options = b'8\001'
+  _globals['_LATENCYMETRIC']._serialized_start=1287
+  _globals['_LATENCYMETRIC']._serialized_end=1434
   _globals['_GETHEATMAPREQUEST']._serialized_start=98
-  _globals['_GETHEATMAPREQUEST']._serialized_end=255
-  _globals['_HEATMAPCELL']._serialized_start=257
-  _globals['_HEATMAPCELL']._serialized_end=382
-  _globals['_GETHEATMAPRESPONSE']._serialized_start=384
-  _globals['_GETHEATMAPRESPONSE']._serialized_end=455
-  _globals['_TELEMETRYSERVICE']._serialized_start=607
-  _globals['_TELEMETRYSERVICE']._serialized_end=724
+  _globals['_GETHEATMAPREQUEST']._serialized_end=278
+  _globals['_HEATMAPCELL']._serialized_start=280
+  _globals['_HEATMAPCELL']._serialized_end=405
+  _globals['_TIMESLICE']._serialized_start=407
+  _globals['_TIMESLICE']._serialized_end=504
+  _globals['_GETHEATMAPRESPONSE']._serialized_start=507
+  _globals['_GETHEATMAPRESPONSE']._serialized_end=724
+  _globals['_GETTRACEREQUEST']._serialized_start=726
+  _globals['_GETTRACEREQUEST']._serialized_end=761
+  _globals['_TRACESPAN']._serialized_start=764
+  _globals['_TRACESPAN']._serialized_end=1056
+  _globals['_TRACESPAN_ATTRIBUTESENTRY']._serialized_start=1007
+  _globals['_TRACESPAN_ATTRIBUTESENTRY']._serialized_end=1056
+  _globals['_GETTRACERESPONSE']._serialized_start=1058
+  _globals['_GETTRACERESPONSE']._serialized_end=1125
+  _globals['_GETSTATSREQUEST']._serialized_start=1127
+  _globals['_GETSTATSREQUEST']._serialized_end=1144
+  _globals['_GETSTATSRESPONSE']._serialized_start=1147
+  _globals['_GETSTATSRESPONSE']._serialized_end=1284
+  _globals['_TELEMETRYSERVICE']._serialized_start=1437
+  _globals['_TELEMETRYSERVICE']._serialized_end=1740
 # @@protoc_insertion_point(module_scope)

@@ -62,14 +62,17 @@ class GetHeatmapRequest(_message.Message):
     SLA_CLASS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     WINDOW_MS_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
     metric: Global___LatencyMetric.ValueType
-    """The metric."""
+    """The metric (required)."""
     sla_class: _common_pb2.SlaClass.ValueType
     """Only this SLA class; unspecified for all."""
     tenant: _builtins.str
     """Only this tenant; empty for all."""
     window_ms: _builtins.int
-    """Window to cover; 0 for the whole retention."""
+    """Window to cover, ending now; 0 for the whole retention."""
+    model_version: _builtins.str
+    """Only this model version (name@revision); empty for all."""
     def __init__(
         self,
         *,
@@ -77,10 +80,11 @@ class GetHeatmapRequest(_message.Message):
         sla_class: _common_pb2.SlaClass.ValueType = ...,
         tenant: _builtins.str = ...,
         window_ms: _builtins.int = ...,
+        model_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["metric", b"metric", "sla_class", b"sla_class", "tenant", b"tenant", "window_ms", b"window_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metric", b"metric", "model_version", b"model_version", "sla_class", b"sla_class", "tenant", b"tenant", "window_ms", b"window_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -129,25 +133,262 @@ class HeatmapCell(_message.Message):
 Global___HeatmapCell: _TypeAlias = HeatmapCell  # noqa: Y015
 
 @_typing.final
+class TimeSlice(_message.Message):
+    """One time slot of one model version in the time x latency view."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    START_UNIX_MS_FIELD_NUMBER: _builtins.int
+    BUCKET_INDEXES_FIELD_NUMBER: _builtins.int
+    COUNTS_FIELD_NUMBER: _builtins.int
+    model_version: _builtins.str
+    """Model version (name@revision)."""
+    start_unix_ms: _builtins.int
+    """Slot start, Unix milliseconds."""
+    @_builtins.property
+    def bucket_indexes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Latency bucket indexes with at least one request (indexes into bucket_upper_ms)."""
+
+    @_builtins.property
+    def counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests in each of those buckets."""
+
+    def __init__(
+        self,
+        *,
+        model_version: _builtins.str = ...,
+        start_unix_ms: _builtins.int = ...,
+        bucket_indexes: _abc.Iterable[_builtins.int] | None = ...,
+        counts: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_indexes", b"bucket_indexes", "counts", b"counts", "model_version", b"model_version", "start_unix_ms", b"start_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TimeSlice: _TypeAlias = TimeSlice  # noqa: Y015
+
+@_typing.final
 class GetHeatmapResponse(_message.Message):
     """The heatmap."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CELLS_FIELD_NUMBER: _builtins.int
+    SLICES_FIELD_NUMBER: _builtins.int
+    BUCKET_UPPER_MS_FIELD_NUMBER: _builtins.int
+    SLOT_MS_FIELD_NUMBER: _builtins.int
+    METRIC_FIELD_NUMBER: _builtins.int
+    slot_ms: _builtins.int
+    """Length of one time slot."""
+    metric: Global___LatencyMetric.ValueType
+    """The metric shown."""
     @_builtins.property
     def cells(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeatmapCell]:
-        """Matrix cells."""
+        """Matrix cells (version x KV occupancy), non-empty cells only."""
+
+    @_builtins.property
+    def slices(self) -> _containers.RepeatedCompositeFieldContainer[Global___TimeSlice]:
+        """Time x latency density, non-empty slots only, oldest first."""
+
+    @_builtins.property
+    def bucket_upper_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Upper bound of every latency bucket, in milliseconds (the last is +Inf)."""
 
     def __init__(
         self,
         *,
         cells: _abc.Iterable[Global___HeatmapCell] | None = ...,
+        slices: _abc.Iterable[Global___TimeSlice] | None = ...,
+        bucket_upper_ms: _abc.Iterable[_builtins.float] | None = ...,
+        slot_ms: _builtins.int = ...,
+        metric: Global___LatencyMetric.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cells", b"cells"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket_upper_ms", b"bucket_upper_ms", "cells", b"cells", "metric", b"metric", "slices", b"slices", "slot_ms", b"slot_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetHeatmapResponse: _TypeAlias = GetHeatmapResponse  # noqa: Y015
+
+@_typing.final
+class GetTraceRequest(_message.Message):
+    """Asks for one trace."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRACE_ID_FIELD_NUMBER: _builtins.int
+    trace_id: _builtins.bytes
+    """The 16-byte trace id."""
+    def __init__(
+        self,
+        *,
+        trace_id: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["trace_id", b"trace_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTraceRequest: _TypeAlias = GetTraceRequest  # noqa: Y015
+
+@_typing.final
+class TraceSpan(_message.Message):
+    """One received span."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class AttributesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SPAN_ID_FIELD_NUMBER: _builtins.int
+    PARENT_SPAN_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    SERVICE_NAME_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    START_UNIX_NANO_FIELD_NUMBER: _builtins.int
+    END_UNIX_NANO_FIELD_NUMBER: _builtins.int
+    EVENT_NAMES_FIELD_NUMBER: _builtins.int
+    ATTRIBUTES_FIELD_NUMBER: _builtins.int
+    span_id: _builtins.bytes
+    """8-byte span id."""
+    parent_span_id: _builtins.bytes
+    """8-byte parent span id; empty for a root."""
+    name: _builtins.str
+    """Span name."""
+    service_name: _builtins.str
+    """service.name of the resource that sent it."""
+    kind: _builtins.int
+    """OTLP span kind (1 internal, 2 server, 3 client, 4 producer, 5 consumer)."""
+    start_unix_nano: _builtins.int
+    """Start, Unix nanoseconds."""
+    end_unix_nano: _builtins.int
+    """End, Unix nanoseconds."""
+    @_builtins.property
+    def event_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Event names in order."""
+
+    @_builtins.property
+    def attributes(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """String forms of the span's attributes."""
+
+    def __init__(
+        self,
+        *,
+        span_id: _builtins.bytes = ...,
+        parent_span_id: _builtins.bytes = ...,
+        name: _builtins.str = ...,
+        service_name: _builtins.str = ...,
+        kind: _builtins.int = ...,
+        start_unix_nano: _builtins.int = ...,
+        end_unix_nano: _builtins.int = ...,
+        event_names: _abc.Iterable[_builtins.str] | None = ...,
+        attributes: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attributes", b"attributes", "end_unix_nano", b"end_unix_nano", "event_names", b"event_names", "kind", b"kind", "name", b"name", "parent_span_id", b"parent_span_id", "service_name", b"service_name", "span_id", b"span_id", "start_unix_nano", b"start_unix_nano"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TraceSpan: _TypeAlias = TraceSpan  # noqa: Y015
+
+@_typing.final
+class GetTraceResponse(_message.Message):
+    """The spans of one trace, in arrival order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPANS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def spans(self) -> _containers.RepeatedCompositeFieldContainer[Global___TraceSpan]:
+        """The spans received so far."""
+
+    def __init__(
+        self,
+        *,
+        spans: _abc.Iterable[Global___TraceSpan] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spans", b"spans"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTraceResponse: _TypeAlias = GetTraceResponse  # noqa: Y015
+
+@_typing.final
+class GetStatsRequest(_message.Message):
+    """Asks for the receiver's counters."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatsRequest: _TypeAlias = GetStatsRequest  # noqa: Y015
+
+@_typing.final
+class GetStatsResponse(_message.Message):
+    """Counters since the service started (requests_aggregated includes restored state)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPANS_RECEIVED_FIELD_NUMBER: _builtins.int
+    SPANS_MALFORMED_FIELD_NUMBER: _builtins.int
+    REQUESTS_AGGREGATED_FIELD_NUMBER: _builtins.int
+    TRACES_HELD_FIELD_NUMBER: _builtins.int
+    SLOTS_HELD_FIELD_NUMBER: _builtins.int
+    spans_received: _builtins.int
+    """Spans received over OTLP."""
+    spans_malformed: _builtins.int
+    """Spans skipped as malformed (bad ids, missing or mistyped attributes of a request span)."""
+    requests_aggregated: _builtins.int
+    """Requests turned into heatmap samples."""
+    traces_held: _builtins.int
+    """Traces held for GetTrace."""
+    slots_held: _builtins.int
+    """Time slots held (retention)."""
+    def __init__(
+        self,
+        *,
+        spans_received: _builtins.int = ...,
+        spans_malformed: _builtins.int = ...,
+        requests_aggregated: _builtins.int = ...,
+        traces_held: _builtins.int = ...,
+        slots_held: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests_aggregated", b"requests_aggregated", "slots_held", b"slots_held", "spans_malformed", b"spans_malformed", "spans_received", b"spans_received", "traces_held", b"traces_held"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class TelemetryServiceStub:
-    """Serves aggregated latency views (the OTLP receiver runs beside it).
+    """Serves aggregated latency views and recent traces (the OTLP trace receiver shares its port).
     """
 
     def __init__(self, channel):
@@ -40,14 +40,38 @@ class TelemetryServiceStub:
                 request_serializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetHeatmapRequest.SerializeToString,
                 response_deserializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetHeatmapResponse.FromString,
                 _registered_method=True)
+        self.GetTrace = channel.unary_unary(
+                '/cotserve.telemetry.v1.TelemetryService/GetTrace',
+                request_serializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetTraceRequest.SerializeToString,
+                response_deserializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetTraceResponse.FromString,
+                _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/cotserve.telemetry.v1.TelemetryService/GetStats',
+                request_serializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetStatsResponse.FromString,
+                _registered_method=True)
 
 
 class TelemetryServiceServicer:
-    """Serves aggregated latency views (the OTLP receiver runs beside it).
+    """Serves aggregated latency views and recent traces (the OTLP trace receiver shares its port).
     """
 
     def GetHeatmap(self, request, context):
-        """Returns a latency heatmap.
+        """Returns both latency views of one metric: model version x KV occupancy, and time x latency.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTrace(self, request, context):
+        """Returns the spans received for one trace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """Returns the receiver's counters.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -61,6 +85,16 @@ def add_TelemetryServiceServicer_to_server(servicer, server):
                     request_deserializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetHeatmapRequest.FromString,
                     response_serializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetHeatmapResponse.SerializeToString,
             ),
+            'GetTrace': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrace,
+                    request_deserializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetTraceRequest.FromString,
+                    response_serializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetTraceResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetStatsRequest.FromString,
+                    response_serializer=cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetStatsResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'cotserve.telemetry.v1.TelemetryService', rpc_method_handlers)
@@ -70,7 +104,7 @@ def add_TelemetryServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TelemetryService:
-    """Serves aggregated latency views (the OTLP receiver runs beside it).
+    """Serves aggregated latency views and recent traces (the OTLP trace receiver shares its port).
     """
 
     @staticmethod
@@ -90,6 +124,60 @@ class TelemetryService:
             '/cotserve.telemetry.v1.TelemetryService/GetHeatmap',
             cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetHeatmapRequest.SerializeToString,
             cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetHeatmapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cotserve.telemetry.v1.TelemetryService/GetTrace',
+            cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetTraceRequest.SerializeToString,
+            cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetTraceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cotserve.telemetry.v1.TelemetryService/GetStats',
+            cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetStatsRequest.SerializeToString,
+            cotserve_dot_telemetry_dot_v1_dot_telemetry__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

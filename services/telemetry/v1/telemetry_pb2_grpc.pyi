@@ -27,25 +27,33 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class TelemetryServiceStub:
-    """Serves aggregated latency views (the OTLP receiver runs beside it)."""
+    """Serves aggregated latency views and recent traces (the OTLP trace receiver shares its port)."""
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> TelemetryServiceAsyncStub: ...
     GetHeatmap: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.GetHeatmapRequest, _telemetry_pb2.GetHeatmapResponse]
-    """Returns a latency heatmap."""
+    """Returns both latency views of one metric: model version x KV occupancy, and time x latency."""
+    GetTrace: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.GetTraceRequest, _telemetry_pb2.GetTraceResponse]
+    """Returns the spans received for one trace."""
+    GetStats: _grpc.UnaryUnaryMultiCallable[_telemetry_pb2.GetStatsRequest, _telemetry_pb2.GetStatsResponse]
+    """Returns the receiver's counters."""
 
 @_typing.type_check_only
 class TelemetryServiceAsyncStub(TelemetryServiceStub):
-    """Serves aggregated latency views (the OTLP receiver runs beside it)."""
+    """Serves aggregated latency views and recent traces (the OTLP trace receiver shares its port)."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetHeatmap: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.GetHeatmapRequest, _telemetry_pb2.GetHeatmapResponse]  # type: ignore[assignment]
-    """Returns a latency heatmap."""
+    """Returns both latency views of one metric: model version x KV occupancy, and time x latency."""
+    GetTrace: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.GetTraceRequest, _telemetry_pb2.GetTraceResponse]  # type: ignore[assignment]
+    """Returns the spans received for one trace."""
+    GetStats: _aio.UnaryUnaryMultiCallable[_telemetry_pb2.GetStatsRequest, _telemetry_pb2.GetStatsResponse]  # type: ignore[assignment]
+    """Returns the receiver's counters."""
 
 class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Serves aggregated latency views (the OTLP receiver runs beside it)."""
+    """Serves aggregated latency views and recent traces (the OTLP trace receiver shares its port)."""
 
     @_abc_1.abstractmethod
     def GetHeatmap(
@@ -53,6 +61,22 @@ class TelemetryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _telemetry_pb2.GetHeatmapRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_telemetry_pb2.GetHeatmapResponse, _abc.Awaitable[_telemetry_pb2.GetHeatmapResponse]]:
-        """Returns a latency heatmap."""
+        """Returns both latency views of one metric: model version x KV occupancy, and time x latency."""
+
+    @_abc_1.abstractmethod
+    def GetTrace(
+        self,
+        request: _telemetry_pb2.GetTraceRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_telemetry_pb2.GetTraceResponse, _abc.Awaitable[_telemetry_pb2.GetTraceResponse]]:
+        """Returns the spans received for one trace."""
+
+    @_abc_1.abstractmethod
+    def GetStats(
+        self,
+        request: _telemetry_pb2.GetStatsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_telemetry_pb2.GetStatsResponse, _abc.Awaitable[_telemetry_pb2.GetStatsResponse]]:
+        """Returns the receiver's counters."""
 
 def add_TelemetryServiceServicer_to_server(servicer: TelemetryServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
