@@ -298,3 +298,25 @@ def bench_moe_balance(
     else:
         console.print("not every layer reached balancedness 0.9 within the time limit")
     console.print(f"output change, mean KL(unbiased || balanced) per token: {kl:.4f} nats")
+
+
+@bench_app.command("telemetry")
+def bench_telemetry(
+    batches: int = typer.Option(200, min=1, help="Export requests (504 spans each) to send to each receiver."),
+    concurrency: int = typer.Option(4, min=1, help="Export calls in flight at once."),
+) -> None:
+    """Spans/s the telemetry service's OTLP receiver sustains, against a null receiver that only parses (both separate processes)."""
+    from rich.table import Table
+
+    from cotserve.bench.telemetry import SPANS_PER_REQUEST, run
+
+    console = wide_console()
+    null, tel, stats = run(batches, concurrency, progress=lambda m: console.print(m, style="dim"))
+    table = Table(title=f"OTLP receiver: {tel.spans} spans in batches of {tel.spans // batches}, {concurrency} exports in flight "
+                        f"({SPANS_PER_REQUEST} spans per request trace)")
+    for col in ("receiver", "spans/s", "request traces/s", "vs null receiver"):
+        table.add_column(col, justify="right")
+    for r in (null, tel):
+        table.add_row(r.name, f"{r.spans_per_s:,.0f}", f"{r.spans_per_s / SPANS_PER_REQUEST:,.0f}", f"{r.spans_per_s / null.spans_per_s:.2f}x")
+    console.print(table)
+    console.print(f"telemetry service counted: {stats}")

@@ -68,3 +68,12 @@ def test_moe_benches_run_end_to_end():
                          capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr + out.stdout
     assert "before: balancedness per layer" in out.stdout and "mean KL(unbiased || balanced)" in out.stdout
+
+
+def test_telemetry_bench_sends_every_span_to_both_receivers():
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "telemetry", "--batches", "5"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "2520 spans in batches of 504" in out.stdout and "null-receiver" in out.stdout and "1.00x" in out.stdout
+    # 6 exports (one warm-up) of 56 request traces each, every one aggregated, none malformed
+    assert "{'spans_received': 3024, 'spans_malformed': 0, 'requests_aggregated': 336}" in out.stdout
