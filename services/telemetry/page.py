@@ -67,7 +67,7 @@ select,input{margin-right:12px}
 <h1>cotserve latency heatmaps: <span id="metric-title"></span></h1>
 <div class="meta" id="status">loading ...</div>
 <div id="controls"></div>
-<h2>Model version &times; KV-cache occupancy (P50 / P95 / P99, ms)</h2>
+<h2>Model version &times; KV-cache occupancy (P50 / P95 / P99, ms; colour: P50)</h2>
 <table id="matrix"></table>
 <div class="legend" id="kv-legend"></div>
 <h2>Time &times; latency (requests per bucket, per time slot)</h2>
@@ -95,7 +95,7 @@ function render(data){
   const head = el("tr"); head.append(el("th", {}, "model version"));
   for (const k of KV) head.append(el("th", {}, `${k}–${k + 25} %`)); table.append(head);
   const versions = [...new Set(data.cells.map(c => c.model_version))].sort();
-  const maxP99 = Math.max(1e-9, ...data.cells.map(c => c.p99));
+  const maxP50 = Math.max(1e-9, ...data.cells.map(c => c.p50));
   for (const v of versions){
     const row = el("tr"); row.append(el("th", {}, v));
     for (const k of KV){
@@ -103,7 +103,7 @@ function render(data){
       if (!c){ row.append(el("td", {class: "cell empty", "data-version": v, "data-kv": k, "data-count": 0}, "—")); continue; }
       const td = el("td", {class: "cell", "data-version": v, "data-kv": k, "data-count": c.count,
                             "data-p50": c.p50, "data-p95": c.p95, "data-p99": c.p99});
-      td.style.background = heat(c.p99 / maxP99);
+      td.style.background = heat(c.p50 / maxP50);
       td.append(el("div", {class: "q"}, `${fmt(c.p50)} / ${fmt(c.p95)} / ${fmt(c.p99)}`), el("div", {class: "n"}, `n = ${c.count}`));
       row.append(td);
     }
@@ -116,21 +116,23 @@ function render(data){
     let maxIdx = 0, maxN = 1;
     for (const s of slices) for (const [i, n] of s.buckets){ maxIdx = Math.max(maxIdx, i); maxN = Math.max(maxN, n); }
     const t0 = Math.min(...slices.map(s => s.start_unix_ms)), t1 = Math.max(...slices.map(s => s.start_unix_ms));
-    const cols = Math.round((t1 - t0) / data.slot_ms) + 1, rows = maxIdx + 1;
-    const W = 900, H = 300, L = 70, B = 40, cw = (W - L - 10) / cols, rh = (H - B - 10) / rows;
+    const cols = Math.round((t1 - t0) / data.slot_ms) + 1;
+    const W = 900, H = 300, L = 70, B = 40, cw = (W - L - 10) / cols, plotH = H - B - 10;
+    const top = (() => { const [lo, up] = bounds(data, maxIdx); return up === Infinity ? lo * 1.1 : up; })();
+    const y = ms => H - B - Math.min(ms, top) / top * plotH;  // linear in milliseconds, like the PNG
     tv.append(el("div", {class: "meta"}, `${v}: ${slices.length} slots of ${data.slot_ms / 1000} s`));
     const cv = el("canvas", {width: W, height: H, "data-version": v, "data-slots": slices.length}); tv.append(cv);
     const g = cv.getContext("2d"); g.font = "11px sans-serif"; g.fillStyle = "#222";
     for (const s of slices){
       const x = L + Math.round((s.start_unix_ms - t0) / data.slot_ms) * cw;
       for (const [i, n] of s.buckets){
+        const [lo, up] = bounds(data, i);
         g.fillStyle = `rgba(200,40,20,${0.15 + 0.85 * Math.log1p(n) / Math.log1p(maxN)})`;
-        g.fillRect(x, H - B - (i + 1) * rh, Math.max(1, cw - 1), Math.max(1, rh));
+        g.fillRect(x, y(up), Math.max(1, cw - 1), Math.max(1, y(lo) - y(up)));
       }
     }
     g.fillStyle = "#222"; g.strokeStyle = "#888"; g.beginPath(); g.moveTo(L, 5); g.lineTo(L, H - B); g.lineTo(W - 5, H - B); g.stroke();
-    for (let k = 0; k <= 4; k++){ const i = Math.round(k * maxIdx / 4); const [lo, up] = bounds(data, i);
-      g.fillText(`${up === Infinity ? lo + "+" : up} ms`, 4, H - B - (i + 0.5) * rh + 4); }
+    for (let k = 0; k <= 4; k++){ const ms = top * k / 4; g.fillText(`${ms >= 100 ? ms.toFixed(0) : ms.toFixed(1)} ms`, 4, y(ms) + 4); }
     g.fillText(new Date(t0).toLocaleTimeString(), L, H - B + 16);
     g.fillText(new Date(t1 + data.slot_ms).toLocaleTimeString(), W - 80, H - B + 16);
     g.fillText("time", W / 2, H - B + 30);

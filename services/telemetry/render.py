@@ -8,6 +8,10 @@ from datetime import datetime
 from pathlib import Path
 
 
+def _ms(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"
+
+
 def render_png(data: dict, out: Path) -> None:
     import matplotlib
 
@@ -27,24 +31,24 @@ def render_png(data: dict, out: Path) -> None:
     fig.suptitle(f"cotserve {data['title']} ({scope}, {sum(c['count'] for c in cells)} requests)", fontsize=13)
 
     ax = fig.add_subplot(grid[:, 0])
-    p99 = np.full((len(versions), 4), np.nan)
+    p50 = np.full((len(versions), 4), np.nan)
     for c in cells:
-        p99[versions.index(c["model_version"]), c["kv_pct"] // 25] = c["p99"]
+        p50[versions.index(c["model_version"]), c["kv_pct"] // 25] = c["p50"]
     cmap = plt.get_cmap("RdYlGn_r").copy()
     cmap.set_bad("#eeeeee")
-    ax.imshow(np.ma.masked_invalid(p99), cmap=cmap, aspect="auto", vmin=0, vmax=max(1e-9, np.nanmax(p99) if cells else 1))
+    ax.imshow(np.ma.masked_invalid(p50), cmap=cmap, aspect="auto", vmin=0, vmax=max(1e-9, np.nanmax(p50) if cells else 1))
     for r in range(len(versions)):
         for k in range(4):
-            if np.isnan(p99[r, k]):
+            if np.isnan(p50[r, k]):
                 ax.text(k, r, "no requests", ha="center", va="center", fontsize=8, color="#999")
     for c in cells:
         r, k = versions.index(c["model_version"]), c["kv_pct"] // 25
-        ax.text(k, r, f"P50 {c['p50']:.3g}\nP95 {c['p95']:.3g}\nP99 {c['p99']:.3g} ms\nn = {c['count']}",
+        ax.text(k, r, f"P50 {_ms(c['p50'])}\nP95 {_ms(c['p95'])}\nP99 {_ms(c['p99'])}\nn = {c['count']}",
                 ha="center", va="center", fontsize=9)
     ax.set_xticks(range(4), ["0–25 %", "25–50 %", "50–75 %", "75–100 %"])
     ax.set_yticks(range(len(versions)), [v if len(v) < 28 else v[:25] + "…" for v in versions])
     ax.set_xlabel("KV-cache pool occupancy at admission (paged pool, not device memory)")
-    ax.set_title("P50 / P95 / P99 per model version × KV occupancy\n(colour: P99)", fontsize=11)
+    ax.set_title(f"{data['metric']} P50 / P95 / P99 (ms) per model version × KV occupancy\n(colour: P50)", fontsize=11)
 
     upper = [math.inf if b is None else b for b in data["bucket_upper_ms"]]
     for row, version in enumerate(slice_versions):
