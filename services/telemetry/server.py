@@ -175,7 +175,7 @@ class TelemetryServicer(telemetry_pb2_grpc.TelemetryServiceServicer):
         s = self.state
         return telemetry_pb2.GetStatsResponse(
             spans_received=s.spans_received, spans_malformed=s.spans_malformed, requests_aggregated=s.requests_aggregated,
-            traces_held=len(s.traces.traces), slots_held=len(s.aggregator.slots),
+            traces_held=len(s.traces.traces), slots_held=len(s.aggregator.slots), requests_failed=s.requests_failed,
         )
 
 

@@ -140,7 +140,7 @@ def test_malformed_otlp_is_counted_and_skipped_never_a_crash(tmp_path):
                 assert "span" in resp.partial_success.error_message and "trace_id must be 16 bytes" in resp.partial_success.error_message
                 assert (await otlp.Export(export_request([]))).partial_success.rejected_spans == 0
                 stats = await tel.GetStats(telemetry_pb2.GetStatsRequest())
-                assert (stats.spans_received, stats.spans_malformed, stats.requests_aggregated) == (8, 5, 1)
+                assert (stats.spans_received, stats.spans_malformed, stats.requests_aggregated, stats.requests_failed) == (8, 5, 1, 1)
                 hm = await tel.GetHeatmap(telemetry_pb2.GetHeatmapRequest(metric=telemetry_pb2.LATENCY_METRIC_TTFT))
                 assert [(c.model_version, c.count) for c in hm.cells] == [("m@abc", 1)] and 12 <= hm.cells[0].p50_ms < 13
                 got = await tel.GetTrace(telemetry_pb2.GetTraceRequest(trace_id=other.trace_id))

@@ -366,6 +366,7 @@ class GetStatsResponse(_message.Message):
     REQUESTS_AGGREGATED_FIELD_NUMBER: _builtins.int
     TRACES_HELD_FIELD_NUMBER: _builtins.int
     SLOTS_HELD_FIELD_NUMBER: _builtins.int
+    REQUESTS_FAILED_FIELD_NUMBER: _builtins.int
     spans_received: _builtins.int
     """Spans received over OTLP."""
     spans_malformed: _builtins.int
@@ -376,6 +377,8 @@ class GetStatsResponse(_message.Message):
     """Traces held for GetTrace."""
     slots_held: _builtins.int
     """Time slots held (retention)."""
+    requests_failed: _builtins.int
+    """Requests whose gateway span carried an error status (not aggregated: no latency to show)."""
     def __init__(
         self,
         *,
@@ -384,10 +387,11 @@ class GetStatsResponse(_message.Message):
         requests_aggregated: _builtins.int = ...,
         traces_held: _builtins.int = ...,
         slots_held: _builtins.int = ...,
+        requests_failed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests_aggregated", b"requests_aggregated", "slots_held", b"slots_held", "spans_malformed", b"spans_malformed", "spans_received", b"spans_received", "traces_held", b"traces_held"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests_aggregated", b"requests_aggregated", "requests_failed", b"requests_failed", "slots_held", b"slots_held", "spans_malformed", b"spans_malformed", "spans_received", b"spans_received", "traces_held", b"traces_held"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
