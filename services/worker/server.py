@@ -27,6 +27,7 @@ from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.model_runner import kv_bytes_per_token
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
 from cotserve.worker.requests import generate_from_pb, output_to_pb
+from cotserve.worker.utilization import UtilizationProbe
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("cotserve.worker")
@@ -198,10 +199,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._engine: Engine | None = None
         self._loaded: LoadedModel | None = None
         self._mailbox: LoopMailbox | None = None
+        self._probe: UtilizationProbe | None = None
 
     def attach(self, engine: Engine, loaded: LoadedModel) -> None:
         """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
         self._engine, self._loaded = engine, loaded
+        self._probe = UtilizationProbe(str(loaded.device))
 
     @property
     def engine(self) -> Engine:
@@ -279,7 +282,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> worker_pb2.StatsResponse:
         s = self.engine.stats()
+        util, is_cpu, memory = self._probe.read() if self._probe is not None else (0.0, True, 0)
         return worker_pb2.StatsResponse(
+            utilization=util, utilization_is_cpu=is_cpu, memory_used_bytes=memory,
             num_running_seqs=s.num_running_seqs, num_waiting_seqs=s.num_waiting_seqs,
             kv_blocks_used=s.kv_blocks_used, kv_blocks_free=s.kv_blocks_free,
             step_latency_p50_ms=s.step_latency_p50_ms, step_latency_p95_ms=s.step_latency_p95_ms,

@@ -132,6 +132,23 @@ def test_concurrent_streams_and_stats(stub, demo_worker):
     assert stats.num_requests_finished_total >= 12
     assert stats.step_latency_p50_ms > 0 and stats.step_latency_p95_ms >= stats.step_latency_p50_ms
     assert stats.generated_tokens_per_s > 0
+    assert stats.utilization_is_cpu and 0 <= stats.utilization <= 1 and stats.memory_used_bytes > 50_000_000  # torch alone
+
+
+def test_utilization_probe_reads_this_process_cpu_share():
+    import time
+
+    from cotserve.worker.utilization import UtilizationProbe
+
+    probe = UtilizationProbe("cpu", cores=1)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # one core busy
+        pass
+    busy, is_cpu, rss = probe.read()
+    time.sleep(0.3)
+    idle, _, _ = probe.read()
+    assert is_cpu and rss > 0
+    assert busy > 0.7 and idle < 0.2
 
 
 def test_broken_model_folder_fails_at_start_with_a_clear_message(tmp_path):

@@ -74,6 +74,9 @@ class MetricsWindow(_message.Message):
     UTILIZATION_FIELD_NUMBER: _builtins.int
     MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
     UTILIZATION_IS_CPU_FIELD_NUMBER: _builtins.int
+    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
+    MEAN_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    WORKER_WAITING_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
     """Window start, Unix milliseconds."""
     model: _builtins.str
@@ -114,6 +117,12 @@ class MetricsWindow(_message.Message):
     """Accelerator memory in use."""
     utilization_is_cpu: _builtins.bool
     """True when utilization is the worker's CPU utilisation (no GPU)."""
+    first_tokens: _builtins.int
+    """Requests that got their first token in the window (the TTFT samples)."""
+    mean_prompt_tokens: _builtins.float
+    """Mean prompt tokens of the requests that arrived in the window."""
+    worker_waiting: _builtins.int
+    """Worker sequences waiting to be scheduled (its own queue, preempted ones included)."""
     def __init__(
         self,
         *,
@@ -137,14 +146,71 @@ class MetricsWindow(_message.Message):
         utilization: _builtins.float = ...,
         memory_used_bytes: _builtins.int = ...,
         utilization_is_cpu: _builtins.bool = ...,
+        first_tokens: _builtins.int = ...,
+        mean_prompt_tokens: _builtins.float = ...,
+        worker_waiting: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "queue_depth", b"queue_depth", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "queue_depth", b"queue_depth", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "worker", b"worker", "worker_waiting", b"worker_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MetricsWindow: _TypeAlias = MetricsWindow  # noqa: Y015
+
+@_typing.final
+class RequestObservation(_message.Message):
+    """One finished request, as the gateway saw it (trains the latency predictor)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_UNIX_MS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
+    SLA_CLASS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    TTFT_MS_FIELD_NUMBER: _builtins.int
+    TPOT_MS_FIELD_NUMBER: _builtins.int
+    start_unix_ms: _builtins.int
+    """When the request reached the worker, Unix milliseconds."""
+    model: _builtins.str
+    """Model name."""
+    worker: _builtins.str
+    """Worker address."""
+    sla_class: _common_pb2.SlaClass.ValueType
+    """SLA class."""
+    prompt_tokens: _builtins.int
+    """Prompt tokens."""
+    max_new_tokens: _builtins.int
+    """Max new tokens asked for."""
+    completion_tokens: _builtins.int
+    """Tokens generated."""
+    ttft_ms: _builtins.float
+    """Time to first token, from arrival at the gateway."""
+    tpot_ms: _builtins.float
+    """Time per output token after the first (0 for one-token completions)."""
+    def __init__(
+        self,
+        *,
+        start_unix_ms: _builtins.int = ...,
+        model: _builtins.str = ...,
+        worker: _builtins.str = ...,
+        sla_class: _common_pb2.SlaClass.ValueType = ...,
+        prompt_tokens: _builtins.int = ...,
+        max_new_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+        ttft_ms: _builtins.float = ...,
+        tpot_ms: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "max_new_tokens", b"max_new_tokens", "model", b"model", "prompt_tokens", b"prompt_tokens", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestObservation: _TypeAlias = RequestObservation  # noqa: Y015
 
 @_typing.final
 class ReportWindowsRequest(_message.Message):
@@ -153,18 +219,24 @@ class ReportWindowsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WINDOWS_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def windows(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricsWindow]:
         """The windows."""
+
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestObservation]:
+        """Requests that finished since the last report."""
 
     def __init__(
         self,
         *,
         windows: _abc.Iterable[Global___MetricsWindow] | None = ...,
+        requests: _abc.Iterable[Global___RequestObservation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["windows", b"windows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests", "windows", b"windows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -177,16 +249,20 @@ class ReportWindowsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_ACCEPTED_FIELD_NUMBER: _builtins.int
+    NUM_REQUESTS_ACCEPTED_FIELD_NUMBER: _builtins.int
     num_accepted: _builtins.int
     """Windows accepted."""
+    num_requests_accepted: _builtins.int
+    """Request observations accepted."""
     def __init__(
         self,
         *,
         num_accepted: _builtins.int = ...,
+        num_requests_accepted: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted", b"num_accepted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_accepted", b"num_accepted", "num_requests_accepted", b"num_requests_accepted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -257,10 +333,19 @@ class ForecastResponse(_message.Message):
     IS_TRAINED_FIELD_NUMBER: _builtins.int
     VIOLATION_PROBABILITY_FIELD_NUMBER: _builtins.int
     TOP_FEATURES_FIELD_NUMBER: _builtins.int
+    UNTRAINED_REASON_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    HORIZON_MS_FIELD_NUMBER: _builtins.int
     is_trained: _builtins.bool
     """False while too little history exists; probability is then meaningless."""
     violation_probability: _builtins.float
     """Probability of a violation within the horizon, 0..1."""
+    untrained_reason: _builtins.str
+    """Why there is no forecast, when is_trained is false."""
+    threshold: _builtins.float
+    """Probability above which the service acts (scale-up advice, BATCH shedding)."""
+    horizon_ms: _builtins.int
+    """Horizon the probability covers."""
     @_builtins.property
     def top_features(self) -> _containers.RepeatedCompositeFieldContainer[Global___FeatureContribution]:
         """Features that pushed the prediction most."""
@@ -271,10 +356,13 @@ class ForecastResponse(_message.Message):
         is_trained: _builtins.bool = ...,
         violation_probability: _builtins.float = ...,
         top_features: _abc.Iterable[Global___FeatureContribution] | None = ...,
+        untrained_reason: _builtins.str = ...,
+        threshold: _builtins.float = ...,
+        horizon_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_trained", b"is_trained", "top_features", b"top_features", "violation_probability", b"violation_probability"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["horizon_ms", b"horizon_ms", "is_trained", b"is_trained", "threshold", b"threshold", "top_features", b"top_features", "untrained_reason", b"untrained_reason", "violation_probability", b"violation_probability"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -381,6 +469,9 @@ class PredictLatencyResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PREDICTIONS_FIELD_NUMBER: _builtins.int
+    IS_TRAINED_FIELD_NUMBER: _builtins.int
+    is_trained: _builtins.bool
+    """False while too little history exists; predictions are then empty."""
     @_builtins.property
     def predictions(self) -> _containers.RepeatedCompositeFieldContainer[Global___LatencyPrediction]:
         """One per candidate, in request order."""
@@ -389,10 +480,11 @@ class PredictLatencyResponse(_message.Message):
         self,
         *,
         predictions: _abc.Iterable[Global___LatencyPrediction] | None = ...,
+        is_trained: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["predictions", b"predictions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_trained", b"is_trained", "predictions", b"predictions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -430,6 +522,7 @@ class WatchAdviceResponse(_message.Message):
     ACTION_FIELD_NUMBER: _builtins.int
     RECOMMENDED_REPLICAS_FIELD_NUMBER: _builtins.int
     VIOLATION_PROBABILITY_FIELD_NUMBER: _builtins.int
+    CURRENT_REPLICAS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name."""
     action: Global___ScaleAction.ValueType
@@ -438,6 +531,8 @@ class WatchAdviceResponse(_message.Message):
     """Recommended replica count."""
     violation_probability: _builtins.float
     """The forecast behind it."""
+    current_replicas: _builtins.int
+    """Workers serving the model now."""
     def __init__(
         self,
         *,
@@ -445,11 +540,64 @@ class WatchAdviceResponse(_message.Message):
         action: Global___ScaleAction.ValueType = ...,
         recommended_replicas: _builtins.int = ...,
         violation_probability: _builtins.float = ...,
+        current_replicas: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "model", b"model", "recommended_replicas", b"recommended_replicas", "violation_probability", b"violation_probability"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "current_replicas", b"current_replicas", "model", b"model", "recommended_replicas", b"recommended_replicas", "violation_probability", b"violation_probability"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchAdviceResponse: _TypeAlias = WatchAdviceResponse  # noqa: Y015
+
+@_typing.final
+class ExportWindowsRequest(_message.Message):
+    """Asks for the history held."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SINCE_UNIX_MS_FIELD_NUMBER: _builtins.int
+    since_unix_ms: _builtins.int
+    """Only windows and requests starting at or after this time, Unix milliseconds (0: all)."""
+    def __init__(
+        self,
+        *,
+        since_unix_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["since_unix_ms", b"since_unix_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportWindowsRequest: _TypeAlias = ExportWindowsRequest  # noqa: Y015
+
+@_typing.final
+class ExportWindowsResponse(_message.Message):
+    """The history held."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WINDOWS_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def windows(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricsWindow]:
+        """Windows, oldest first."""
+
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestObservation]:
+        """Request observations, oldest first."""
+
+    def __init__(
+        self,
+        *,
+        windows: _abc.Iterable[Global___MetricsWindow] | None = ...,
+        requests: _abc.Iterable[Global___RequestObservation] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests", "windows", b"windows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportWindowsResponse: _TypeAlias = ExportWindowsResponse  # noqa: Y015

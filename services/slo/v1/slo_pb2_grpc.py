@@ -55,6 +55,11 @@ class SloServiceStub:
                 request_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.WatchAdviceRequest.SerializeToString,
                 response_deserializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.WatchAdviceResponse.FromString,
                 _registered_method=True)
+        self.ExportWindows = channel.unary_unary(
+                '/cotserve.slo.v1.SloService/ExportWindows',
+                request_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.ExportWindowsRequest.SerializeToString,
+                response_deserializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.ExportWindowsResponse.FromString,
+                _registered_method=True)
 
 
 class SloServiceServicer:
@@ -89,6 +94,13 @@ class SloServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportWindows(self, request, context):
+        """Returns the windows and request observations held, for `cotserve slo record`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SloServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_SloServiceServicer_to_server(servicer, server):
                     servicer.WatchAdvice,
                     request_deserializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.WatchAdviceRequest.FromString,
                     response_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.WatchAdviceResponse.SerializeToString,
+            ),
+            'ExportWindows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportWindows,
+                    request_deserializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.ExportWindowsRequest.FromString,
+                    response_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.ExportWindowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +239,33 @@ class SloService:
             '/cotserve.slo.v1.SloService/WatchAdvice',
             cotserve_dot_slo_dot_v1_dot_slo__pb2.WatchAdviceRequest.SerializeToString,
             cotserve_dot_slo_dot_v1_dot_slo__pb2.WatchAdviceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportWindows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cotserve.slo.v1.SloService/ExportWindows',
+            cotserve_dot_slo_dot_v1_dot_slo__pb2.ExportWindowsRequest.SerializeToString,
+            cotserve_dot_slo_dot_v1_dot_slo__pb2.ExportWindowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

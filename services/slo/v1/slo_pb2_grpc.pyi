@@ -41,6 +41,8 @@ class SloServiceStub:
     """Predicts TTFT and time per output token of a request on each candidate worker."""
     WatchAdvice: _grpc.UnaryStreamMultiCallable[_slo_pb2.WatchAdviceRequest, _slo_pb2.WatchAdviceResponse]
     """Streams scale advice per model."""
+    ExportWindows: _grpc.UnaryUnaryMultiCallable[_slo_pb2.ExportWindowsRequest, _slo_pb2.ExportWindowsResponse]
+    """Returns the windows and request observations held, for `cotserve slo record`."""
 
 @_typing.type_check_only
 class SloServiceAsyncStub(SloServiceStub):
@@ -55,6 +57,8 @@ class SloServiceAsyncStub(SloServiceStub):
     """Predicts TTFT and time per output token of a request on each candidate worker."""
     WatchAdvice: _aio.UnaryStreamMultiCallable[_slo_pb2.WatchAdviceRequest, _slo_pb2.WatchAdviceResponse]  # type: ignore[assignment]
     """Streams scale advice per model."""
+    ExportWindows: _aio.UnaryUnaryMultiCallable[_slo_pb2.ExportWindowsRequest, _slo_pb2.ExportWindowsResponse]  # type: ignore[assignment]
+    """Returns the windows and request observations held, for `cotserve slo record`."""
 
 class SloServiceServicer(metaclass=_abc_1.ABCMeta):
     """Learns from metric windows and forecasts SLO violations."""
@@ -90,5 +94,13 @@ class SloServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_slo_pb2.WatchAdviceResponse], _abc.AsyncIterator[_slo_pb2.WatchAdviceResponse]]:
         """Streams scale advice per model."""
+
+    @_abc_1.abstractmethod
+    def ExportWindows(
+        self,
+        request: _slo_pb2.ExportWindowsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_slo_pb2.ExportWindowsResponse, _abc.Awaitable[_slo_pb2.ExportWindowsResponse]]:
+        """Returns the windows and request observations held, for `cotserve slo record`."""
 
 def add_SloServiceServicer_to_server(servicer: SloServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -258,6 +258,9 @@ class StatsResponse(_message.Message):
     NUM_REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _builtins.int
     NUM_WAITING_URGENT_SEQS_FIELD_NUMBER: _builtins.int
     MOE_POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    UTILIZATION_FIELD_NUMBER: _builtins.int
+    UTILIZATION_IS_CPU_FIELD_NUMBER: _builtins.int
+    MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
     num_running_seqs: _builtins.int
     """Sequences in the running batch."""
     num_waiting_seqs: _builtins.int
@@ -280,6 +283,12 @@ class StatsResponse(_message.Message):
     """Waiting sequences of the REALTIME and INTERACTIVE classes (the gateway holds BATCH back while any wait)."""
     moe_policy_version: _builtins.int
     """Version of the expert-routing policy in force (0: none applied; dense models stay at 0)."""
+    utilization: _builtins.float
+    """Accelerator utilisation (NVML) or, without a GPU, this process's CPU utilisation per core, over the last second, 0..1."""
+    utilization_is_cpu: _builtins.bool
+    """True when utilization is CPU utilisation (no GPU)."""
+    memory_used_bytes: _builtins.int
+    """Accelerator memory in use (NVML), or this process's resident memory without a GPU."""
     def __init__(
         self,
         *,
@@ -294,10 +303,13 @@ class StatsResponse(_message.Message):
         num_requests_finished_total: _builtins.int = ...,
         num_waiting_urgent_seqs: _builtins.int = ...,
         moe_policy_version: _builtins.int = ...,
+        utilization: _builtins.float = ...,
+        utilization_is_cpu: _builtins.bool = ...,
+        memory_used_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
