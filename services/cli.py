@@ -19,6 +19,7 @@ from cotserve.common.clitools import fail, run_service, setup_logging, stack
 from cotserve.gateway.cli import tenants_app
 from cotserve.router.cli import moe_app
 from cotserve.sandbox.cli import sandbox_app
+from cotserve.slo.cli import slo_app
 from cotserve.telemetry.cli import heatmap_command, trace_app
 
 app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False,
@@ -36,6 +37,7 @@ app.add_typer(moe_app, name="moe")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(demo_app, name="demo")
 app.add_typer(trace_app, name="trace")
+app.add_typer(slo_app, name="slo")
 app.command("heatmap")(heatmap_command)
 
 
@@ -93,6 +95,10 @@ def serve_gateway(
     redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis holding tenant limits, shared by every gateway."),
     sandbox: Optional[str] = typer.Option(None, "--sandbox", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox service HOST:PORT for pre/post-processors."),
     fail_open: list[str] = typer.Option([], "--fail-open", help="Module whose failure lets text through unchanged (repeatable; default: fail closed)."),
+    slo: Optional[str] = typer.Option(None, "--slo", envvar="COTSERVE_SLO_ADDRESS", help="SLO predictor HOST:PORT: report windows to it, shed BATCH and route by its forecasts (default: none)."),
+    slo_admission: bool = typer.Option(True, "--slo-admission/--no-slo-admission", help="Defer BATCH while the predictor forecasts an urgent class missing its target."),
+    slo_routing: bool = typer.Option(True, "--slo-routing/--no-slo-routing", help="Route among a model's workers by predicted TTFT."),
+    slo_budget_ms: float = typer.Option(5.0, envvar="COTSERVE_SLO_BUDGET_MS", help="Milliseconds routing waits for a prediction before using the load heuristic."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
@@ -108,7 +114,8 @@ def serve_gateway(
         cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
                             poll_interval_s=poll_interval_s, grace_s=grace_s, admission=admission,
                             metrics_port=metrics_port, tenants_file=tenants_file, redis_url=redis_url,
-                            sandbox_address=sandbox, fail_open_modules=frozenset(fail_open))
+                            sandbox_address=sandbox, fail_open_modules=frozenset(fail_open), slo_address=slo,
+                            slo_admission=slo_admission, slo_routing=slo_routing, slo_predict_budget_ms=slo_budget_ms)
         cfg.validate()
     except ValueError as exc:
         fail("gateway", exc)
@@ -136,6 +143,44 @@ def serve_sandbox(
             fail("sandbox", f"pool_size: {pool_size}, must be >= 1")
         cfg.pool_size = pool_size
     run_service("sandbox", serve(cfg))
+
+
+@serve_app.command("slo")
+def serve_slo(
+    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
+    port: int = typer.Option(50091, envvar="COTSERVE_SLO_PORT", help="Port to bind (0 picks a free one)."),
+    state_dir: Optional[Path] = typer.Option(None, envvar="COTSERVE_SLO_STATE", help="Folder for the window history and the models (default: ~/.cache/cotserve/slo)."),
+    no_state: bool = typer.Option(False, "--no-state", help="Keep nothing across restarts."),
+    horizon_s: int = typer.Option(30, envvar="COTSERVE_SLO_HORIZON_S", help="Seconds ahead a forecast covers (1..600)."),
+    threshold: float = typer.Option(0.7, envvar="COTSERVE_SLO_THRESHOLD", help="Forecast probability above which to scale up and shed BATCH (0..1)."),
+    retrain_interval_s: float = typer.Option(10.0, help="Seconds between retraining checks."),
+    min_new_windows: int = typer.Option(30, help="New windows needed before retraining."),
+    advice_interval_s: float = typer.Option(10.0, help="Seconds between scale-advice rounds."),
+    scale_down_below: float = typer.Option(0.2, help="Forecast below which, sustained, replicas may go down."),
+    scale_down_after_s: float = typer.Option(300.0, help="Seconds the forecast must stay low before SCALE_DOWN."),
+    sla_target: list[str] = typer.Option([], "--sla-target", help="CLASS=TTFT_MS/ITL_P95_MS, as the gateway's (repeatable; default realtime=250/50, interactive=1000/100, batch=30000/1000)."),
+    redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis to publish advice on (cotserve:slo:advice); none: streams and gauges only."),
+    metrics_port: int = typer.Option(0, envvar="COTSERVE_SLO_METRICS_PORT", help="Port for Prometheus /metrics with the advice gauges (0 = off)."),
+    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight calls on SIGTERM."),
+) -> None:
+    """Start the SLO predictor: XGBoost violation forecasts, latency predictions, scale advice."""
+    from cotserve.slo.features import parse_targets
+    from cotserve.slo.server import SloConfig, serve
+
+    setup_logging()
+    try:
+        cfg = SloConfig(host=host, port=port, horizon_s=horizon_s, threshold=threshold, retrain_interval_s=retrain_interval_s,
+                        min_new_windows=min_new_windows, advice_interval_s=advice_interval_s, scale_down_below=scale_down_below,
+                        scale_down_after_s=scale_down_after_s, redis_url=redis_url, metrics_port=metrics_port, grace_s=grace_s,
+                        targets=parse_targets(sla_target))
+        if no_state:
+            cfg.state_dir = None
+        elif state_dir is not None:
+            cfg.state_dir = state_dir
+        cfg.validate()
+    except ValueError as exc:
+        fail("slo", exc)
+    run_service("slo", serve(cfg))
 
 
 @serve_app.command("telemetry")

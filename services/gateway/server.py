@@ -15,7 +15,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, Unavailable
+from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
 from cotserve.common.sampling import DEFAULT_MAX_NEW_TOKENS, SlaClass, sampling_from_pb, sla_from_pb
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
@@ -26,6 +26,7 @@ from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
 from cotserve.gateway.processors import Processors
 from cotserve.gateway.quota import SPECIAL_TOKENS_ALLOWANCE, QuotaEnforcer, token_reservation
+from cotserve.gateway.slo_link import SloLink, SloLinkConfig
 from cotserve.gateway.tenants import Tenant, TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
@@ -62,6 +63,14 @@ class GatewayConfig:
     """The WASI sandbox service that runs pre- and post-processors (none: requests naming one fail closed)."""
     fail_open_modules: frozenset[str] = frozenset()
     """Modules whose failure lets the text through unchanged (all others fail the request)."""
+    slo_address: str | None = None
+    """The SLO predictor: windows are reported to it, its forecasts shed BATCH, its predictions route (none: heuristics only)."""
+    slo_admission: bool = True
+    """Defer BATCH (RESOURCE_EXHAUSTED with retry-after-ms) while an urgent class's forecast is above the threshold."""
+    slo_routing: bool = True
+    """Route among a model's workers by predicted TTFT."""
+    slo_predict_budget_ms: float = 5.0
+    """How long routing waits for a latency prediction before using the load heuristic."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -87,6 +96,8 @@ class GatewayConfig:
             raise ValueError(f"port: {self.port}, allowed 0..65535")
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s: {self.poll_interval_s}, must be > 0")
+        if self.slo_predict_budget_ms <= 0:
+            raise ValueError(f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0")
         if self.admission.batch_limit < 0:
             raise ValueError(f"batch_limit: {self.admission.batch_limit}, must be >= 0")
         for cls, bound in self.admission.max_queue.items():
@@ -98,8 +109,9 @@ class GatewayConfig:
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
                  quota: QuotaEnforcer | None = None, processors: Processors | None = None,
-                 tracer_provider: TracerProvider | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None, slo: SloLink | None = None) -> None:
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.gateway")
+        self.slo = slo
         self.pool = pool
         self.metrics = metrics
         self.tenants = tenants or TenantRegistry.open()
@@ -195,9 +207,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             **({"gen_ai.request.max_tokens": sp.max_new_tokens} if sp.HasField("max_new_tokens") else {}),
             **({"gen_ai.request.temperature": sp.temperature} if sp.HasField("temperature") else {}),
         })
+        slo = self.slo
+        if slo is not None and sla == SlaClass.BATCH:
+            why = slo.shed_batch(model)
+            if why is not None:
+                span.add_event("shed", {"cotserve.reason": why})
+                raise ResourceExhausted(f"sla_class BATCH: deferred: {why}; retry later",
+                                        trailers={"retry-after-ms": str(slo.cfg.retry_after_ms)})
         tried: set[WorkerHandle] = set()
+        max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
         while True:
             worker = self.pool.pick(model, exclude=tried, cls=sla)
+            if slo is not None:
+                candidates = [w for w in self.pool.workers if w.healthy and w.model == model and w not in tried]
+                better = await slo.pick(model, candidates, sla, len(wreq.prompt_text.encode()), max_new)
+                if better is not None:
+                    worker = better
+                    span.set_attribute("cotserve.routed_by", "predicted_ttft")
             tried.add(worker)
             span.set_attributes({"cotserve.worker": worker.address,
                                  "cotserve.model_version": f"{model}@{worker.info.model_revision}"})
@@ -208,7 +234,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     qspan.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
                     raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
             sent_at = time.monotonic()
+            sent_unix_ms = int(time.time() * 1000)
             worker.in_flight += 1
+            if slo is not None:
+                slo.arrival(model, worker.address, sla)
             call = None
             first_at: float | None = None
             last_at = sent_at
@@ -221,10 +250,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     if first_at is not None:
                         worker.admission.observe_itl(sla, (now - last_at) * 1000)
                         itl_h.observe(now - last_at)
+                        if slo is not None:
+                            slo.token(model, worker.address, sla, (now - last_at) * 1000)
                     last_at = now
                     if first_at is None:
                         first_at = now
                         ttft_h.observe(now - start)
+                        if slo is not None:
+                            slo.first_token(model, worker.address, sla, (now - start) * 1000)
                         span.set_attribute("cotserve.ttft_ms", (now - start) * 1000)
                         span.set_attributes({
                             "cotserve.queue_ms": (sent_at - start) * 1000 + chunk.timing.queue_ms,
@@ -243,6 +276,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         out.timing.total_ms = (now - start) * 1000
                         out.timing.kv_used_fraction_at_admission = chunk.timing.kv_used_fraction_at_admission
                         n_out = chunk.usage.completion_tokens
+                        if slo is not None:
+                            slo.finished(model, worker.address, sla, sent_unix_ms, len(wreq.prompt_text.encode()),
+                                         chunk.usage.prompt_tokens, max_new, n_out, (first_at - start) * 1000,
+                                         (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else 0.0)
                         span.set_attributes({
                             "cotserve.e2e_ms": out.timing.total_ms,
                             **({"cotserve.tpot_ms": (now - first_at) * 1000 / (n_out - 1)} if n_out > 1 else {}),
@@ -265,6 +302,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 raise RelayedError(code.name, err.details() or code.name) from None
             finally:
                 worker.in_flight -= 1
+                if slo is not None:
+                    slo.done(model, worker.address, sla)
                 worker.admission.release(sla, service_ms=(time.monotonic() - sent_at) * 1000)
                 if call is not None:
                     call.cancel()  # the client went away or we failed: free the worker's pages now
@@ -314,6 +353,7 @@ class RunningGateway:
     metrics_server: MetricsServer | None = None
     quota: QuotaEnforcer | None = None
     processors: Processors | None = None
+    slo: SloLink | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
@@ -321,6 +361,8 @@ class RunningGateway:
 
     async def close(self) -> None:
         """Everything but the gRPC server: the pool, metrics and the Redis connection."""
+        if self.slo is not None:
+            await self.slo.stop()
         await self.pool.stop()
         if self.metrics_server is not None:
             self.metrics_server.stop()
@@ -352,18 +394,24 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     metrics = GatewayMetrics(pool)
     tenants, quota = tenancy(cfg)
     processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider)
-    servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider)
+    slo = None
+    if cfg.slo_address:
+        slo = SloLink(SloLinkConfig(cfg.slo_address, admission=cfg.slo_admission, routing=cfg.slo_routing,
+                                    predict_budget_ms=cfg.slo_predict_budget_ms), pool)
+    servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider, slo)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)
     metrics_server = serve_metrics(metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
     await pool.start()
+    if slo is not None:
+        slo.start()
     await server.set_serving()
     healthy = [w.address for w in pool.workers if w.healthy]
     log.info("SERVING gateway on %s: %d workers (%d healthy now): %s", server.address, len(pool.workers), len(healthy),
              ", ".join(f"{w.address}={w.model or '?'}" for w in pool.workers))
-    return RunningGateway(server, pool, metrics, metrics_server, quota, processors)
+    return RunningGateway(server, pool, metrics, metrics_server, quota, processors, slo)
 
 
 async def serve(cfg: GatewayConfig) -> None:

@@ -17,7 +17,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from cotserve.common.errors import InvalidArgument

@@ -1,0 +1,238 @@
+"""The gateway's link to the SLO predictor: it records one metrics window per second per (model,
+worker, SLA class) and every finished request, reports them, keeps each model's latest forecast,
+and asks for per-worker latency predictions when routing.
+
+The predictor is advice, never a dependency: a report that fails is retried with the next one (a
+bounded backlog), a forecast that is missing, stale or untrained sheds nothing, and a latency
+prediction that does not come back within its budget (a few ms) leaves routing to the load
+heuristic; after a failure the predictor is not asked again for a few seconds. No request ever
+fails because of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from cotserve.common.sampling import SlaClass
+from cotserve.common.v1 import common_pb2
+from cotserve.slo.features import worker_total
+from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
+
+log = logging.getLogger("cotserve.gateway")
+
+PB_CLASS = {SlaClass.REALTIME: common_pb2.SLA_CLASS_REALTIME, SlaClass.INTERACTIVE: common_pb2.SLA_CLASS_INTERACTIVE,
+            SlaClass.BATCH: common_pb2.SLA_CLASS_BATCH}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[max(1, math.ceil(q * len(s))) - 1]
+
+
+@dataclass(slots=True)
+class _Acc:
+    arrivals: int = 0
+    completions: int = 0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+
+@dataclass
+class SloLinkConfig:
+    address: str
+    admission: bool = True          # shed BATCH while an urgent class's forecast is above the threshold
+    routing: bool = True            # route by predicted TTFT
+    predict_budget_ms: float = 5.0
+    report_interval_s: float = 1.0
+    forecast_interval_s: float = 1.0
+    backoff_s: float = 5.0
+    max_backlog: int = 600
+    retry_after_ms: int = 2000
+
+
+class SloLink:
+    def __init__(self, cfg: SloLinkConfig, pool) -> None:
+        self.cfg, self.pool = cfg, pool
+        self.channel = grpc.aio.insecure_channel(cfg.address)
+        self.stub = slo_pb2_grpc.SloServiceStub(self.channel)
+        self.acc: dict[tuple[str, str, SlaClass], _Acc] = defaultdict(_Acc)
+        self.in_flight: dict[tuple[str, str, SlaClass], int] = defaultdict(int)
+        self.requests: list[slo_pb2.RequestObservation] = []
+        self.backlog: deque[slo_pb2.ReportWindowsRequest] = deque()
+        self.last_worker_window: dict[str, slo_pb2.MetricsWindow] = {}
+        self.preemptions_seen: dict[str, int] = {}
+        self.forecasts: dict[str, tuple[float, float, str]] = {}  # model -> (max urgent probability, threshold, when)
+        self.tokens_per_byte: dict[str, float] = {}
+        self.down_until = 0.0
+        self.latency_trained = False
+        self.reports_failed = 0
+        self._tasks: list[asyncio.Task] = []
+        self._last_warning = 0.0
+
+    # -- recording (called by the servicer) ----------------------------------------------
+
+    def arrival(self, model: str, worker: str, sla: SlaClass) -> None:
+        self.acc[(model, worker, sla)].arrivals += 1
+        self.in_flight[(model, worker, sla)] += 1
+
+    def first_token(self, model: str, worker: str, sla: SlaClass, ttft_ms: float) -> None:
+        a = self.acc[(model, worker, sla)]
+        a.ttft.append(ttft_ms)
+        a.tokens += 1
+
+    def token(self, model: str, worker: str, sla: SlaClass, itl_ms: float) -> None:
+        a = self.acc[(model, worker, sla)]
+        a.itl.append(itl_ms)
+        a.tokens += 1
+
+    def done(self, model: str, worker: str, sla: SlaClass) -> None:
+        self.in_flight[(model, worker, sla)] -= 1
+
+    def finished(self, model: str, worker: str, sla: SlaClass, start_unix_ms: int, prompt_text_bytes: int, prompt_tokens: int,
+                 max_new_tokens: int, completion_tokens: int, ttft_ms: float, tpot_ms: float) -> None:
+        a = self.acc[(model, worker, sla)]
+        a.completions += 1
+        a.prompt_tokens += prompt_tokens
+        if prompt_text_bytes:
+            old = self.tokens_per_byte.get(model, prompt_tokens / prompt_text_bytes)
+            self.tokens_per_byte[model] = 0.9 * old + 0.1 * prompt_tokens / prompt_text_bytes
+        self.requests.append(slo_pb2.RequestObservation(
+            start_unix_ms=start_unix_ms, model=model, worker=worker, sla_class=PB_CLASS[sla], prompt_tokens=prompt_tokens,
+            max_new_tokens=max_new_tokens, completion_tokens=completion_tokens, ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+
+    def roll(self, start_unix_ms: int) -> list[slo_pb2.MetricsWindow]:
+        """Close the second that began at `start_unix_ms`: one window per (model, healthy worker, class)."""
+        acc, self.acc = self.acc, defaultdict(_Acc)
+        windows = []
+        for w in self.pool.workers:
+            if not w.healthy or w.model is None:
+                continue
+            s = w.stats
+            total_blocks = (s.kv_blocks_used + s.kv_blocks_free) if s else 0
+            pre_total = s.num_preemptions_total if s else 0
+            preemptions = max(0, pre_total - self.preemptions_seen.get(w.address, pre_total))
+            self.preemptions_seen[w.address] = pre_total
+            per_class = []
+            for cls in SlaClass:
+                a = acc.get((w.model, w.address, cls), _Acc())
+                queued = len(w.admission.queues.get(cls, ())) if hasattr(w.admission, "queues") else 0
+                per_class.append(slo_pb2.MetricsWindow(
+                    start_unix_ms=start_unix_ms, model=w.model, worker=w.address, sla_class=PB_CLASS[cls],
+                    arrivals=a.arrivals, completions=a.completions, first_tokens=len(a.ttft),
+                    ttft_p50_ms=_pct(a.ttft, 0.5), ttft_p95_ms=_pct(a.ttft, 0.95), ttft_p99_ms=_pct(a.ttft, 0.99),
+                    itl_p50_ms=_pct(a.itl, 0.5), itl_p95_ms=_pct(a.itl, 0.95), itl_p99_ms=_pct(a.itl, 0.99),
+                    queue_depth=queued, in_flight=max(0, self.in_flight[(w.model, w.address, cls)]),
+                    kv_used_fraction=(s.kv_blocks_used / total_blocks) if total_blocks else 0.0,
+                    preemptions=preemptions, output_tokens_per_s=float(a.tokens),
+                    utilization=min(1.0, s.utilization) if s else 0.0, utilization_is_cpu=s.utilization_is_cpu if s else True,
+                    memory_used_bytes=s.memory_used_bytes if s else 0,
+                    mean_prompt_tokens=a.prompt_tokens / a.completions if a.completions else 0.0,
+                    worker_waiting=s.num_waiting_seqs if s else 0,
+                ))
+            windows.extend(per_class)
+            self.last_worker_window[w.address] = worker_total(per_class, w.address, start_unix_ms)
+        return windows
+
+    # -- background loops ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._report_forever(), name="cotserve-slo-report"),
+                       asyncio.create_task(self._forecast_forever(), name="cotserve-slo-forecast")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.channel.close()
+
+    def _warn(self, message: str) -> None:
+        if time.monotonic() - self._last_warning > 60:
+            self._last_warning = time.monotonic()
+            log.warning("%s (the gateway carries on without the SLO predictor)", message)
+
+    async def _report_forever(self) -> None:
+        second = int(time.time())
+        while True:
+            await asyncio.sleep(max(0.0, second + 1 - time.time()))
+            windows = self.roll(second * 1000)
+            requests, self.requests = self.requests, []
+            second += 1
+            if windows or requests:
+                self.backlog.append(slo_pb2.ReportWindowsRequest(windows=windows, requests=requests))
+            while len(self.backlog) > self.cfg.max_backlog:
+                self.backlog.popleft()
+            try:
+                while self.backlog:
+                    await self.stub.ReportWindows(self.backlog[0], timeout=1.0)
+                    self.backlog.popleft()
+            except grpc.aio.AioRpcError as err:
+                self.reports_failed += 1
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    self.backlog.popleft()  # never resend what the predictor rejects
+                self._warn(f"SLO predictor {self.cfg.address}: ReportWindows failed: {err.code().name} {err.details()}")
+            second = max(second, int(time.time()))
+
+    async def _forecast_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.forecast_interval_s)
+            for model in {w.model for w in self.pool.workers if w.model is not None}:
+                try:
+                    probs, threshold = [], 1.0
+                    for cls in (common_pb2.SLA_CLASS_REALTIME, common_pb2.SLA_CLASS_INTERACTIVE):
+                        f = await self.stub.Forecast(slo_pb2.ForecastRequest(model=model, sla_class=cls), timeout=0.5)
+                        if f.is_trained:
+                            probs.append(f.violation_probability)
+                            threshold = f.threshold
+                    if probs:
+                        self.forecasts[model] = (max(probs), threshold, time.monotonic())
+                    else:
+                        self.forecasts.pop(model, None)
+                except grpc.aio.AioRpcError as err:
+                    self.forecasts.pop(model, None)
+                    self._warn(f"SLO predictor {self.cfg.address}: Forecast failed: {err.code().name}")
+
+    # -- decisions -----------------------------------------------------------------------
+
+    def shed_batch(self, model: str) -> str | None:
+        """Why BATCH should wait now (an urgent class's fresh forecast above the threshold), or None."""
+        if not self.cfg.admission:
+            return None
+        f = self.forecasts.get(model)
+        if f is None or time.monotonic() - f[2] > 5 * self.cfg.forecast_interval_s:
+            return None
+        p, threshold, _ = f
+        if p > threshold:
+            return f"the SLO predictor forecasts a {p:.2f} chance (above {threshold:.2f}) that REALTIME or INTERACTIVE misses its target"
+        return None
+
+    async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):
+        """The candidate with the lowest predicted TTFT, or None (fall back to the heuristic)."""
+        if not self.cfg.routing or len(candidates) < 2 or time.monotonic() < self.down_until:
+            return None
+        states = [slo_pb2.WorkerState(worker=w.address, window=self.last_worker_window.get(w.address)) for w in candidates]
+        req = slo_pb2.PredictLatencyRequest(
+            prompt_tokens=max(1, round(prompt_bytes * self.tokens_per_byte.get(model, 0.25))), max_new_tokens=max_new_tokens,
+            sla_class=PB_CLASS[sla], candidates=states)
+        try:
+            resp = await self.stub.PredictLatency(req, timeout=self.cfg.predict_budget_ms / 1000)
+        except grpc.aio.AioRpcError as err:
+            self.down_until = time.monotonic() + self.cfg.backoff_s
+            if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._warn(f"SLO predictor {self.cfg.address}: PredictLatency failed: {err.code().name}")
+            return None
+        self.latency_trained = resp.is_trained
+        if not resp.is_trained or len(resp.predictions) != len(candidates):
+            return None
+        ranked = sorted(zip(candidates, resp.predictions), key=lambda cp: (not cp[0].admission.can_start(sla), cp[1].ttft_ms))
+        return ranked[0][0]

@@ -1,0 +1,124 @@
+"""`cotserve slo record | train | forecast`: the SLO predictor from the command line."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import typer
+
+from cotserve.common.clitools import rpc_error_exit, wide_console
+
+slo_app = typer.Typer(help="SLO predictor: record windows, train and evaluate offline, read forecasts.", no_args_is_help=True)
+
+
+@slo_app.command("record")
+def slo_record(
+    out: Path = typer.Option(..., help="File to append the windows and request observations to."),
+    address: str = typer.Option("127.0.0.1:50091", envvar="COTSERVE_SLO_ADDRESS", help="SLO predictor address."),
+    duration_s: float = typer.Option(0.0, help="Keep recording new windows this long (0: write what the predictor holds now, then stop)."),
+) -> None:
+    """Write the windows a running stack reported to the SLO predictor to a file (for `cotserve slo train`)."""
+    import grpc
+
+    from cotserve.slo.history import write_records
+    from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
+
+    since, windows, requests = 0, 0, 0
+    end = time.monotonic() + duration_s
+    with grpc.insecure_channel(address) as ch:
+        stub = slo_pb2_grpc.SloServiceStub(ch)
+        while True:
+            try:
+                resp = stub.ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=since), timeout=30)
+            except grpc.RpcError as err:
+                rpc_error_exit(err)
+            if resp.windows or resp.requests:
+                write_records(out, [slo_pb2.ReportWindowsRequest(windows=resp.windows, requests=resp.requests)])
+                windows, requests = windows + len(resp.windows), requests + len(resp.requests)
+                since = max([w.start_unix_ms for w in resp.windows] + [r.start_unix_ms for r in resp.requests]) + 1
+            if time.monotonic() >= end:
+                break
+            typer.echo(f"recorded {windows} windows, {requests} requests ...", err=True)
+            time.sleep(min(5.0, max(0.0, end - time.monotonic())))
+    typer.echo(f"wrote {windows} windows and {requests} request observations to {out}")
+
+
+def _fmt(v: float, pct: bool = False) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
+
+
+def print_evaluation(ev, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"Forecast of a target miss within the horizon, held-out stretch: {ev.test_samples} samples, "
+                        f"{ev.test_positives} before a violation, {ev.onsets} violation onsets")
+    for col in ("", "ROC-AUC", f"precision @ {ev.threshold}", f"recall @ {ev.threshold}", "median lead time"):
+        table.add_column(col, justify="right")
+    table.add_row("XGBoost forecast", _fmt(ev.auc), _fmt(ev.precision, True), _fmt(ev.recall, True),
+                  "n/a" if math.isnan(ev.median_lead_s) else f"{ev.median_lead_s:.0f} s")
+    table.add_row(f"baseline: queue depth >= {ev.baseline_threshold:g}", _fmt(ev.baseline_auc), _fmt(ev.baseline_precision, True),
+                  _fmt(ev.baseline_recall, True), "n/a" if math.isnan(ev.baseline_median_lead_s) else f"{ev.baseline_median_lead_s:.0f} s")
+    console.print(table)
+    console.print(f"latency predictions on {ev.latency_test_requests} held-out requests: TTFT MAPE {_fmt(ev.ttft_mape, True)}, "
+                  f"TPOT MAPE {_fmt(ev.tpot_mape, True)}")
+    for note in ev.notes:
+        console.print(f"note: {note}")
+
+
+@slo_app.command("train")
+def slo_train(
+    data: Path = typer.Option(..., exists=True, dir_okay=False, help="File from `cotserve slo record` (or the service's history.bin)."),
+    horizon_s: int = typer.Option(30, min=1, max=600, help="Seconds ahead the forecast covers."),
+    threshold: float = typer.Option(0.7, min=0.0, max=1.0, help="Probability at which precision and recall are read."),
+    train_fraction: float = typer.Option(0.7, min=0.1, max=0.95, help="Share of the time span to train on; the rest is held out."),
+    out: Path = typer.Option(None, help="Save the fitted models here (XGBoost JSON; a service's STATE_DIR/models)."),
+) -> None:
+    """Fit on the first part of the recording and print an evaluation on the later, held-out stretch."""
+    from cotserve.slo.history import read_records
+    from cotserve.slo.model import Untrained, evaluate
+
+    try:
+        windows, requests = read_records(data)
+        ev, fc, lm = evaluate(windows, requests, horizon_s, train_fraction, threshold)
+    except (ValueError, Untrained) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    print_evaluation(ev, wide_console())
+    if out is not None:
+        fc.save(out)
+        if lm.is_trained:
+            lm.save(out)
+        typer.echo(f"saved models to {out}")
+
+
+@slo_app.command("forecast")
+def slo_forecast(
+    model: str = typer.Argument(..., help="Model name."),
+    sla: str = typer.Option("interactive", help="SLA class: realtime, interactive or batch."),
+    address: str = typer.Option("127.0.0.1:50091", envvar="COTSERVE_SLO_ADDRESS", help="SLO predictor address."),
+) -> None:
+    """Print the forecast for a model and class, and the features that pushed it most."""
+    import grpc
+
+    from cotserve.common.v1 import common_pb2
+    from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
+
+    cls = {"realtime": common_pb2.SLA_CLASS_REALTIME, "interactive": common_pb2.SLA_CLASS_INTERACTIVE,
+           "batch": common_pb2.SLA_CLASS_BATCH}.get(sla.lower())
+    if cls is None:
+        raise typer.BadParameter(f"want realtime, interactive or batch, got {sla!r}", param_hint="--sla")
+    with grpc.insecure_channel(address) as ch:
+        try:
+            f = slo_pb2_grpc.SloServiceStub(ch).Forecast(slo_pb2.ForecastRequest(model=model, sla_class=cls), timeout=10)
+        except grpc.RpcError as err:
+            rpc_error_exit(err)
+    if not f.is_trained:
+        typer.echo(f"untrained: {f.untrained_reason}")
+        return
+    typer.echo(f"{model} {sla}: P(miss within {f.horizon_ms / 1000:g} s) = {f.violation_probability:.3f} (acts above {f.threshold:g})")
+    for c in f.top_features:
+        typer.echo(f"  {c.feature:28s} {c.contribution:+.3f}")

@@ -1,0 +1,361 @@
+"""The predictor's two learners, both XGBoost, both saved in XGBoost's own JSON format (never pickle):
+
+- the *forecaster*: a classifier of "this class misses its target within the horizon" over the
+  features of `features.py`, with per-prediction contributions (SHAP values) for the why;
+- the *latency model*: two regressors, TTFT and time per output token of one request, from the
+  request (prompt tokens, max new tokens, class) and its worker's state in the second before it
+  started (as llm-d's latency predictor does per candidate pod).
+
+Plus the offline evaluation both `cotserve slo train` and `cotserve bench slo` print: ROC-AUC,
+precision and recall at the threshold, median lead time, the same for a queue-depth baseline,
+and the latency models' MAPE, always on a later, held-out stretch of time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from cotserve.slo import features as F
+
+log = logging.getLogger("cotserve.slo")
+
+MIN_LABELLED = 120      # labelled (class, second) samples before a forecast is trusted
+MIN_POSITIVES = 5       # ... of which this many preceded a violation
+MIN_REQUESTS = 50       # request observations before latency predictions are trusted
+
+
+class Untrained(Exception):
+    """Not enough (or not the right) history; the message says what is missing."""
+
+
+# -- datasets ----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class ForecastData:
+    X: np.ndarray
+    y: np.ndarray
+    t_ms: np.ndarray          # second of each row
+    key: list[tuple[str, int]]  # (model, class index) of each row
+    baseline: np.ndarray      # the queue-depth baseline's score
+    violation: np.ndarray     # whether that row's own second violated (for lead times)
+
+
+def forecast_data(windows, horizon_s: int, targets=F.DEFAULT_TARGETS, until_ms: int | None = None) -> ForecastData:
+    """Every labelled (model, class, second) of the history; with `until_ms`, only rows whose
+    horizon ends before it (so a training stretch never peeks past its end)."""
+    by_model = defaultdict(list)
+    for w in windows:
+        by_model[w.model].append(w)
+    parts = []
+    for model, ws in sorted(by_model.items()):
+        s = F.build_series(ws)
+        feats, viol = F.feature_matrix(s, targets), F.violations(s, targets)
+        lab, valid = F.labels(viol, horizon_s)
+        t_ms = s.t0_ms + 1000 * np.arange(s.n)
+        ok = valid
+        if until_ms is not None:
+            ok = ok & (t_ms + horizon_s * 1000 < until_ms)
+        base = F.baseline_score(s)
+        for c in range(3):
+            active = F._sum(s.reported[c], F.LOOKBACK_S) > 0  # the class was reported in the last minute
+            idx = np.nonzero(ok & active)[0]
+            parts.append((feats[c, idx], lab[c, idx], t_ms[idx], [(model, c)] * len(idx), base[idx], viol[c, idx]))
+    if not parts:
+        return ForecastData(np.zeros((0, len(F.FEATURES))), np.zeros(0, bool), np.zeros(0, np.int64), [], np.zeros(0), np.zeros(0, bool))
+    return ForecastData(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                        np.concatenate([p[2] for p in parts]), [k for p in parts for k in p[3]],
+                        np.concatenate([p[4] for p in parts]), np.concatenate([p[5] for p in parts]))
+
+
+def latency_data(windows, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(X, log TTFT, log TPOT (NaN when undefined), start ms) for every request whose worker
+    reported a window in the second before it started."""
+    by_second = defaultdict(list)
+    for w in windows:
+        by_second[(w.worker, w.start_unix_ms // 1000 * 1000)].append(w)
+    X, ttft, tpot, t = [], [], [], []
+    for r in requests:
+        ws = by_second.get((r.worker, r.start_unix_ms // 1000 * 1000 - 1000))
+        if not ws:
+            continue
+        X.append(F.latency_row(r.prompt_tokens, r.max_new_tokens, r.sla_class, F.worker_total(ws)))
+        ttft.append(math.log1p(r.ttft_ms))
+        tpot.append(math.log1p(r.tpot_ms) if r.completion_tokens > 1 and r.tpot_ms > 0 else math.nan)
+        t.append(r.start_unix_ms)
+    return np.array(X).reshape(-1, len(F.LATENCY_FEATURES)), np.array(ttft), np.array(tpot), np.array(t)
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+def roc_auc(y: np.ndarray, score: np.ndarray) -> float:
+    """Mann-Whitney AUC with tied scores sharing their average rank; NaN with one class only."""
+    y = np.asarray(y, bool)
+    pos, neg = int(y.sum()), int((~y).sum())
+    if pos == 0 or neg == 0:
+        return math.nan
+    order = np.argsort(score, kind="mergesort")
+    ranks = np.empty(len(score))
+    s = np.asarray(score)[order]
+    i = 0
+    while i < len(s):
+        j = i
+        while j + 1 < len(s) and s[j + 1] == s[i]:
+            j += 1
+        ranks[order[i: j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return float((ranks[y].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def precision_recall(y: np.ndarray, score: np.ndarray, threshold: float) -> tuple[float, float]:
+    pred = score >= threshold
+    tp = int((pred & y).sum())
+    return (tp / pred.sum() if pred.sum() else math.nan, tp / y.sum() if y.sum() else math.nan)
+
+
+def lead_times(data: ForecastData, score: np.ndarray, threshold: float, horizon_s: int) -> list[float]:
+    """Per violation onset (a violating second with none in the 10 s before): seconds from the
+    start of the run of above-threshold scores that reaches the second before it (0: not foreseen)."""
+    leads = []
+    keys = np.array([f"{m}\0{c}" for m, c in data.key]) if data.key else np.array([])
+    for key in np.unique(keys):
+        idx = np.nonzero(keys == key)[0]
+        idx = idx[np.argsort(data.t_ms[idx])]
+        t = (data.t_ms[idx] // 1000).astype(np.int64)
+        above = dict(zip(t.tolist(), (score[idx] >= threshold).tolist()))
+        viol = dict(zip(t.tolist(), data.violation[idx].tolist()))
+        for sec in t.tolist():
+            if not viol[sec] or any(viol.get(sec - k, False) for k in range(1, 11)):
+                continue
+            lead = 0
+            while lead < horizon_s and above.get(sec - lead - 1, False):
+                lead += 1
+            leads.append(float(lead))
+    return leads
+
+
+def best_threshold(y: np.ndarray, score: np.ndarray) -> float:
+    """The score threshold with the best F1 (for the baseline, chosen on the training stretch)."""
+    best, best_f1 = float(np.max(score)) if len(score) else 0.0, -1.0
+    for thr in np.unique(score):
+        p, r = precision_recall(y, score, thr)
+        if not (math.isnan(p) or math.isnan(r)) and p + r > 0 and 2 * p * r / (p + r) > best_f1:
+            best, best_f1 = float(thr), 2 * p * r / (p + r)
+    return best
+
+
+def mape(true_ms: np.ndarray, pred_ms: np.ndarray) -> float:
+    ok = true_ms > 0
+    return float(np.mean(np.abs(pred_ms[ok] - true_ms[ok]) / true_ms[ok])) if ok.any() else math.nan
+
+
+# -- the learners ------------------------------------------------------------------------------
+
+def _train_booster(X: np.ndarray, y: np.ndarray, names, objective: str, rounds: int, **params):
+    import xgboost as xgb
+
+    dtrain = xgb.DMatrix(X, label=y, feature_names=list(names))
+    p = {"objective": objective, "max_depth": 4, "eta": 0.1, "subsample": 0.9, "colsample_bytree": 0.9,
+         "min_child_weight": 2, "nthread": 1, "seed": 0, **params}
+    return xgb.train(p, dtrain, num_boost_round=rounds)
+
+
+@dataclass
+class Forecaster:
+    booster: object = None
+    horizon_s: int = 30
+    trained_at: float = 0.0
+    samples: int = 0
+    positives: int = 0
+    untrained_reason: str = "no history yet"
+
+    @property
+    def is_trained(self) -> bool:
+        return self.booster is not None
+
+    def fit(self, data: ForecastData) -> None:
+        n, pos = len(data.y), int(data.y.sum())
+        if n < MIN_LABELLED:
+            raise Untrained(f"too little history: {n} labelled samples, need {MIN_LABELLED}")
+        if pos < MIN_POSITIVES:
+            raise Untrained(f"only {pos} samples preceded a violation (need {MIN_POSITIVES}): nothing to learn from yet")
+        weight = min(20.0, max(1.0, (n - pos) / pos))
+        self.booster = _train_booster(data.X, data.y.astype(float), F.FEATURES, "binary:logistic", 150, scale_pos_weight=weight)
+        self.trained_at, self.samples, self.positives, self.untrained_reason = time.time(), n, pos, ""
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        import xgboost as xgb
+
+        return self.booster.predict(xgb.DMatrix(X, feature_names=list(F.FEATURES)))
+
+    def explain(self, x: np.ndarray, top: int = 5) -> list[tuple[str, float]]:
+        """The features that pushed this prediction most (contributions to the log-odds)."""
+        import xgboost as xgb
+
+        contribs = self.booster.predict(xgb.DMatrix(x[None, :], feature_names=list(F.FEATURES)), pred_contribs=True)[0][:-1]
+        order = np.argsort(-np.abs(contribs))[:top]
+        return [(F.FEATURES[i], float(contribs[i])) for i in order]
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.booster.save_model(str(folder / "forecast.json"))
+        meta = {"features": list(F.FEATURES), "horizon_s": self.horizon_s, "trained_at": self.trained_at,
+                "samples": self.samples, "positives": self.positives}
+        (folder / "forecast.meta.json").write_text(json.dumps(meta, indent=1))
+
+    @classmethod
+    def load(cls, folder: Path, horizon_s: int) -> Forecaster:
+        """The saved forecaster, or an untrained one saying why (missing, corrupt, other features or horizon)."""
+        import xgboost as xgb
+
+        path = folder / "forecast.json"
+        if not path.exists():
+            return cls(horizon_s=horizon_s, untrained_reason="no history yet")
+        try:
+            meta = json.loads((folder / "forecast.meta.json").read_text())
+            if meta["features"] != list(F.FEATURES) or meta["horizon_s"] != horizon_s:
+                return cls(horizon_s=horizon_s, untrained_reason=f"the saved model {path} has other features or horizon: retraining")
+            booster = xgb.Booster()
+            booster.load_model(str(path))
+            return cls(booster, horizon_s, meta["trained_at"], meta["samples"], meta["positives"], "")
+        except Exception as exc:  # noqa: BLE001 - any unreadable model means: start untrained, say so
+            log.error("forecast model %s is unreadable (%s): starting untrained", path, exc)
+            return cls(horizon_s=horizon_s, untrained_reason=f"the saved model {path} is unreadable ({exc}): retraining")
+
+
+@dataclass
+class LatencyModel:
+    ttft: object = None
+    tpot: object = None
+    samples: int = 0
+    untrained_reason: str = "no request observations yet"
+
+    @property
+    def is_trained(self) -> bool:
+        return self.ttft is not None
+
+    def fit(self, X: np.ndarray, log_ttft: np.ndarray, log_tpot: np.ndarray) -> None:
+        if len(X) < MIN_REQUESTS:
+            raise Untrained(f"too few request observations: {len(X)}, need {MIN_REQUESTS}")
+        self.ttft = _train_booster(X, log_ttft, F.LATENCY_FEATURES, "reg:squarederror", 120, max_depth=5)
+        ok = ~np.isnan(log_tpot)
+        self.tpot = _train_booster(X[ok], log_tpot[ok], F.LATENCY_FEATURES, "reg:squarederror", 120, max_depth=5) if ok.sum() >= 10 else None
+        self.samples, self.untrained_reason = len(X), ""
+
+    def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(TTFT ms, TPOT ms) per row (TPOT 0 when no model for it)."""
+        import xgboost as xgb
+
+        d = xgb.DMatrix(X, feature_names=list(F.LATENCY_FEATURES))
+        ttft = np.expm1(self.ttft.predict(d))
+        tpot = np.expm1(self.tpot.predict(d)) if self.tpot is not None else np.zeros(len(X))
+        return np.maximum(ttft, 0), np.maximum(tpot, 0)
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.ttft.save_model(str(folder / "ttft.json"))
+        if self.tpot is not None:
+            self.tpot.save_model(str(folder / "tpot.json"))
+        (folder / "latency.meta.json").write_text(json.dumps({"features": list(F.LATENCY_FEATURES), "samples": self.samples}))
+
+    @classmethod
+    def load(cls, folder: Path) -> LatencyModel:
+        import xgboost as xgb
+
+        if not (folder / "ttft.json").exists():
+            return cls()
+        try:
+            meta = json.loads((folder / "latency.meta.json").read_text())
+            if meta["features"] != list(F.LATENCY_FEATURES):
+                return cls(untrained_reason="the saved latency model has other features: retraining")
+            ttft = xgb.Booster()
+            ttft.load_model(str(folder / "ttft.json"))
+            tpot = None
+            if (folder / "tpot.json").exists():
+                tpot = xgb.Booster()
+                tpot.load_model(str(folder / "tpot.json"))
+            return cls(ttft, tpot, meta["samples"], "")
+        except Exception as exc:  # noqa: BLE001
+            log.error("latency model in %s is unreadable (%s): starting untrained", folder, exc)
+            return cls(untrained_reason=f"the saved latency model is unreadable ({exc}): retraining")
+
+
+# -- offline evaluation ------------------------------------------------------------------------
+
+@dataclass
+class Evaluation:
+    train_until_ms: int
+    train_samples: int
+    test_samples: int
+    test_positives: int
+    auc: float
+    precision: float
+    recall: float
+    median_lead_s: float
+    onsets: int
+    baseline_auc: float
+    baseline_precision: float
+    baseline_recall: float
+    baseline_median_lead_s: float
+    baseline_threshold: float
+    ttft_mape: float
+    tpot_mape: float
+    latency_test_requests: int
+    threshold: float = 0.7
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7, threshold: float = 0.7,
+             targets=F.DEFAULT_TARGETS) -> tuple[Evaluation, Forecaster, LatencyModel]:
+    """Fit on the first `train_fraction` of the time span, evaluate on the rest."""
+    windows, requests = list(windows), list(requests)
+    if not windows:
+        raise Untrained("no windows to learn from")
+    t0 = min(w.start_unix_ms for w in windows)
+    t1 = max(w.start_unix_ms for w in windows)
+    split = int(t0 + train_fraction * (t1 - t0))
+    train = forecast_data([w for w in windows if w.start_unix_ms < split], horizon_s, targets, until_ms=split)
+    everything = forecast_data(windows, horizon_s, targets)
+    test_rows = everything.t_ms >= split
+    test = ForecastData(everything.X[test_rows], everything.y[test_rows], everything.t_ms[test_rows],
+                        [k for k, keep in zip(everything.key, test_rows) if keep], everything.baseline[test_rows],
+                        everything.violation[test_rows])
+    fc = Forecaster(horizon_s=horizon_s)
+    fc.fit(train)
+    score = fc.predict(test.X) if len(test.y) else np.zeros(0)
+    p, r = precision_recall(test.y, score, threshold)
+    leads = lead_times(test, score, threshold, horizon_s)
+    bthr = best_threshold(train.y, train.baseline)
+    bp, br = precision_recall(test.y, test.baseline, bthr)
+    bleads = lead_times(test, test.baseline, bthr, horizon_s)
+
+    Xl, lt, lp, ts = latency_data(windows, requests)
+    lm = LatencyModel()
+    notes = []
+    ttft_mape = tpot_mape = math.nan
+    n_test = int((ts >= split).sum())
+    try:
+        lm.fit(Xl[ts < split], lt[ts < split], lp[ts < split])
+        if n_test:
+            pt, pp = lm.predict(Xl[ts >= split])
+            ttft_mape = mape(np.expm1(lt[ts >= split]), pt)
+            ok = ~np.isnan(lp[ts >= split])
+            if lm.tpot is not None and ok.any():
+                tpot_mape = mape(np.expm1(lp[ts >= split][ok]), pp[ok])
+    except Untrained as exc:
+        notes.append(f"latency model: {exc}")
+    ev = Evaluation(split, len(train.y), len(test.y), int(test.y.sum()), roc_auc(test.y, score), p, r,
+                    float(np.median(leads)) if leads else math.nan, len(leads),
+                    roc_auc(test.y, test.baseline), bp, br, float(np.median(bleads)) if bleads else math.nan, bthr,
+                    ttft_mape, tpot_mape, n_test, threshold, notes)
+    return ev, fc, lm

@@ -1,0 +1,117 @@
+"""History persistence and validation, the learners, their JSON files and the offline evaluation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cotserve.common.errors import InvalidArgument
+from cotserve.slo import features as F
+from cotserve.slo.history import History, read_records, validate_window, write_records
+from cotserve.slo.model import (Forecaster, LatencyModel, Untrained, evaluate, forecast_data, latency_data, lead_times,
+                                roc_auc)
+from cotserve.slo.v1 import slo_pb2
+from tests.slo.synth import simulate
+
+
+def test_history_survives_restart_and_ignores_a_truncated_tail(tmp_path):
+    path = tmp_path / "history.bin"
+    windows, requests = simulate(30)
+    h = History(path)
+    for i in range(0, 30, 10):
+        h.add(windows[i:i + 10], requests[i * 5:(i + 10) * 5])
+    again = History(path)
+    assert list(again.windows) == windows and list(again.requests) == list(h.requests)
+    with open(path, "ab") as fh:
+        fh.write(b"\x40\x00\x00\x00partial")  # a crash mid-write
+    assert list(History(path).windows) == windows
+    # the service is lenient with a torn tail; read_records (offline tools) is strict
+    with pytest.raises(ValueError, match="truncated record"):
+        read_records(path)
+
+
+def test_corrupt_history_is_set_aside(tmp_path, caplog):
+    path = tmp_path / "history.bin"
+    path.write_bytes(b"\x05\x00\x00\x00\xff\xff\xff\xff\xff")
+    h = History(path)
+    assert len(h.windows) == 0 and (tmp_path / "history.bin.corrupt").exists() and "unreadable" in caplog.text
+
+
+def test_record_files_round_trip(tmp_path):
+    windows, requests = simulate(20)
+    write_records(tmp_path / "r.bin", [slo_pb2.ReportWindowsRequest(windows=windows[:10], requests=requests),
+                                       slo_pb2.ReportWindowsRequest(windows=windows[10:])])
+    assert read_records(tmp_path / "r.bin") == (windows, requests)
+    (tmp_path / "bad.bin").write_bytes(b"\x02\x00\x00\x00\xff\xff")
+    with pytest.raises(ValueError, match="not a windows record"):
+        read_records(tmp_path / "bad.bin")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("ttft_p99_ms", math.nan, "windows[0].ttft_p99_ms: must be a finite number >= 0, got nan"),
+    ("itl_p50_ms", -1.0, "windows[0].itl_p50_ms: must be a finite number >= 0, got -1.0"),
+    ("kv_used_fraction", 1.5, "kv_used_fraction and .utilization: must be within 0..1"),
+    ("sla_class", 0, "windows[0].sla_class: must be REALTIME, INTERACTIVE or BATCH, got 0"),
+    ("model", "", "windows[0].model and .worker: must not be empty"),
+])
+def test_bad_windows_name_the_field(field, value, message):
+    w = simulate(1)[0][0]
+    setattr(w, field, value)
+    with pytest.raises(InvalidArgument, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        validate_window(w, "windows[0]")
+
+
+def test_forecaster_learns_the_queue_and_beats_the_baseline():
+    windows, requests = simulate(900)
+    ev, fc, lm = evaluate(windows, requests, horizon_s=30, train_fraction=0.7)
+    assert ev.test_positives > 0 and ev.onsets >= 2
+    assert ev.auc > 0.85 and ev.auc > ev.baseline_auc
+    assert ev.median_lead_s >= 10
+    assert ev.ttft_mape < 0.5 and lm.is_trained
+
+
+def test_too_little_history_says_so():
+    with pytest.raises(Untrained, match="too little history: 30 labelled samples, need 120"):
+        Forecaster().fit(forecast_data(simulate(60)[0], horizon_s=30))
+    quiet = [w for w in simulate(400)[0]]
+    for w in quiet:  # never above target
+        w.ttft_p99_ms = 10
+    with pytest.raises(Untrained, match="preceded a violation"):
+        Forecaster().fit(forecast_data(quiet, horizon_s=30))
+    with pytest.raises(Untrained, match="too few request observations"):
+        LatencyModel().fit(np.zeros((3, len(F.LATENCY_FEATURES))), np.zeros(3), np.zeros(3))
+
+
+def test_models_round_trip_through_xgboost_json_and_a_corrupt_file_means_untrained(tmp_path, caplog):
+    windows, requests = simulate(400)
+    data = forecast_data(windows, 30)
+    fc = Forecaster(horizon_s=30)
+    fc.fit(data)
+    lm = LatencyModel()
+    X, lt, lp, _ = latency_data(windows, requests)
+    lm.fit(X, lt, lp)
+    fc.save(tmp_path)
+    lm.save(tmp_path)
+    assert (tmp_path / "forecast.json").read_text().startswith("{")  # XGBoost's JSON, not a pickle
+    fc2, lm2 = Forecaster.load(tmp_path, 30), LatencyModel.load(tmp_path)
+    assert np.array_equal(fc.predict(data.X[:50]), fc2.predict(data.X[:50]))
+    assert np.array_equal(lm.predict(X[:20])[0], lm2.predict(X[:20])[0])
+    names = [n for n, _ in fc2.explain(data.X[-1])]
+    assert len(names) == 5 and set(names) <= set(F.FEATURES)
+    assert "other features or horizon" in Forecaster.load(tmp_path, 60).untrained_reason
+    (tmp_path / "forecast.json").write_text("{not xgboost")
+    broken = Forecaster.load(tmp_path, 30)
+    assert not broken.is_trained and "unreadable" in broken.untrained_reason and "unreadable" in caplog.text
+    assert Forecaster.load(tmp_path / "missing", 30).untrained_reason == "no history yet"
+
+
+def test_auc_and_lead_time_helpers():
+    assert roc_auc(np.array([0, 0, 1, 1], bool), np.array([0.1, 0.4, 0.35, 0.8])) == 0.75
+    assert roc_auc(np.array([1, 1], bool), np.array([0.1, 0.2])) != roc_auc(np.array([1, 1], bool), np.array([0.1, 0.2]))  # NaN
+    windows = simulate(200)[0]
+    data = forecast_data(windows, 30)
+    perfect = data.y.astype(float)  # a score that is exactly the label foresees every onset by the full horizon
+    leads = lead_times(data, perfect, 0.5, 30)
+    assert leads and all(lead == 30 for lead in leads)
