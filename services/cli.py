@@ -240,7 +240,7 @@ def up(
     telemetry_http_port: int = typer.Option(8317, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Port of the live heatmap page."),
     start_timeout_s: float = typer.Option(120.0, help="Seconds to wait for each service to report SERVING."),
 ) -> None:
-    """Start every service on loopback (Redis, telemetry, worker, router, sandbox, gateway), wait until each is ready, stop all on Ctrl-C/SIGTERM."""
+    """Start every service on loopback (Redis, telemetry, worker, SLO predictor, router, sandbox, gateway), wait until each is ready, stop all on Ctrl-C/SIGTERM."""
     from rich.console import Console
 
     from cotserve.common.procs import wait_serving
@@ -357,6 +357,9 @@ def demo_eval(
 
 
 def main() -> None:
+    from cotserve.common.procs import die_with_supervisor
+
+    die_with_supervisor()
     app()
 
 

@@ -32,8 +32,9 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
             time.sleep(0.2)
         kids = children_of(proc.pid)
         names = [open(f"/proc/{k}/cmdline").read() for k in kids]
-        assert len(kids) == 6 and "redis-server" in names[0] and "telemetry" in names[1] and "worker" in names[2]
-        assert "router" in names[3] and "sandbox" in names[4] and "gateway" in names[5]
+        assert len(kids) == 7 and "redis-server" in names[0] and "telemetry" in names[1] and "worker" in names[2]
+        assert "slo" in names[3] and "router" in names[4] and "sandbox" in names[5] and "gateway" in names[6]
+        assert "--slo" in names[6]
         gen = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr

@@ -320,3 +320,53 @@ def bench_telemetry(
         table.add_row(r.name, f"{r.spans_per_s:,.0f}", f"{r.spans_per_s / SPANS_PER_REQUEST:,.0f}", f"{r.spans_per_s / null.spans_per_s:.2f}x")
     console.print(table)
     console.print(f"telemetry service counted: {stats}")
+
+
+@bench_app.command("slo")
+def bench_slo(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder for the worker (default: the bundled demo model)."),
+    duration_s: float = typer.Option(360.0, min=10, help="Seconds of time-varying load to record and learn from (70% train, 30% held out)."),
+    replay_s: float = typer.Option(120.0, min=5, help="Seconds of bursty load replayed with prediction-driven admission off, then on."),
+    seed: int = typer.Option(0, help="Seed of the load's arrivals."),
+) -> None:
+    """The SLO predictor on a real stack: forecast quality against a queue-depth baseline, then misses with and without acting on it."""
+    import math
+
+    from rich.table import Table
+
+    from cotserve.bench.slo import run
+    from cotserve.common.sampling import SlaClass
+    from cotserve.slo.cli import print_evaluation
+
+    console = wide_console()
+    out = run(model, duration_s, replay_s, seed, progress=lambda m: console.print(m, style="dim"))
+    rec = out["recorded"]
+    console.print(f"recorded: {len(rec.records)} requests, {out['windows']} windows, {out['requests']} request observations; "
+                  f"INTERACTIVE missed its target in {100 * rec.miss_rate(SlaClass.INTERACTIVE):.1f}% of requests")
+    if "untrained" in out:
+        console.print(f"[red]the forecaster could not be trained:[/red] {out['untrained']}")
+        raise typer.Exit(1)
+    ev = out["evaluation"]
+    print_evaluation(ev, console)
+    off, on = out["off"], out["on"]
+    table = Table(title=f"Replay: {replay_s:.0f} s of bursty load at capacity {out['capacity_rps']:.1f} req/s, "
+                        "prediction-driven BATCH admission off vs on")
+    for col in ("admission", "INTERACTIVE requests", "INTERACTIVE missed", "INTERACTIVE p99 TTFT ms", "BATCH deferred",
+                "output tokens", "tokens vs off"):
+        table.add_column(col, justify="right")
+    for name, r in (("off", off), ("on", on)):
+        i = SlaClass.INTERACTIVE
+        table.add_row(name, str(len(r.of(i))), f"{100 * r.miss_rate(i):.2f}%", f"{r.ttft_p99(i):.0f}",
+                      f"{r.shed(SlaClass.BATCH)}/{len(r.of(SlaClass.BATCH))}", f"{r.tokens}", f"{r.tokens / max(1, off.tokens):.2f}x")
+    console.print(table)
+    fewer = 1 - on.miss_rate(SlaClass.INTERACTIVE) / off.miss_rate(SlaClass.INTERACTIVE) if off.miss_rate(SlaClass.INTERACTIVE) else math.nan
+    goals = [
+        (ev.auc >= 0.9 and ev.auc > ev.baseline_auc, f"AUC {ev.auc:.3f} >= 0.9 and above the baseline's {ev.baseline_auc:.3f}"),
+        (ev.median_lead_s >= 10, f"median lead time {ev.median_lead_s:.0f} s >= 10 s"),
+        (on.miss_rate(SlaClass.INTERACTIVE) <= 0.01, f"misses with the intervention {100 * on.miss_rate(SlaClass.INTERACTIVE):.2f}% <= 1%"),
+        (fewer >= 0.8, f"{100 * fewer:.0f}% fewer misses than without (goal >= 80%)"),
+        (on.tokens >= 0.85 * off.tokens, f"tokens served {on.tokens / max(1, off.tokens):.2f}x of without (goal >= 0.85x)"),
+        (ev.ttft_mape <= 0.25, f"TTFT MAPE {100 * ev.ttft_mape:.1f}% <= 25%"),
+    ]
+    for ok, text in goals:
+        console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")

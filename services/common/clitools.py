@@ -48,7 +48,8 @@ def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool
            telemetry_port: int = 4317, telemetry_http_port: int = 8317) -> tuple[list, str]:
     """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
     starts only the worker and the gateway. With `full`, the telemetry service starts first and every
-    other service exports its spans to it over OTLP (batched every half second)."""
+    other service exports its spans to it over OTLP (batched every half second); the gateway reports
+    its windows to the SLO predictor and follows its forecasts."""
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child
 
     children = []
@@ -67,14 +68,17 @@ def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool
     worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1], *worker_extra] + (["--model", str(model)] if model else [])
     children.append(Child("worker", worker_addr, python_cli(*worker_args), grpc_ready(worker_addr), env))
     sandbox_addr = f"127.0.0.1:{free_port()}"
+    slo_addr = f"127.0.0.1:{free_port()}"
     if full:
+        children.append(Child("slo", slo_addr, python_cli("serve", "slo", "--port", slo_addr.rsplit(":", 1)[1]),
+                              grpc_ready(slo_addr), env))
         router_addr = f"127.0.0.1:{free_port()}"
         children.append(Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1]),
                               grpc_ready(router_addr), env))
         children.append(Child("sandbox", sandbox_addr, python_cli("serve", "sandbox", "--port", sandbox_addr.rsplit(":", 1)[1]),
                               grpc_ready(sandbox_addr), env))
     gateway_addr = f"127.0.0.1:{port}"
-    sandbox_args = ("--sandbox", sandbox_addr) if full else ()
+    sandbox_args = ("--sandbox", sandbox_addr, "--slo", slo_addr) if full else ()
     children.append(Child("gateway", gateway_addr, python_cli("serve", "gateway", "--port", str(port), "--worker", worker_addr,
                                                               *sandbox_args, *gateway_extra), grpc_ready(gateway_addr), env))
     return children, redis_url

@@ -40,14 +40,29 @@ def redis_ready(url: str) -> Callable[[], bool]:
     return check
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM if the supervisor dies, even by SIGKILL (Linux)."""
+PARENT_ENV = "COTSERVE_SUPERVISOR_PID"
+
+
+def _set_pdeathsig() -> None:
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+def die_with_supervisor() -> None:
+    """Called first thing by `cotserve` commands: when a supervisor (`up`, a benchmark) started this
+    process, get SIGTERM if it dies, even by SIGKILL (Linux), and stop now if it already has.
+    Done here rather than in a pre-exec hook, because forking a process that runs gRPC threads
+    with a Python pre-exec hook can hang in gRPC's fork handlers."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
+    _set_pdeathsig()
+    if os.getppid() != int(parent):
+        os._exit(1)  # the supervisor died before we could ask to follow it
 
 
 @dataclass
@@ -64,9 +79,12 @@ class Child:
 
     def start(self) -> None:
         self.log_file = tempfile.NamedTemporaryFile(prefix=f"cotserve-{self.name}-", suffix=".log", delete=False)
+        ours = self.argv[:3] == [sys.executable, "-m", "cotserve.cli"]
         self.proc = subprocess.Popen(
             self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(self.env or {})}, preexec_fn=_die_with_parent,
+            env={**os.environ, **(self.env or {}), **({PARENT_ENV: str(os.getpid())} if ours else {})},
+            # a foreign binary (redis-server) cannot ask for itself; it starts before any gRPC thread
+            preexec_fn=None if ours else _set_pdeathsig,
         )
 
     def log_tail(self, lines: int = 30) -> str:

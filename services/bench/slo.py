@@ -1,0 +1,194 @@
+"""`cotserve bench slo`: does the SLO predictor see violations coming, and does acting on it help?
+
+1. Starts a worker (the demo model unless told otherwise), the SLO predictor and a gateway that
+   reports to it (no intervention yet), and measures the stack's capacity (requests/s, closed loop).
+2. Drives a time-varying open-loop load for `duration_s`: 60 s cycles of a steady stretch, a ramp of
+   INTERACTIVE traffic past capacity, a burst, a drain, with BATCH traffic throughout and, every
+   third cycle, a long-prompt surge instead of the burst. The gateway reports its windows.
+3. Trains on the first 70% of the time and evaluates on the rest (`slo.model.evaluate`): ROC-AUC,
+   precision and recall at the threshold, median lead time, against the queue-depth baseline, and
+   the TTFT/TPOT prediction MAPE.
+4. Replays the same bursty load (same seed) twice against the trained predictor, with
+   prediction-driven BATCH admission off and then on, and reports INTERACTIVE's target-miss rate
+   and p99 TTFT, and the output tokens served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cotserve.bench.isolation import RequestRecord, _one
+from cotserve.bench.throughput import percentile, prompt_of_tokens
+from cotserve.common.sampling import SlaClass
+from cotserve.gateway.admission import DEFAULT_TARGETS
+from cotserve.sdk import AsyncClient
+
+CYCLE_S = 60
+INTERACTIVE_NEW_TOKENS = 32
+BATCH_NEW_TOKENS = 64
+
+
+def rates(t: float, capacity: float) -> tuple[float, float, bool]:
+    """(INTERACTIVE req/s, BATCH req/s, long prompts?) at second t of the load."""
+    cycle, phase = int(t // CYCLE_S), t % CYCLE_S
+    surge = cycle % 3 == 2
+    if phase < 20:
+        return 0.3 * capacity, 0.2 * capacity, False
+    if phase < 40:
+        return (0.3 + 0.9 * (phase - 20) / 20) * capacity, 0.2 * capacity, False
+    if phase < 48:
+        return (0.5 * capacity, 0.2 * capacity, True) if surge else (1.3 * capacity, 0.2 * capacity, False)
+    return 0.1 * capacity, 0.1 * capacity, False
+
+
+@dataclass
+class LoadResult:
+    seconds: float
+    records: list[tuple[SlaClass, RequestRecord]] = field(default_factory=list)
+
+    def of(self, cls: SlaClass) -> list[RequestRecord]:
+        return [r for c, r in self.records if c == cls]
+
+    def miss_rate(self, cls: SlaClass) -> float:
+        recs = self.of(cls)
+        return sum(r.missed(DEFAULT_TARGETS[cls]) for r in recs) / len(recs) if recs else math.nan
+
+    def ttft_p99(self, cls: SlaClass) -> float:
+        values = [r.ttft_ms for r in self.of(cls) if r.ttft_ms is not None]
+        return percentile(values, 99) if values else math.nan
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for _, r in self.records)
+
+    def shed(self, cls: SlaClass) -> int:
+        return sum(r.error == "RESOURCE_EXHAUSTED" for r in self.of(cls))
+
+
+async def capacity(address: str, prompts: list[str], seconds: float = 8.0, concurrency: int = 16) -> float:
+    """Completed INTERACTIVE-sized requests per second with `concurrency` always in flight."""
+    done = 0
+    stop_at = time.perf_counter() + seconds
+    async with AsyncClient(address) as client:
+        async def loop(i: int) -> None:
+            nonlocal done
+            while time.perf_counter() < stop_at:
+                await client.generate(prompts[i % len(prompts)], max_new_tokens=INTERACTIVE_NEW_TOKENS, ignore_eos=True, sla="interactive")
+                done += 1
+        start = time.perf_counter()
+        await asyncio.gather(*(loop(i) for i in range(concurrency)))
+        return done / (time.perf_counter() - start)
+
+
+async def drive(address: str, duration_s: float, cap: float, short: list[str], long: list[str], seed: int, progress) -> LoadResult:
+    """Open-loop Poisson arrivals following `rates`, ticking every 100 ms."""
+    rng = random.Random(seed)
+    result = LoadResult(duration_s)
+    tasks = []
+    async with AsyncClient(address) as client:
+        start = time.perf_counter()
+        tick, last_report = 0, 0
+        while tick * 0.1 < duration_s:
+            await asyncio.sleep(max(0.0, start + tick * 0.1 - time.perf_counter()))
+            inter, batch, surge = rates(tick * 0.1, cap)
+            for cls, rate in ((SlaClass.INTERACTIVE, inter), (SlaClass.BATCH, batch)):
+                n = sum(1 for _ in range(20) if rng.random() < rate * 0.1 / 20)  # ~Poisson(rate * 0.1)
+                for _ in range(n):
+                    rec = RequestRecord()
+                    result.records.append((cls, rec))
+                    prompt = rng.choice(long if surge and cls == SlaClass.INTERACTIVE else short)
+                    max_new = INTERACTIVE_NEW_TOKENS if cls == SlaClass.INTERACTIVE else BATCH_NEW_TOKENS
+                    tasks.append(asyncio.create_task(_one(client, prompt, cls.name.lower(), max_new, rec)))
+            tick += 1
+            if tick * 0.1 - last_report >= 30:
+                last_report = tick * 0.1
+                progress(f"  {last_report:.0f}/{duration_s:.0f} s, {len(result.records)} requests sent")
+        await asyncio.gather(*tasks)
+    return result
+
+
+async def _prompts(address: str) -> tuple[list[str], list[str]]:
+    async with AsyncClient(address) as client:
+        short = [await prompt_of_tokens(client, n) for n in (16, 32, 64)]
+        long = [await prompt_of_tokens(client, 512)]
+    return short, long
+
+
+def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progress) -> dict:
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, wait_serving
+    from cotserve.slo.model import Untrained, evaluate
+
+    state = Path(tempfile.mkdtemp(prefix="cotserve-bench-slo-"))
+    worker_addr, slo_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    worker = Child("worker", worker_addr, python_cli("serve", "worker", "--port", worker_addr.rsplit(":", 1)[1],
+                                                     *(["--model", str(model)] if model else [])), grpc_ready(worker_addr))
+
+    def slo_child() -> Child:
+        return Child("slo", slo_addr, python_cli("serve", "slo", "--port", slo_addr.rsplit(":", 1)[1], "--state-dir", str(state),
+                                                 "--retrain-interval-s", "100000"), grpc_ready(slo_addr))
+
+    def gateway_child(admission: bool) -> Child:
+        addr = f"127.0.0.1:{free_port()}"
+        return Child("gateway", addr, python_cli("serve", "gateway", "--port", addr.rsplit(":", 1)[1], "--worker", worker_addr,
+                                                 "--slo", slo_addr, "--no-slo-routing",
+                                                 "--slo-admission" if admission else "--no-slo-admission"), grpc_ready(addr))
+
+    out: dict = {}
+    running: list[Child] = []
+
+    def start(child: Child) -> Child:
+        child.start()
+        running.append(child)
+        wait_serving(child, 120, lambda: None)
+        return child
+
+    def stop(child: Child) -> None:
+        child.stop(grace_s=5.0)
+        running.remove(child)
+
+    try:
+        start(worker)
+        slo = start(slo_child())
+        gw = start(gateway_child(admission=False))
+        short, long = asyncio.run(_prompts(gw.address))
+        cap = asyncio.run(capacity(gw.address, short))
+        out["capacity_rps"] = cap
+        progress(f"capacity: {cap:.1f} INTERACTIVE requests/s; recording {duration_s:.0f} s of time-varying load ...")
+        out["recorded"] = asyncio.run(drive(gw.address, duration_s, cap, short, long, seed, progress))
+        time.sleep(2.5)  # the last windows reach the predictor
+
+        import grpc
+
+        from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
+
+        with grpc.insecure_channel(slo_addr) as ch:
+            exported = slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(), timeout=60)
+        out["windows"], out["requests"] = len(exported.windows), len(exported.requests)
+        try:
+            ev, fc, lm = evaluate(exported.windows, exported.requests)
+            out["evaluation"] = ev
+        except Untrained as exc:
+            out["untrained"] = str(exc)
+            return out
+        fc.save(state / "models")
+        if lm.is_trained:
+            lm.save(state / "models")
+        stop(gw)
+        stop(slo)
+        slo = start(slo_child())  # loads the models just saved
+        for admission in (False, True):
+            gw = start(gateway_child(admission))
+            time.sleep(3)  # the gateway's first forecasts
+            progress(f"replaying {replay_s:.0f} s of bursty load, prediction-driven admission {'on' if admission else 'off'} ...")
+            out["on" if admission else "off"] = asyncio.run(drive(gw.address, replay_s, cap, short, long, seed + 1, progress))
+            stop(gw)
+        return out
+    finally:
+        for child in reversed(running):
+            child.stop(grace_s=5.0)
