@@ -351,13 +351,13 @@ def bench_slo(
     off, on = out["off"], out["on"]
     table = Table(title=f"Replay: {replay_s:.0f} s of bursty load at capacity {out['capacity_rps']:.1f} req/s, "
                         "prediction-driven BATCH admission off vs on")
-    for col in ("admission", "INTERACTIVE requests", "INTERACTIVE missed", "INTERACTIVE p99 TTFT ms", "BATCH deferred",
+    for col in ("admission", "INTERACTIVE requests", "INTERACTIVE missed", "INTERACTIVE p99 TTFT ms", "BATCH deferrals",
                 "output tokens", "tokens vs off"):
         table.add_column(col, justify="right")
     for name, r in (("off", off), ("on", on)):
         i = SlaClass.INTERACTIVE
         table.add_row(name, str(len(r.of(i))), f"{100 * r.miss_rate(i):.2f}%", f"{r.ttft_p99(i):.0f}",
-                      f"{r.shed(SlaClass.BATCH)}/{len(r.of(SlaClass.BATCH))}", f"{r.tokens}", f"{r.tokens / max(1, off.tokens):.2f}x")
+                      f"{r.deferrals} ({r.shed(SlaClass.BATCH)} gave up)", f"{r.tokens}", f"{r.tokens / max(1, off.tokens):.2f}x")
     console.print(table)
     fewer = 1 - on.miss_rate(SlaClass.INTERACTIVE) / off.miss_rate(SlaClass.INTERACTIVE) if off.miss_rate(SlaClass.INTERACTIVE) else math.nan
     goals = [

@@ -26,7 +26,7 @@ from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
 from cotserve.gateway.processors import Processors
 from cotserve.gateway.quota import SPECIAL_TOKENS_ALLOWANCE, QuotaEnforcer, token_reservation
-from cotserve.gateway.slo_link import SloLink, SloLinkConfig
+from cotserve.gateway.slo_link import SloLink, SloLinkConfig, queued
 from cotserve.gateway.tenants import Tenant, TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
@@ -227,6 +227,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             tried.add(worker)
             span.set_attributes({"cotserve.worker": worker.address,
                                  "cotserve.model_version": f"{model}@{worker.info.model_revision}"})
+            queued_at_arrival = queued(worker)
             with self.tracer.start_as_current_span("queue wait", attributes={"cotserve.worker": worker.address}) as qspan:
                 try:
                     gateway_queue_ms = await worker.admission.acquire(sla, context.time_remaining())
@@ -235,6 +236,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
             sent_at = time.monotonic()
             sent_unix_ms = int(time.time() * 1000)
+            in_flight_at_start = worker.in_flight
             worker.in_flight += 1
             if slo is not None:
                 slo.arrival(model, worker.address, sla)
@@ -279,7 +281,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         if slo is not None:
                             slo.finished(model, worker.address, sla, sent_unix_ms, len(wreq.prompt_text.encode()),
                                          chunk.usage.prompt_tokens, max_new, n_out, (first_at - start) * 1000,
-                                         (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else 0.0)
+                                         (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else 0.0,
+                                         in_flight_at_start, queued_at_arrival)
                         span.set_attributes({
                             "cotserve.e2e_ms": out.timing.total_ms,
                             **({"cotserve.tpot_ms": (now - first_at) * 1000 / (n_out - 1)} if n_out > 1 else {}),

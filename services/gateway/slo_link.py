@@ -31,6 +31,11 @@ PB_CLASS = {SlaClass.REALTIME: common_pb2.SLA_CLASS_REALTIME, SlaClass.INTERACTI
             SlaClass.BATCH: common_pb2.SLA_CLASS_BATCH}
 
 
+def queued(worker) -> int:
+    """Requests of every class waiting in this gateway's admission queues for `worker`."""
+    return sum(len(q) for q in getattr(worker.admission, "queues", {}).values())
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -100,7 +105,8 @@ class SloLink:
         self.in_flight[(model, worker, sla)] -= 1
 
     def finished(self, model: str, worker: str, sla: SlaClass, start_unix_ms: int, prompt_text_bytes: int, prompt_tokens: int,
-                 max_new_tokens: int, completion_tokens: int, ttft_ms: float, tpot_ms: float) -> None:
+                 max_new_tokens: int, completion_tokens: int, ttft_ms: float, tpot_ms: float, in_flight_at_start: int,
+                 queued_at_start: int) -> None:
         a = self.acc[(model, worker, sla)]
         a.completions += 1
         a.prompt_tokens += prompt_tokens
@@ -109,7 +115,8 @@ class SloLink:
             self.tokens_per_byte[model] = 0.9 * old + 0.1 * prompt_tokens / prompt_text_bytes
         self.requests.append(slo_pb2.RequestObservation(
             start_unix_ms=start_unix_ms, model=model, worker=worker, sla_class=PB_CLASS[sla], prompt_tokens=prompt_tokens,
-            max_new_tokens=max_new_tokens, completion_tokens=completion_tokens, ttft_ms=ttft_ms, tpot_ms=tpot_ms))
+            max_new_tokens=max_new_tokens, completion_tokens=completion_tokens, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
+            in_flight_at_start=in_flight_at_start, queued_at_start=queued_at_start))
 
     def roll(self, start_unix_ms: int) -> list[slo_pb2.MetricsWindow]:
         """Close the second that began at `start_unix_ms`: one window per (model, healthy worker, class)."""
@@ -126,13 +133,13 @@ class SloLink:
             per_class = []
             for cls in SlaClass:
                 a = acc.get((w.model, w.address, cls), _Acc())
-                queued = len(w.admission.queues.get(cls, ())) if hasattr(w.admission, "queues") else 0
+                waiting_here = len(w.admission.queues.get(cls, ())) if hasattr(w.admission, "queues") else 0
                 per_class.append(slo_pb2.MetricsWindow(
                     start_unix_ms=start_unix_ms, model=w.model, worker=w.address, sla_class=PB_CLASS[cls],
                     arrivals=a.arrivals, completions=a.completions, first_tokens=len(a.ttft),
                     ttft_p50_ms=_pct(a.ttft, 0.5), ttft_p95_ms=_pct(a.ttft, 0.95), ttft_p99_ms=_pct(a.ttft, 0.99),
                     itl_p50_ms=_pct(a.itl, 0.5), itl_p95_ms=_pct(a.itl, 0.95), itl_p99_ms=_pct(a.itl, 0.99),
-                    queue_depth=queued, in_flight=max(0, self.in_flight[(w.model, w.address, cls)]),
+                    queue_depth=waiting_here, in_flight=max(0, self.in_flight[(w.model, w.address, cls)]),
                     kv_used_fraction=(s.kv_blocks_used / total_blocks) if total_blocks else 0.0,
                     preemptions=preemptions, output_tokens_per_s=float(a.tokens),
                     utilization=min(1.0, s.utilization) if s else 0.0, utilization_is_cpu=s.utilization_is_cpu if s else True,
@@ -220,7 +227,13 @@ class SloLink:
         """The candidate with the lowest predicted TTFT, or None (fall back to the heuristic)."""
         if not self.cfg.routing or len(candidates) < 2 or time.monotonic() < self.down_until:
             return None
-        states = [slo_pb2.WorkerState(worker=w.address, window=self.last_worker_window.get(w.address)) for w in candidates]
+        states = []
+        for w in candidates:
+            window = slo_pb2.MetricsWindow()
+            if w.address in self.last_worker_window:
+                window.CopyFrom(self.last_worker_window[w.address])
+            window.in_flight, window.queue_depth = w.in_flight, queued(w)  # now, as the latency model learned them
+            states.append(slo_pb2.WorkerState(worker=w.address, window=window))
         req = slo_pb2.PredictLatencyRequest(
             prompt_tokens=max(1, round(prompt_bytes * self.tokens_per_byte.get(model, 0.25))), max_new_tokens=max_new_tokens,
             sla_class=PB_CLASS[sla], candidates=states)

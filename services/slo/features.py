@@ -215,6 +215,8 @@ def baseline_score(s: ModelSeries) -> np.ndarray:
 
 # -- latency prediction ------------------------------------------------------------------------
 
+# The worker's last window, with in_flight and queue_depth replaced by what the gateway counts at the
+# moment of the request (its own requests in flight on the worker and in its queues for it).
 LATENCY_FEATURES = ("prompt_tokens", "max_new_tokens", "is_realtime", "is_interactive", "is_batch",
                     "w_in_flight", "w_queue", "w_waiting", "w_kv_used", "w_arrivals", "w_tokens_per_s",
                     "w_utilization", "w_ttft_p50", "w_itl_p50")

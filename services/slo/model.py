@@ -86,7 +86,9 @@ def latency_data(windows, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         ws = by_second.get((r.worker, r.start_unix_ms // 1000 * 1000 - 1000))
         if not ws:
             continue
-        X.append(F.latency_row(r.prompt_tokens, r.max_new_tokens, r.sla_class, F.worker_total(ws)))
+        state = F.worker_total(ws)
+        state.in_flight, state.queue_depth = r.in_flight_at_start, r.queued_at_start  # as the gateway saw it then
+        X.append(F.latency_row(r.prompt_tokens, r.max_new_tokens, r.sla_class, state))
         ttft.append(math.log1p(r.ttft_ms))
         tpot.append(math.log1p(r.tpot_ms) if r.completion_tokens > 1 and r.tpot_ms > 0 else math.nan)
         t.append(r.start_unix_ms)

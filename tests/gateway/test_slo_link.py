@@ -109,7 +109,8 @@ def test_gateway_carries_on_when_the_predictor_is_down():
 
 
 def handle(address: str, window: slo_pb2.MetricsWindow):
-    return SimpleNamespace(address=address, admission=SimpleNamespace(can_start=lambda cls: True), window=window)
+    return SimpleNamespace(address=address, in_flight=window.in_flight,
+                           admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth}))
 
 
 def test_routing_picks_the_lower_predicted_ttft_and_falls_back_within_its_budget():

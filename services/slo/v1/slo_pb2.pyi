@@ -173,6 +173,8 @@ class RequestObservation(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     TTFT_MS_FIELD_NUMBER: _builtins.int
     TPOT_MS_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_AT_START_FIELD_NUMBER: _builtins.int
+    QUEUED_AT_START_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
     """When the request reached the worker, Unix milliseconds."""
     model: _builtins.str
@@ -191,6 +193,10 @@ class RequestObservation(_message.Message):
     """Time to first token, from arrival at the gateway."""
     tpot_ms: _builtins.float
     """Time per output token after the first (0 for one-token completions)."""
+    in_flight_at_start: _builtins.int
+    """Requests of every class this gateway had in flight on the worker when it sent this one."""
+    queued_at_start: _builtins.int
+    """Requests of every class waiting in this gateway's queues for the worker when this one arrived."""
     def __init__(
         self,
         *,
@@ -203,10 +209,12 @@ class RequestObservation(_message.Message):
         completion_tokens: _builtins.int = ...,
         ttft_ms: _builtins.float = ...,
         tpot_ms: _builtins.float = ...,
+        in_flight_at_start: _builtins.int = ...,
+        queued_at_start: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "max_new_tokens", b"max_new_tokens", "model", b"model", "prompt_tokens", b"prompt_tokens", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "in_flight_at_start", b"in_flight_at_start", "max_new_tokens", b"max_new_tokens", "model", b"model", "prompt_tokens", b"prompt_tokens", "queued_at_start", b"queued_at_start", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
