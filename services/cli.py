@@ -154,7 +154,7 @@ def serve_slo(
     horizon_s: int = typer.Option(30, envvar="COTSERVE_SLO_HORIZON_S", help="Seconds ahead a forecast covers (1..600)."),
     threshold: float = typer.Option(0.7, envvar="COTSERVE_SLO_THRESHOLD", help="Forecast probability above which to scale up and shed BATCH (0..1)."),
     retrain_interval_s: float = typer.Option(10.0, help="Seconds between retraining checks."),
-    min_new_windows: int = typer.Option(30, help="New windows needed before retraining."),
+    min_new_windows: int = typer.Option(300, help="New windows needed before retraining (a gateway reports 3 per worker per second)."),
     advice_interval_s: float = typer.Option(10.0, help="Seconds between scale-advice rounds."),
     scale_down_below: float = typer.Option(0.2, help="Forecast below which, sustained, replicas may go down."),
     scale_down_after_s: float = typer.Option(300.0, help="Seconds the forecast must stay low before SCALE_DOWN."),

@@ -15,6 +15,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import InvalidArgument, NotFound
+from cotserve.common.paths import cache_dir
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.sandbox.registry import ModuleEntry, ModuleRegistry
@@ -26,11 +27,6 @@ SHIPPED_DIR = Path(__file__).parent / "modules"
 _LIMIT_FIELDS = ("fuel", "memory_bytes", "timeout_ms", "max_output_bytes")
 
 
-def _default_store() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cotserve" / "sandbox"
-
-
 @dataclass(slots=True)
 class SandboxConfig:
     """Everything `cotserve serve sandbox` takes; see the CLI for each flag's help."""
@@ -39,7 +35,7 @@ class SandboxConfig:
     """Address to bind."""
     port: int = 50071
     """Port to bind (0 picks a free one)."""
-    store_dir: Path = field(default_factory=_default_store)
+    store_dir: Path = field(default_factory=lambda: cache_dir("sandbox"))
     """Folder for registered modules and compiled artifacts (kept across restarts)."""
     pool_size: int = field(default_factory=lambda: max(2, os.cpu_count() or 2))
     """Runs executing at once."""

@@ -22,7 +22,7 @@ def slo_record(
     """Write the windows a running stack reported to the SLO predictor to a file (for `cotserve slo train`)."""
     import grpc
 
-    from cotserve.slo.history import write_records
+    from cotserve.slo.history import export_all, write_records
     from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
 
     since, windows, requests = 0, 0, 0
@@ -31,13 +31,12 @@ def slo_record(
         stub = slo_pb2_grpc.SloServiceStub(ch)
         while True:
             try:
-                resp = stub.ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=since), timeout=30)
+                new_windows, new_requests, since = export_all(stub, since)
             except grpc.RpcError as err:
                 rpc_error_exit(err)
-            if resp.windows or resp.requests:
-                write_records(out, [slo_pb2.ReportWindowsRequest(windows=resp.windows, requests=resp.requests)])
-                windows, requests = windows + len(resp.windows), requests + len(resp.requests)
-                since = max([w.start_unix_ms for w in resp.windows] + [r.start_unix_ms for r in resp.requests]) + 1
+            if new_windows or new_requests:
+                write_records(out, [slo_pb2.ReportWindowsRequest(windows=new_windows, requests=new_requests)])
+                windows, requests = windows + len(new_windows), requests + len(new_requests)
             if time.monotonic() >= end:
                 break
             typer.echo(f"recorded {windows} windows, {requests} requests ...", err=True)

@@ -123,9 +123,31 @@ class History:
         os.replace(tmp, self.path)
         self._file_records = 1
 
-    def since(self, since_unix_ms: int) -> tuple[list, list]:
-        return ([w for w in self.windows if w.start_unix_ms >= since_unix_ms],
-                [r for r in self.requests if r.start_unix_ms >= since_unix_ms])
+    def since(self, since_unix_ms: int, max_windows: int = 20_000) -> tuple[list, list, int]:
+        """(windows, requests, next_since) from `since_unix_ms` on, oldest first, cut at a whole
+        millisecond so that no more than `max_windows` windows come back; next_since is 0 on the last page."""
+        windows = sorted((w for w in self.windows if w.start_unix_ms >= since_unix_ms), key=lambda w: w.start_unix_ms)
+        requests = sorted((r for r in self.requests if r.start_unix_ms >= since_unix_ms), key=lambda r: r.start_unix_ms)
+        if len(windows) <= max_windows and len(requests) <= 4 * max_windows:
+            return windows, requests, 0
+        until = min(windows[max_windows].start_unix_ms if len(windows) > max_windows else 2**62,
+                    requests[4 * max_windows].start_unix_ms if len(requests) > 4 * max_windows else 2**62)
+        until = max(until, since_unix_ms + 1)  # always progress
+        return ([w for w in windows if w.start_unix_ms < until], [r for r in requests if r.start_unix_ms < until], until)
+
+
+def export_all(stub, since_unix_ms: int = 0, timeout_s: float = 60.0) -> tuple[list, list, int]:
+    """Every window and request observation a predictor holds from `since_unix_ms` on, page by page;
+    also returns the `since` to ask for next time."""
+    windows, requests = [], []
+    while True:
+        resp = stub.ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=since_unix_ms), timeout=timeout_s)
+        windows.extend(resp.windows)
+        requests.extend(resp.requests)
+        if not resp.next_since_unix_ms:
+            last = max([w.start_unix_ms for w in resp.windows] + [r.start_unix_ms for r in resp.requests], default=since_unix_ms - 1)
+            return windows, requests, last + 1
+        since_unix_ms = resp.next_since_unix_ms
 
 
 def write_records(path: Path, batches) -> int:

@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from cotserve.common.errors import InvalidArgument
 from cotserve.common.metrics import MetricsServer, serve_metrics
+from cotserve.common.paths import cache_dir
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
@@ -41,21 +41,16 @@ ADVICE_CHANNEL = "cotserve:slo:advice"
 STALE_S = 10  # a model with no window for this long has no forecast
 
 
-def _default_state_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cotserve" / "slo"
-
-
 @dataclass(slots=True)
 class SloConfig:
     host: str = "127.0.0.1"
     port: int = 50091
-    state_dir: Path | None = field(default_factory=_default_state_dir)  # None: nothing kept across restarts
+    state_dir: Path | None = field(default_factory=lambda: cache_dir("slo"))  # None: nothing kept across restarts
     horizon_s: int = 30
     threshold: float = 0.7
     retrain_interval_s: float = 10.0
-    min_new_windows: int = 30
-    train_window_s: int = 6 * 3600
+    min_new_windows: int = 300
+    train_window_s: int = 3600
     advice_interval_s: float = 10.0
     scale_down_below: float = 0.2
     scale_down_after_s: float = 300.0
@@ -274,8 +269,8 @@ class SloServicer(slo_pb2_grpc.SloServiceServicer):
             self.state.watchers.discard(queue)
 
     async def ExportWindows(self, request, context) -> slo_pb2.ExportWindowsResponse:
-        windows, requests = self.state.history.since(request.since_unix_ms)
-        return slo_pb2.ExportWindowsResponse(windows=windows, requests=requests)
+        windows, requests, more = self.state.history.since(request.since_unix_ms, request.max_windows or 20_000)
+        return slo_pb2.ExportWindowsResponse(windows=windows, requests=requests, next_since_unix_ms=more)
 
 
 @dataclass(slots=True)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from cotserve.common.errors import InvalidArgument
+from cotserve.common.paths import cache_dir
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.v1 import common_pb2
 from cotserve.telemetry.histogram import bucket_upper_bounds
@@ -35,17 +35,12 @@ METRIC_NAMES = {
 STATUS_CODE_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 
 
-def _default_state_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "cotserve" / "telemetry-state.json"
-
-
 @dataclass(slots=True)
 class TelemetryConfig:
     host: str = "127.0.0.1"
     port: int = 4317
     http_port: int | None = None  # None: no HTTP page; 0: a free port
-    state_file: Path | None = field(default_factory=_default_state_file)  # None: nothing kept across restarts
+    state_file: Path | None = field(default_factory=lambda: cache_dir("telemetry-state.json"))  # None: nothing kept across restarts
     slot_s: int = 10
     retention_s: int = 3600
     max_series: int = 100_000

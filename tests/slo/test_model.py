@@ -115,3 +115,19 @@ def test_auc_and_lead_time_helpers():
     perfect = data.y.astype(float)  # a score that is exactly the label foresees every onset by the full horizon
     leads = lead_times(data, perfect, 0.5, 30)
     assert leads and all(lead == 30 for lead in leads)
+
+
+def test_history_pages_by_time_without_losing_or_repeating_anything():
+    windows, requests = simulate(300)
+    h = History(None)
+    h.add(windows, requests)
+    got_w, got_r, since, pages = [], [], 0, 0
+    while True:
+        w, r, since = h.since(since, max_windows=70)
+        got_w += w
+        got_r += r
+        pages += 1
+        assert len(w) <= 70
+        if not since:
+            break
+    assert pages > 4 and got_w == windows and sorted(got_r, key=lambda r: r.start_unix_ms) == sorted(requests, key=lambda r: r.start_unix_ms)

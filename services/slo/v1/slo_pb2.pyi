@@ -565,16 +565,20 @@ class ExportWindowsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SINCE_UNIX_MS_FIELD_NUMBER: _builtins.int
+    MAX_WINDOWS_FIELD_NUMBER: _builtins.int
     since_unix_ms: _builtins.int
     """Only windows and requests starting at or after this time, Unix milliseconds (0: all)."""
+    max_windows: _builtins.int
+    """At most this many windows per response (0: 20000); the rest comes with next_since_unix_ms."""
     def __init__(
         self,
         *,
         since_unix_ms: _builtins.int = ...,
+        max_windows: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["since_unix_ms", b"since_unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_windows", b"max_windows", "since_unix_ms", b"since_unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -588,6 +592,9 @@ class ExportWindowsResponse(_message.Message):
 
     WINDOWS_FIELD_NUMBER: _builtins.int
     REQUESTS_FIELD_NUMBER: _builtins.int
+    NEXT_SINCE_UNIX_MS_FIELD_NUMBER: _builtins.int
+    next_since_unix_ms: _builtins.int
+    """When more is held: ask again with this since_unix_ms; 0 when this was the last page."""
     @_builtins.property
     def windows(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricsWindow]:
         """Windows, oldest first."""
@@ -601,10 +608,11 @@ class ExportWindowsResponse(_message.Message):
         *,
         windows: _abc.Iterable[Global___MetricsWindow] | None = ...,
         requests: _abc.Iterable[Global___RequestObservation] | None = ...,
+        next_since_unix_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests", "windows", b"windows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_since_unix_ms", b"next_since_unix_ms", "requests", b"requests", "windows", b"windows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
