@@ -99,6 +99,7 @@ def serve_gateway(
     slo_admission: bool = typer.Option(True, "--slo-admission/--no-slo-admission", help="Defer BATCH while the predictor forecasts an urgent class missing its target."),
     slo_routing: bool = typer.Option(True, "--slo-routing/--no-slo-routing", help="Route among a model's workers by predicted TTFT."),
     slo_budget_ms: float = typer.Option(5.0, envvar="COTSERVE_SLO_BUDGET_MS", help="Milliseconds routing waits for a prediction before using the load heuristic."),
+    slo_retry_after_ms: int = typer.Option(10_000, help="retry-after-ms sent with a deferred BATCH request."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
@@ -115,7 +116,8 @@ def serve_gateway(
                             poll_interval_s=poll_interval_s, grace_s=grace_s, admission=admission,
                             metrics_port=metrics_port, tenants_file=tenants_file, redis_url=redis_url,
                             sandbox_address=sandbox, fail_open_modules=frozenset(fail_open), slo_address=slo,
-                            slo_admission=slo_admission, slo_routing=slo_routing, slo_predict_budget_ms=slo_budget_ms)
+                            slo_admission=slo_admission, slo_routing=slo_routing, slo_predict_budget_ms=slo_budget_ms,
+                            slo_retry_after_ms=slo_retry_after_ms)
         cfg.validate()
     except ValueError as exc:
         fail("gateway", exc)

@@ -71,6 +71,8 @@ class GatewayConfig:
     """Route among a model's workers by predicted TTFT."""
     slo_predict_budget_ms: float = 5.0
     """How long routing waits for a latency prediction before using the load heuristic."""
+    slo_retry_after_ms: int = 10_000
+    """retry-after-ms of a deferred BATCH request."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -96,6 +98,8 @@ class GatewayConfig:
             raise ValueError(f"port: {self.port}, allowed 0..65535")
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s: {self.poll_interval_s}, must be > 0")
+        if self.slo_retry_after_ms < 1:
+            raise ValueError(f"slo_retry_after_ms: {self.slo_retry_after_ms}, must be >= 1")
         if self.slo_predict_budget_ms <= 0:
             raise ValueError(f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0")
         if self.admission.batch_limit < 0:
@@ -400,7 +404,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     slo = None
     if cfg.slo_address:
         slo = SloLink(SloLinkConfig(cfg.slo_address, admission=cfg.slo_admission, routing=cfg.slo_routing,
-                                    predict_budget_ms=cfg.slo_predict_budget_ms), pool)
+                                    predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms), pool)
     servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider, slo)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))

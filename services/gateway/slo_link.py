@@ -63,7 +63,7 @@ class SloLinkConfig:
     forecast_interval_s: float = 1.0
     backoff_s: float = 5.0
     max_backlog: int = 600
-    retry_after_ms: int = 2000
+    retry_after_ms: int = 10_000  # long enough for deferred BATCH to come back after a burst, not into it
 
 
 class SloLink:
