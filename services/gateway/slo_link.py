@@ -226,7 +226,7 @@ class SloLink:
     async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):
         """The candidate with the lowest predicted TTFT, or None (fall back to the heuristic)."""
         if not self.cfg.routing or len(candidates) < 2 or time.monotonic() < self.down_until:
-            return None
+            return None  # off, nothing to choose, or backing off after a failure / an untrained answer
         states = []
         for w in candidates:
             window = slo_pb2.MetricsWindow()
@@ -245,7 +245,10 @@ class SloLink:
                 self._warn(f"SLO predictor {self.cfg.address}: PredictLatency failed: {err.code().name}")
             return None
         self.latency_trained = resp.is_trained
-        if not resp.is_trained or len(resp.predictions) != len(candidates):
+        if not resp.is_trained:
+            self.down_until = time.monotonic() + 2 * self.cfg.backoff_s  # it will not learn within a request's time
+            return None
+        if len(resp.predictions) != len(candidates):
             return None
         ranked = sorted(zip(candidates, resp.predictions), key=lambda cp: (not cp[0].admission.can_start(sla), cp[1].ttft_ms))
         return ranked[0][0]
