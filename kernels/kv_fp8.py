@@ -1,0 +1,110 @@
+"""FP8 KV pages and query-aware page selection: the plain-torch references (issue 4's format).
+
+Format of one layer's compressed cache (keys and values alike):
+- payload `[num_blocks, block_size, num_kv_heads, head_dim]` in `torch.float8_e4m3fn` (OCP E4M3,
+  largest finite value 448);
+- scales `[num_blocks, block_size, num_kv_heads]` (float32 here; the cache may store fp16): each
+  token's vector of each KV head is divided by its own scale `amax / 448` when written, so the
+  largest element lands on 448 and nothing is clipped. No calibration; an all-zero vector gets
+  scale 1 (it stays exactly zero);
+- for keys only, per page and KV head, the channel-wise minimum and maximum of the keys written so
+  far, `[num_blocks, num_kv_heads, head_dim]` each: the metadata page selection scores.
+
+Page selection (Quest-style): for a query q of one KV head's group, a page's score
+`sum_c max(q_c * min_c, q_c * max_c)` is an upper bound of `q . k` for every key k in the page, so
+pages whose bound is low can be skipped. The first page (attention sink) and the last page (the
+recent tokens) are always kept.
+
+The Triton kernels that implement the same functions on CUDA come next; these references are
+what they are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3_MAX = 448.0
+FP8 = torch.float8_e4m3fn
+
+
+def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] -> (E4M3 payload [..., head_dim], float32 scales [...]) with per-vector scales."""
+    amax = x.float().abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x.float() / scale[..., None]).to(FP8), scale
+
+
+def dequantize_ref(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (payload.float() * scale.float()[..., None]).to(dtype)
+
+
+def e4m3_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Largest round-trip error allowed per element of `x`: half a unit in the last place of E4M3
+    at |x / scale| (3 mantissa bits: ulp = 2^(e - 3) for normals, 2^-9 for subnormals), times scale."""
+    y = (x.float() / scale.float()[..., None]).abs()
+    exp = torch.floor(torch.log2(torch.clamp(y, min=2.0 ** -6)))
+    return 0.5 * torch.pow(2.0, exp - 3) * scale.float()[..., None]
+
+
+def write_fp8_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float8_e4m3fn
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,  # [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor,
+    k_min: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim]
+    k_max: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    fresh_page: torch.Tensor,  # [num_tokens] bool: the token's slot is the first written in its page
+) -> None:
+    """Quantize and write new tokens into their slots, and fold their keys into their pages' min/max
+    (reset first for pages that start with this write). Uses the dequantized keys, so the bound
+    holds for what attention will actually read."""
+    block_size, heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    kq, ks = quantize_ref(key)
+    vq, vs = quantize_ref(value)
+    k_cache.view(-1, heads, dim)[slot_mapping] = kq
+    v_cache.view(-1, heads, dim)[slot_mapping] = vq
+    k_scale.view(-1, heads)[slot_mapping] = ks.to(k_scale.dtype)
+    v_scale.view(-1, heads)[slot_mapping] = vs.to(v_scale.dtype)
+    pages = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    fresh = pages[fresh_page]
+    k_min[fresh] = float("inf")
+    k_max[fresh] = float("-inf")
+    deq = dequantize_ref(kq, ks.to(k_scale.dtype)).to(k_min.dtype).view(len(pages), heads * dim)
+    index = pages[:, None].expand(-1, heads * dim)
+    k_min.view(-1, heads * dim).scatter_reduce_(0, index, deq, "amin")
+    k_max.view(-1, heads * dim).scatter_reduce_(0, index, deq, "amax")
+
+
+def page_scores_ref(
+    query: torch.Tensor,  # [batch, num_heads, head_dim]
+    k_min: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim]
+    k_max: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks] int64
+) -> torch.Tensor:  # [batch, num_kv_heads, max_blocks]
+    """Upper bound of q.k per page, the most optimistic head of each KV head's query group."""
+    batch, num_heads, dim = query.shape
+    kv_heads = k_min.shape[1]
+    q = query.float().view(batch, kv_heads, num_heads // kv_heads, 1, dim)
+    lo = k_min[block_tables].float().permute(0, 2, 1, 3).unsqueeze(2)  # [batch, kv_heads, 1, blocks, dim]
+    hi = k_max[block_tables].float().permute(0, 2, 1, 3).unsqueeze(2)
+    bound = torch.maximum(q * lo, q * hi).sum(-1)  # [batch, kv_heads, group, blocks]
+    return bound.amax(dim=2)
+
+
+def select_pages_ref(scores: torch.Tensor, num_pages: torch.Tensor, k: int) -> torch.Tensor:
+    """[batch, kv_heads, max_blocks] scores, [batch] pages in use -> [batch, kv_heads, k] page
+    indexes (into each row's block table), sorted, always holding page 0 and the last page;
+    rows with at most k pages keep all of them (padded with their last page)."""
+    batch, kv_heads, max_blocks = scores.shape
+    idx = torch.arange(max_blocks, device=scores.device)
+    valid = idx[None, :] < num_pages[:, None]
+    s = scores.masked_fill(~valid[:, None, :], float("-inf")).clone()
+    last = (num_pages - 1).clamp(min=0)
+    s[:, :, 0] = float("inf")
+    s.scatter_(2, last.view(batch, 1, 1).expand(batch, kv_heads, 1), float("inf"))
+    top = s.topk(min(k, max_blocks), dim=-1).indices
+    top = torch.where(top < num_pages.view(batch, 1, 1), top, last.view(batch, 1, 1))
+    return top.sort(dim=-1).values

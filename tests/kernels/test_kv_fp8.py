@@ -1,0 +1,96 @@
+"""The FP8 KV page format and query-aware page selection (torch references): round-trip error within
+E4M3's bound, writes into scattered pages with their scales and min/max metadata, page scores that
+bound every key's score, and top-k selection that keeps the sink and the recent page."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cotserve.kernels.kv_fp8 import (FP8, dequantize_ref, e4m3_error_bound, page_scores_ref, quantize_ref,
+                                     select_pages_ref, write_fp8_ref)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 300.0, 1e4])
+def test_round_trip_error_is_within_e4m3_bound(head_dim, magnitude):
+    g = torch.Generator().manual_seed(head_dim)
+    x = torch.randn(37, 4, head_dim, generator=g) * magnitude
+    x[3, 1] = 0.0  # an all-zero vector stays exactly zero
+    q, s = quantize_ref(x)
+    assert q.dtype == FP8 and s.shape == (37, 4)
+    back = dequantize_ref(q, s)
+    assert torch.all((back - x).abs() <= e4m3_error_bound(x, s) + 1e-12 * magnitude)
+    assert torch.equal(back[3, 1], torch.zeros(head_dim)) and s[3, 1] == 1.0
+    assert torch.allclose(back.abs().amax(-1)[s != 1], x.abs().amax(-1)[s != 1], rtol=1e-6)  # the largest lands on 448 exactly
+
+
+def paged_setup(block_size=16, heads=2, dim=64, num_blocks=12):
+    shape = (num_blocks, block_size, heads, dim)
+    return dict(k_cache=torch.zeros(shape, dtype=FP8), v_cache=torch.zeros(shape, dtype=FP8),
+                k_scale=torch.zeros(shape[:3]), v_scale=torch.zeros(shape[:3]),
+                k_min=torch.zeros(num_blocks, heads, dim), k_max=torch.zeros(num_blocks, heads, dim))
+
+
+def write_sequence(cache, table: list[int], keys: torch.Tensor, values: torch.Tensor, start: int = 0, block_size: int = 16):
+    pos = torch.arange(start, start + keys.shape[0])
+    slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in pos.tolist()])
+    write_fp8_ref(keys, values, **cache, slot_mapping=slots, fresh_page=(pos % block_size == 0))
+    return slots
+
+
+def test_writes_land_in_scattered_pages_with_scales_and_page_min_max():
+    torch.manual_seed(0)
+    cache = paged_setup()
+    table = [7, 2, 10]  # pages scattered in the pool; the last one partly filled
+    keys, values = torch.randn(40, 2, 64) * 3, torch.randn(40, 2, 64)
+    write_sequence(cache, table, keys[:23], values[:23])
+    slots = write_sequence(cache, table, keys[23:], values[23:], start=23)  # a second chunk, mid-page
+    flat_k = cache["k_cache"].view(-1, 2, 64)
+    qk, sk = quantize_ref(keys)
+    all_slots = torch.cat([torch.tensor([table[p // 16] * 16 + p % 16 for p in range(23)]), slots])
+    assert torch.equal(flat_k[all_slots].view(torch.uint8), qk.view(torch.uint8))
+    assert torch.equal(cache["k_scale"].view(-1, 2)[all_slots], sk)
+    deq = dequantize_ref(qk, sk)
+    for i, page in enumerate(table):
+        in_page = deq[i * 16:(i + 1) * 16]
+        assert torch.equal(cache["k_min"][page], in_page.amin(0)) and torch.equal(cache["k_max"][page], in_page.amax(0))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
+def test_page_score_bounds_every_key_and_is_exact_for_a_single_key(heads, kv_heads):
+    torch.manual_seed(heads)
+    block_size, dim, n = 16, 64, 70  # 5 pages, the last with 6 tokens
+    cache = paged_setup(block_size, kv_heads, dim, num_blocks=9)
+    table = [8, 0, 3, 5, 1]
+    keys = torch.randn(n, kv_heads, dim)
+    write_sequence(cache, table, keys, torch.randn(n, kv_heads, dim))
+    deq = dequantize_ref(*quantize_ref(keys))
+    q = torch.randn(3, heads, dim)
+    scores = page_scores_ref(q, cache["k_min"], cache["k_max"], torch.tensor([table] * 3))
+    assert scores.shape == (3, kv_heads, 5)
+    group = heads // kv_heads
+    for b in range(3):
+        for h in range(heads):
+            kvh = h // group
+            for p in range(5):
+                page_keys = deq[p * block_size:min(n, (p + 1) * block_size), kvh]
+                assert scores[b, kvh, p] >= (page_keys @ q[b, h]).max() - 1e-4
+    single = paged_setup(block_size, kv_heads, dim, num_blocks=2)
+    write_sequence(single, [1], keys[:1], keys[:1])
+    s1 = page_scores_ref(q[:1, :group], single["k_min"][:, :1], single["k_max"][:, :1], torch.tensor([[1]]))
+    assert torch.allclose(s1[0, 0, 0], (deq[0, 0] @ q[0, :group].T).max(), atol=1e-4)
+
+
+def test_top_k_keeps_sink_and_recent_page_and_the_best_of_the_rest():
+    scores = torch.tensor([[[5.0, 9.0, 1.0, 8.0, 2.0, 7.0, 0.0, 0.0]],   # 6 pages in use
+                           [[0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0]]])  # 3 pages: fewer than k, all kept
+    picked = select_pages_ref(scores, torch.tensor([6, 3]), k=4)
+    assert picked[0, 0].tolist() == [0, 1, 3, 5]  # sink 0, recent 5, then the best two: 1 (9.0), 3 (8.0)
+    assert sorted(set(picked[1, 0].tolist())) == [0, 1, 2]
+    brute = torch.rand(2, 3, 20)
+    got = select_pages_ref(brute, torch.tensor([20, 11]), k=6)
+    for b, used in enumerate((20, 11)):
+        for h in range(3):
+            rest = brute[b, h, 1:used - 1].topk(4).indices + 1
+            assert got[b, h].tolist() == sorted([0, used - 1, *rest.tolist()])
