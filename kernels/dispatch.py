@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from cotserve.kernels import paged_attention
+from cotserve.kernels import kv_fp8, paged_attention
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,12 +21,16 @@ class KernelSet:
     name: str
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    write_fp8: Callable[..., None]  # FP8 pages with per-token, per-head scales
+    paged_attention_fp8: Callable[..., torch.Tensor]
 
 
 REFERENCE = KernelSet(
     name="torch-reference",
     reshape_and_cache=paged_attention.reshape_and_cache_ref,
     paged_attention=paged_attention.paged_attention_ref,
+    write_fp8=kv_fp8.write_fp8_ref,
+    paged_attention_fp8=kv_fp8.paged_attention_fp8_ref,
 )
 
 

@@ -27,11 +27,14 @@ E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
 
 
-def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., head_dim] -> (E4M3 payload [..., head_dim], float32 scales [...]) with per-vector scales."""
+def quantize_ref(x: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] -> (E4M3 payload [..., head_dim], scales [...] in `scale_dtype`) with one
+    scale per vector. The payload is computed with the scale as stored (rounded to `scale_dtype`,
+    at least its smallest normal number), and clamped to +-448 in case rounding made it smaller."""
     amax = x.float().abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return (x.float() / scale[..., None]).to(FP8), scale
+    scale = scale.clamp(min=torch.finfo(scale_dtype).tiny).to(scale_dtype)
+    return (x.float() / scale.float()[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8), scale
 
 
 def dequantize_ref(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -53,26 +56,28 @@ def write_fp8_ref(
     v_cache: torch.Tensor,
     k_scale: torch.Tensor,  # [num_blocks, block_size, num_kv_heads]
     v_scale: torch.Tensor,
-    k_min: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim]
-    k_max: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64
-    fresh_page: torch.Tensor,  # [num_tokens] bool: the token's slot is the first written in its page
+    k_min: torch.Tensor | None = None,  # [num_blocks, num_kv_heads, head_dim]; None: no page metadata kept
+    k_max: torch.Tensor | None = None,
+    fresh_page: torch.Tensor | None = None,  # [num_tokens] bool: the token's slot is the first written in its page
 ) -> None:
     """Quantize and write new tokens into their slots, and fold their keys into their pages' min/max
     (reset first for pages that start with this write). Uses the dequantized keys, so the bound
     holds for what attention will actually read."""
     block_size, heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-    kq, ks = quantize_ref(key)
-    vq, vs = quantize_ref(value)
+    kq, ks = quantize_ref(key, k_scale.dtype)
+    vq, vs = quantize_ref(value, v_scale.dtype)
     k_cache.view(-1, heads, dim)[slot_mapping] = kq
     v_cache.view(-1, heads, dim)[slot_mapping] = vq
-    k_scale.view(-1, heads)[slot_mapping] = ks.to(k_scale.dtype)
-    v_scale.view(-1, heads)[slot_mapping] = vs.to(v_scale.dtype)
+    k_scale.view(-1, heads)[slot_mapping] = ks
+    v_scale.view(-1, heads)[slot_mapping] = vs
+    if k_min is None:
+        return
     pages = torch.div(slot_mapping, block_size, rounding_mode="floor")
     fresh = pages[fresh_page]
     k_min[fresh] = float("inf")
     k_max[fresh] = float("-inf")
-    deq = dequantize_ref(kq, ks.to(k_scale.dtype)).to(k_min.dtype).view(len(pages), heads * dim)
+    deq = dequantize_ref(kq, ks).to(k_min.dtype).view(len(pages), heads * dim)
     index = pages[:, None].expand(-1, heads * dim)
     k_min.view(-1, heads * dim).scatter_reduce_(0, index, deq, "amin")
     k_max.view(-1, heads * dim).scatter_reduce_(0, index, deq, "amax")
@@ -108,3 +113,23 @@ def select_pages_ref(scores: torch.Tensor, num_pages: torch.Tensor, k: int) -> t
     top = s.topk(min(k, max_blocks), dim=-1).indices
     top = torch.where(top < num_pages.view(batch, 1, 1), top, last.view(batch, 1, 1))
     return top.sort(dim=-1).values
+
+
+def paged_attention_fp8_ref(
+    query: torch.Tensor,  # [batch, max_query_len, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float8_e4m3fn
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,  # [num_blocks, block_size, num_kv_heads]
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks] int64
+    context_lens: torch.Tensor,  # [batch] int64
+    query_lens: torch.Tensor,  # [batch] int64
+    scale: float,
+) -> torch.Tensor:
+    """`paged_attention_ref` over FP8 pages: the reference dequantizes only the pages each row's
+    block table names (the Triton kernel will dequantize inside the kernel, never a whole copy)."""
+    from cotserve.kernels.paged_attention import attend_gathered, gather_pages
+
+    keys = dequantize_ref(gather_pages(k_cache, block_tables, context_lens), gather_pages(k_scale, block_tables, context_lens), query.dtype)
+    values = dequantize_ref(gather_pages(v_cache, block_tables, context_lens), gather_pages(v_scale, block_tables, context_lens), query.dtype)
+    return attend_gathered(query, keys, values, context_lens, query_lens, scale)

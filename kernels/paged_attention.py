@@ -42,15 +42,25 @@ def paged_attention_ref(
     cache positions `0..` that position inclusive. Padding rows (i >= query_lens[b]) return
     finite values that the caller discards.
     """
-    batch, max_q, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    keys = gather_pages(k_cache, block_tables, context_lens).to(query.dtype)
+    values = gather_pages(v_cache, block_tables, context_lens).to(query.dtype)
+    return attend_gathered(query, keys, values, context_lens, query_lens, scale)
+
+
+def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, ...] -> [batch, kv_heads, max_ctx, ...] through the block tables."""
+    batch, block_size = block_tables.shape[0], cache.shape[1]
     max_ctx = int(context_lens.max())
     num_blocks = (max_ctx + block_size - 1) // block_size
-    table = block_tables[:, :num_blocks]
-    # [batch, kv_heads, max_ctx, head_dim], gathered through the block table
-    keys = k_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx].transpose(1, 2)
-    values = v_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)[:, :max_ctx].transpose(1, 2)
-    keys, values = keys.to(query.dtype), values.to(query.dtype)
+    pages = cache[block_tables[:, :num_blocks]]  # [batch, blocks, block_size, kv_heads, ...]
+    return pages.reshape(batch, num_blocks * block_size, *cache.shape[2:])[:, :max_ctx].transpose(1, 2)
+
+
+def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor,
+                    query_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked causal SDPA of [batch, max_q, heads, dim] queries over [batch, kv_heads, max_ctx, dim] keys/values."""
+    batch, max_q, num_heads, head_dim = query.shape
+    num_kv_heads, max_ctx = keys.shape[1], keys.shape[2]
     key_pos = torch.arange(max_ctx, device=query.device)
     q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=query.device)[None]
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])

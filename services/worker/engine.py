@@ -17,7 +17,7 @@ from typing import Callable
 
 from cotserve.worker.block_manager import BlockManager
 from cotserve.worker.detokenizer import IncrementalDetokenizer
-from cotserve.worker.model_runner import ModelRunner
+from cotserve.worker.model_runner import ModelRunner, resolve_kv_dtype
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.models.moe import RoutingPolicy
 from cotserve.worker.sampler import Sampler
@@ -37,6 +37,7 @@ class EngineConfig:
     batch_min_share: float = 0.1
     scheduling: str = "priority"  # or "fifo": arrival order, classes ignored (a baseline)
     max_batch_tokens_when_urgent: int = 256
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8_e4m3, fp16, bf16 or fp32
 
 
 @dataclass(slots=True, frozen=True)
@@ -111,7 +112,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.batch_min_share, by_class=config.scheduling == "priority",
                                    max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent)
-        self.runner = ModelRunner(loaded, config.num_blocks, config.block_size)
+        self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype))
         self.sampler = Sampler(loaded.device)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._requests: dict[str, _Request] = {}

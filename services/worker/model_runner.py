@@ -7,15 +7,32 @@ from dataclasses import dataclass
 import torch
 
 from cotserve.kernels.dispatch import kernels_for
+from cotserve.kernels.kv_fp8 import FP8
 from cotserve.worker.models.attention import PagedAttention, PagedBatch
 from cotserve.worker.models.config import ModelConfig
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.scheduler import ScheduledBatch
 
 
+FP8_SCALE_DTYPE = torch.float16
+KV_CACHE_DTYPES = {"fp8_e4m3": FP8, "fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`--kv-cache-dtype`: auto (the model's dtype), fp8_e4m3, fp16, bf16 or fp32."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {name!r}, allowed auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
+
+
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
-    """Keys and values of one token across all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    """Keys and values of one token across all layers; for FP8 the per-token, per-head scales included."""
+    per_head = cfg.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    if kv_dtype == FP8:
+        per_head += torch.empty((), dtype=FP8_SCALE_DTYPE).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
 
 
 @dataclass(slots=True)
@@ -38,11 +55,14 @@ class ModelRunner:
         self.kernels = kernels_for(self.device)
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
-            for _ in range(cfg.num_layers)
-        ]
+        def zeros(s: tuple, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(s, dtype=dtype, device=self.device)
+
+        if self.kv_dtype == FP8:
+            self.kv_caches = [(zeros(shape, FP8), zeros(shape, FP8), zeros(shape[:3], FP8_SCALE_DTYPE), zeros(shape[:3], FP8_SCALE_DTYPE))
+                              for _ in range(cfg.num_layers)]
+        else:
+            self.kv_caches = [(zeros(shape, self.kv_dtype), zeros(shape, self.kv_dtype)) for _ in range(cfg.num_layers)]
         self.scale = cfg.head_dim ** -0.5
 
     def prepare_inputs(self, batch: ScheduledBatch) -> PreparedInputs:

@@ -24,7 +24,7 @@ from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
-from cotserve.worker.model_runner import kv_bytes_per_token
+from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_token, resolve_kv_dtype
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
 from cotserve.worker.requests import generate_from_pb, output_to_pb
 from cotserve.worker.utilization import UtilizationProbe
@@ -50,6 +50,8 @@ class WorkerConfig:
     """Weights' compute dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
     kv_cache_bytes: int | None = None
     """KV pool size in bytes; default: 5% of available RAM on CPU, 90% of free GPU memory on CUDA."""
+    kv_cache_dtype: str = "auto"
+    """KV cache element type: auto (the model's dtype), fp8_e4m3 (per-token, per-head scales), fp16, bf16, fp32."""
     block_size: int = 16
     """Tokens per KV block."""
     max_num_seqs: int = 64
@@ -84,6 +86,8 @@ class WorkerConfig:
             (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens: {self.max_num_batched_tokens}, must be >= 1"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes: must be > 0"),
             (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
+            (self.kv_cache_dtype in ("auto", *KV_CACHE_DTYPES),
+             f"kv_cache_dtype: {self.kv_cache_dtype!r}, allowed: auto, {', '.join(KV_CACHE_DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
             (self.scheduling in ("priority", "fifo"), f"scheduling: {self.scheduling!r}, allowed: priority, fifo"),
             (self.max_batch_tokens_when_urgent >= 1,
@@ -110,7 +114,7 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
     """Size the KV pool: from --kv-cache-bytes, else a share of free memory, never more than
     max_num_seqs full-length sequences need."""
     max_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
-    per_token = kv_bytes_per_token(loaded.config, loaded.dtype)
+    per_token = kv_bytes_per_token(loaded.config, resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype))
     budget = cfg.kv_cache_bytes
     if budget is None:
         if loaded.device.type == "cuda":
@@ -126,7 +130,7 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
     return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                         batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
-                        max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent)
+                        max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent, kv_cache_dtype=cfg.kv_cache_dtype)
 
 
 class LoopMailbox:

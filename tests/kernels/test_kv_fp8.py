@@ -94,3 +94,33 @@ def test_top_k_keeps_sink_and_recent_page_and_the_best_of_the_rest():
         for h in range(3):
             rest = brute[b, h, 1:used - 1].topk(4).indices + 1
             assert got[b, h].tolist() == sorted([0, used - 1, *rest.tolist()])
+
+
+def test_fp16_scales_round_trip_within_the_bound_at_any_magnitude():
+    x = torch.randn(50, 2, 64) * torch.logspace(-6, 4, 50)[:, None, None]  # amax/448 below fp16's smallest normal too
+    q, s = quantize_ref(x, torch.float16)
+    assert s.dtype == torch.float16 and torch.isfinite(q.float()).all()
+    assert torch.all((dequantize_ref(q, s) - x).abs() <= e4m3_error_bound(x, s) + 1e-30)
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 128)])
+def test_fp8_paged_attention_is_attention_over_the_dequantized_pages(heads, kv_heads, head_dim):
+    from cotserve.kernels.kv_fp8 import paged_attention_fp8_ref
+    from cotserve.kernels.paged_attention import paged_attention_ref
+
+    torch.manual_seed(head_dim)
+    block_size, num_blocks = 16, 20
+    cache = paged_setup(block_size, kv_heads, head_dim, num_blocks)
+    cache["k_scale"], cache["v_scale"] = cache["k_scale"].half(), cache["v_scale"].half()
+    tables = [[3, 17, 9], [0], [12, 5]]
+    lens = [40, 1, 23]  # ragged; a single token; a partly filled last page
+    for table, n in zip(tables, lens):
+        write_sequence(cache, table, torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim))
+    deq_k = dequantize_ref(cache["k_cache"], cache["k_scale"])
+    deq_v = dequantize_ref(cache["v_cache"], cache["v_scale"])
+    block_tables = torch.tensor([t + [0] * (3 - len(t)) for t in tables])
+    q = torch.randn(3, 1, heads, head_dim)
+    args = (block_tables, torch.tensor(lens), torch.ones(3, dtype=torch.int64), head_dim ** -0.5)
+    got = paged_attention_fp8_ref(q, cache["k_cache"], cache["v_cache"], cache["k_scale"], cache["v_scale"], *args)
+    want = paged_attention_ref(q, deq_k, deq_v, *args)
+    assert torch.allclose(got, want, atol=1e-5)

@@ -66,34 +66,35 @@ class PagedBatch:
 class PagedAttention:
     """Attention that writes new K/V into the paged cache and reads through block tables."""
 
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, dim] x2
+    kv_caches: list[tuple]  # per layer: (k, v) [num_blocks, block_size, kv_heads, dim], or FP8 (k, v, k_scale, v_scale)
     batch: PagedBatch
     kernels: KernelSet
     scale: float
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self.kv_caches[layer]
         b = self.batch
-        self.kernels.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
+        entry = self.kv_caches[layer]
+        if len(entry) == 2:
+            k_cache, v_cache = entry
+            self.kernels.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
+
+            def paged(query, tables, ctx, qlens):
+                return self.kernels.paged_attention(query, k_cache, v_cache, tables, ctx, qlens, self.scale)
+        else:
+            k_cache, v_cache, k_scale, v_scale = entry
+            self.kernels.write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, b.slot_mapping)
+
+            def paged(query, tables, ctx, qlens):
+                return self.kernels.paged_attention_fp8(query, k_cache, v_cache, k_scale, v_scale, tables, ctx, qlens, self.scale)
         out = torch.empty_like(q)
         if b.decode_token_idx.numel():
             num = b.decode_token_idx.numel()
             ones = torch.ones(num, dtype=torch.int64, device=q.device)
             dq = q.index_select(0, b.decode_token_idx).unsqueeze(1)  # [num_decode, 1, heads, dim]
-            res = self.kernels.paged_attention(
-                dq, k_cache, v_cache, b.decode_block_tables, b.decode_context_lens, ones, self.scale
-            )
+            res = paged(dq, b.decode_block_tables, b.decode_context_lens, ones)
             out.index_copy_(0, b.decode_token_idx, res.squeeze(1))
         for start, qlen, table, ctx in b.prefill_rows:
             dev = q.device
-            res = self.kernels.paged_attention(
-                q[start : start + qlen].unsqueeze(0),
-                k_cache,
-                v_cache,
-                table,
-                torch.tensor([ctx], device=dev),
-                torch.tensor([qlen], device=dev),
-                self.scale,
-            )
+            res = paged(q[start : start + qlen].unsqueeze(0), table, torch.tensor([ctx], device=dev), torch.tensor([qlen], device=dev))
             out[start : start + qlen] = res[0]
         return out

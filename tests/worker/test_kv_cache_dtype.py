@@ -1,0 +1,63 @@
+"""`--kv-cache-dtype`: every setting serves through the gateway; FP8 pages take about a quarter of
+fp32's bytes and keep the demo model's accuracy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cotserve.gateway.server import GatewayConfig, start_gateway
+from cotserve.sdk import AsyncClient
+from cotserve.worker.demo.arithmetic import problems
+from cotserve.worker.demo.evaluate import evaluate
+from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.conftest import start_worker as start_worker_process
+from tests.conftest import stop_process
+from tests.worker.demo.test_demo_model import FIXED_SAMPLE_SEED
+
+
+def test_every_kv_cache_dtype_serves_through_the_gateway():
+    async def main():
+        seen = {}
+        for name in ("auto", "fp32", "fp16", "bf16", "fp8_e4m3"):
+            worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype=name, kv_cache_bytes=8_000_000))
+            gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
+            try:
+                async with AsyncClient(gateway.server.address) as client:
+                    r = await client.generate("37+48-12=", max_new_tokens=32, temperature=0.0)
+                async with grpc.aio.insecure_channel(worker.server.address) as ch:
+                    info = await worker_pb2_grpc.WorkerServiceStub(ch).Info(worker_pb2.InfoRequest())
+                seen[name] = (r.text, info.kv_cache.dtype, info.kv_cache.bytes_per_token, info.kv_cache.total_blocks)
+            finally:
+                await gateway.stop()
+                await worker.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    assert {text for text, *_ in seen.values()} == {"<think>37+48=85. 85-12=73.</think> 73"}
+    assert {n: d for n, (_, d, _, _) in seen.items()} == {"auto": "float32", "fp32": "float32", "fp16": "float16",
+                                                          "bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn"}
+    fp32_bytes, fp8_bytes = seen["fp32"][2], seen["fp8_e4m3"][2]
+    assert fp32_bytes == 4 * 2 * 3 * 64 * 4  # layers x (K, V) x kv heads x head_dim x 4 bytes
+    assert fp8_bytes == 4 * 2 * 3 * (64 + 2)  # one byte per element + an fp16 scale per token and head
+    assert fp8_bytes / fp32_bytes <= 0.27 and fp8_bytes / seen["bf16"][2] <= 0.53
+    assert seen["fp8_e4m3"][3] >= 3.5 * seen["fp32"][3]  # the same budget holds 3.8x the blocks
+
+
+def test_unknown_kv_cache_dtype_is_a_clear_start_up_error():
+    with pytest.raises(ValueError, match="kv_cache_dtype: 'int4', allowed: auto, fp8_e4m3, fp16, bf16, fp32"):
+        WorkerConfig(kv_cache_dtype="int4").validate()
+
+
+def test_fp8_cache_keeps_the_demo_models_accuracy(demo_worker):
+    sample = problems(FIXED_SAMPLE_SEED, 50)
+    full = asyncio.run(evaluate(demo_worker, sample=sample, concurrency=16))
+    proc, address = start_worker_process("--kv-cache-dtype", "fp8_e4m3", "--max-num-seqs", "32")
+    try:
+        fp8 = asyncio.run(evaluate(address, sample=sample, concurrency=16))
+    finally:
+        stop_process(proc)
+    assert fp8.total == 50 and fp8.correct >= full.correct - 1, (full.correct, fp8.correct, fp8.wrong[:5])
