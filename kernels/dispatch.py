@@ -23,6 +23,8 @@ class KernelSet:
     paged_attention: Callable[..., torch.Tensor]
     write_fp8: Callable[..., None]  # FP8 pages with per-token, per-head scales
     paged_attention_fp8: Callable[..., torch.Tensor]
+    update_page_bounds: Callable[..., None]  # per-page key min/max for top-k page selection
+    topk_key_mask: Callable[..., torch.Tensor]
 
 
 REFERENCE = KernelSet(
@@ -31,6 +33,8 @@ REFERENCE = KernelSet(
     paged_attention=paged_attention.paged_attention_ref,
     write_fp8=kv_fp8.write_fp8_ref,
     paged_attention_fp8=kv_fp8.paged_attention_fp8_ref,
+    update_page_bounds=kv_fp8.update_page_bounds_ref,
+    topk_key_mask=kv_fp8.topk_key_mask_ref,
 )
 
 

@@ -71,16 +71,37 @@ def write_fp8_ref(
     v_cache.view(-1, heads, dim)[slot_mapping] = vq
     k_scale.view(-1, heads)[slot_mapping] = ks
     v_scale.view(-1, heads)[slot_mapping] = vs
-    if k_min is None:
-        return
+    if k_min is not None:
+        update_page_bounds_ref(dequantize_ref(kq, ks), k_min, k_max, slot_mapping, fresh_page, block_size)
+
+
+def update_page_bounds_ref(keys: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, slot_mapping: torch.Tensor,
+                           fresh_page: torch.Tensor, block_size: int) -> None:
+    """Fold keys (as attention will read them) [num_tokens, kv_heads, dim] into their pages' channel-wise
+    min/max, resetting pages whose first slot this write fills."""
+    heads, dim = k_min.shape[1], k_min.shape[2]
     pages = torch.div(slot_mapping, block_size, rounding_mode="floor")
     fresh = pages[fresh_page]
     k_min[fresh] = float("inf")
     k_max[fresh] = float("-inf")
-    deq = dequantize_ref(kq, ks).to(k_min.dtype).view(len(pages), heads * dim)
+    flat = keys.to(k_min.dtype).reshape(len(pages), heads * dim)
     index = pages[:, None].expand(-1, heads * dim)
-    k_min.view(-1, heads * dim).scatter_reduce_(0, index, deq, "amin")
-    k_max.view(-1, heads * dim).scatter_reduce_(0, index, deq, "amax")
+    k_min.view(-1, heads * dim).scatter_reduce_(0, index, flat, "amin")
+    k_max.view(-1, heads * dim).scatter_reduce_(0, index, flat, "amax")
+
+
+def topk_key_mask_ref(query: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+    """For one decode query per row ([batch, 1, heads, dim]): [batch, kv_heads, max_ctx] True on the
+    positions of the k pages `select_pages_ref` keeps for each KV head (all pages when a row has <= k)."""
+    max_ctx = int(context_lens.max())
+    max_pages = (max_ctx + block_size - 1) // block_size
+    tables = block_tables[:, :max_pages]
+    num_pages = torch.div(context_lens + block_size - 1, block_size, rounding_mode="floor")
+    chosen = select_pages_ref(page_scores_ref(query[:, 0], k_min, k_max, tables), num_pages, k)  # [batch, kv, k]
+    keep = torch.zeros(chosen.shape[0], chosen.shape[1], max_pages, dtype=torch.bool, device=query.device)
+    keep.scatter_(2, chosen, True)
+    return keep.repeat_interleave(block_size, dim=2)[:, :, :max_ctx]
 
 
 def page_scores_ref(
@@ -125,6 +146,7 @@ def paged_attention_fp8_ref(
     context_lens: torch.Tensor,  # [batch] int64
     query_lens: torch.Tensor,  # [batch] int64
     scale: float,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention_ref` over FP8 pages: the reference dequantizes only the pages each row's
     block table names (the Triton kernel will dequantize inside the kernel, never a whole copy)."""
@@ -132,4 +154,4 @@ def paged_attention_fp8_ref(
 
     keys = dequantize_ref(gather_pages(k_cache, block_tables, context_lens), gather_pages(k_scale, block_tables, context_lens), query.dtype)
     values = dequantize_ref(gather_pages(v_cache, block_tables, context_lens), gather_pages(v_scale, block_tables, context_lens), query.dtype)
-    return attend_gathered(query, keys, values, context_lens, query_lens, scale)
+    return attend_gathered(query, keys, values, context_lens, query_lens, scale, key_mask)

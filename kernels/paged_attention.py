@@ -35,6 +35,7 @@ def paged_attention_ref(
     context_lens: torch.Tensor,  # [batch] int64: tokens in the cache, the queries' own included
     query_lens: torch.Tensor,  # [batch] int64: real queries per row (<= max_query_len)
     scale: float,
+    key_mask: torch.Tensor | None = None,  # [batch, num_kv_heads, max_ctx] bool: keys allowed (top-k pages)
 ) -> torch.Tensor:  # [batch, max_query_len, num_heads, head_dim]
     """Causal attention of each row's queries over that row's cached keys.
 
@@ -44,7 +45,7 @@ def paged_attention_ref(
     """
     keys = gather_pages(k_cache, block_tables, context_lens).to(query.dtype)
     values = gather_pages(v_cache, block_tables, context_lens).to(query.dtype)
-    return attend_gathered(query, keys, values, context_lens, query_lens, scale)
+    return attend_gathered(query, keys, values, context_lens, query_lens, scale, key_mask)
 
 
 def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
@@ -57,15 +58,19 @@ def gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, context_lens: 
 
 
 def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor,
-                    query_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Masked causal SDPA of [batch, max_q, heads, dim] queries over [batch, kv_heads, max_ctx, dim] keys/values."""
+                    query_lens: torch.Tensor, scale: float, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Masked causal SDPA of [batch, max_q, heads, dim] queries over [batch, kv_heads, max_ctx, dim]
+    keys/values; `key_mask` [batch, kv_heads, max_ctx] (optional) further limits the keys each KV
+    head's queries may see (top-k page selection)."""
     batch, max_q, num_heads, head_dim = query.shape
     num_kv_heads, max_ctx = keys.shape[1], keys.shape[2]
     key_pos = torch.arange(max_ctx, device=query.device)
     q_pos = (context_lens - query_lens)[:, None] + torch.arange(max_q, device=query.device)[None]
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None])
+    mask = ((key_pos[None, None, :] <= q_pos[:, :, None]) & (key_pos[None, None, :] < context_lens[:, None, None]))[:, None]
+    if key_mask is not None:  # [batch, kv_heads, max_ctx] -> every query head of the group
+        mask = mask & key_mask.repeat_interleave(num_heads // num_kv_heads, dim=1)[:, :, None, :]
     out = F.scaled_dot_product_attention(
-        query.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale,
+        query.transpose(1, 2), keys, values, attn_mask=mask, scale=scale,
         enable_gqa=num_heads != num_kv_heads,
     )  # [batch, heads, max_q, head_dim]
     return out.transpose(1, 2)

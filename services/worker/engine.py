@@ -38,6 +38,7 @@ class EngineConfig:
     scheduling: str = "priority"  # or "fifo": arrival order, classes ignored (a baseline)
     max_batch_tokens_when_urgent: int = 256
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8_e4m3, fp16, bf16 or fp32
+    kv_topk_pages: int = 0  # decode reads this many pages per KV head, chosen by a query-aware bound (0: all)
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,7 +113,8 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.batch_min_share, by_class=config.scheduling == "priority",
                                    max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent)
-        self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype))
+        self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype),
+                                  config.kv_topk_pages)
         self.sampler = Sampler(loaded.device)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._requests: dict[str, _Request] = {}

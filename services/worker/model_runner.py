@@ -46,7 +46,8 @@ class PreparedInputs:
 class ModelRunner:
     """Runs one forward pass for a batch of ragged sequences over the paged KV cache."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+                 topk_pages: int = 0) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -64,11 +65,16 @@ class ModelRunner:
         else:
             self.kv_caches = [(zeros(shape, self.kv_dtype), zeros(shape, self.kv_dtype)) for _ in range(cfg.num_layers)]
         self.scale = cfg.head_dim ** -0.5
+        self.topk_pages = topk_pages
+        # per-page key min/max, kept only when decode selects pages (float32: [num_blocks, kv_heads, dim] x2 per layer)
+        self.page_bounds = [(zeros(shape[:1] + shape[2:], torch.float32), zeros(shape[:1] + shape[2:], torch.float32))
+                            for _ in range(cfg.num_layers)] if topk_pages else None
 
     def prepare_inputs(self, batch: ScheduledBatch) -> PreparedInputs:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        fresh: list[bool] = []
         decode_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_ctx: list[int] = []
@@ -83,6 +89,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            fresh.extend(p % bs == 0 for p in range(start, start + n))
             ctx = start + n
             if n == 1:
                 decode_idx.append(offset)
@@ -106,12 +113,13 @@ class ModelRunner:
             decode_block_tables=as_long(padded).view(len(padded), width),
             decode_context_lens=as_long(decode_ctx),
             prefill_rows=prefill_rows,
+            fresh_page=torch.tensor(fresh, dtype=torch.bool, device=dev),
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:  # [num_sampled, vocab] float32
         inputs = self.prepare_inputs(batch)
-        attn = PagedAttention(self.kv_caches, inputs.paged, self.kernels, self.scale)
+        attn = PagedAttention(self.kv_caches, inputs.paged, self.kernels, self.scale, self.page_bounds, self.topk_pages)
         hidden = self.model(inputs.input_ids, inputs.positions, attn)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)).float()

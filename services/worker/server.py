@@ -52,6 +52,8 @@ class WorkerConfig:
     """KV pool size in bytes; default: 5% of available RAM on CPU, 90% of free GPU memory on CUDA."""
     kv_cache_dtype: str = "auto"
     """KV cache element type: auto (the model's dtype), fp8_e4m3 (per-token, per-head scales), fp16, bf16, fp32."""
+    kv_topk_pages: int = 0
+    """Decode reads only this many KV pages per KV head (query-aware bound; first and last page always kept); 0: all."""
     block_size: int = 16
     """Tokens per KV block."""
     max_num_seqs: int = 64
@@ -86,6 +88,7 @@ class WorkerConfig:
             (self.max_num_batched_tokens >= 1, f"max_num_batched_tokens: {self.max_num_batched_tokens}, must be >= 1"),
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes: must be > 0"),
             (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
+            (self.kv_topk_pages == 0 or self.kv_topk_pages >= 2, f"kv_topk_pages: {self.kv_topk_pages}, must be 0 (off) or >= 2"),
             (self.kv_cache_dtype in ("auto", *KV_CACHE_DTYPES),
              f"kv_cache_dtype: {self.kv_cache_dtype!r}, allowed: auto, {', '.join(KV_CACHE_DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
@@ -130,7 +133,8 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
     return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                         batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
-                        max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent, kv_cache_dtype=cfg.kv_cache_dtype)
+                        max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent, kv_cache_dtype=cfg.kv_cache_dtype,
+                        kv_topk_pages=cfg.kv_topk_pages)
 
 
 class LoopMailbox:

@@ -124,3 +124,38 @@ def test_fp8_paged_attention_is_attention_over_the_dequantized_pages(heads, kv_h
     got = paged_attention_fp8_ref(q, cache["k_cache"], cache["v_cache"], cache["k_scale"], cache["v_scale"], *args)
     want = paged_attention_ref(q, deq_k, deq_v, *args)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_topk_key_mask_selects_whole_pages_and_attention_sees_only_them():
+    from cotserve.kernels.kv_fp8 import topk_key_mask_ref, update_page_bounds_ref
+    from cotserve.kernels.paged_attention import paged_attention_ref
+
+    torch.manual_seed(3)
+    bs, kv_heads, heads, dim, n = 16, 2, 4, 64, 90  # 6 pages, the last partly filled
+    k_cache, v_cache = torch.randn(10, bs, kv_heads, dim), torch.randn(10, bs, kv_heads, dim)
+    k_min, k_max = torch.full((10, kv_heads, dim), 7.0), torch.full((10, kv_heads, dim), 7.0)  # stale: reset by fresh pages
+    table = [9, 4, 0, 7, 2, 5]
+    pos = torch.arange(n)
+    slots = torch.tensor([table[p // bs] * bs + p % bs for p in pos.tolist()])
+    update_page_bounds_ref(k_cache.view(-1, kv_heads, dim)[slots], k_min, k_max, slots, pos % bs == 0, bs)
+    for i, page in enumerate(table):
+        used = min(bs, n - i * bs)
+        assert torch.equal(k_min[page], k_cache[page, :used].amin(0)) and torch.equal(k_max[page], k_cache[page, :used].amax(0))
+    q = torch.randn(1, 1, heads, dim)
+    ctx, tables = torch.tensor([n]), torch.tensor([table])
+    everything = topk_key_mask_ref(q, k_min, k_max, tables, ctx, k=6, block_size=bs)
+    assert everything.all()  # as many pages as the row has: nothing skipped
+    mask = topk_key_mask_ref(q, k_min, k_max, tables, ctx, k=3, block_size=bs)
+    for h in range(kv_heads):
+        pages = sorted({int(p) // bs for p in torch.nonzero(mask[0, h]).flatten()})
+        assert len(pages) == 3 and pages[0] == 0 and pages[-1] == 5
+        assert mask[0, h].sum() == sum(min(bs, n - p * bs) for p in pages)  # whole pages
+    args = (tables, ctx, torch.ones(1, dtype=torch.int64), dim ** -0.5)
+    got = paged_attention_ref(q, k_cache, v_cache, *args, key_mask=mask)
+    for h in range(heads):  # brute force: softmax over the kept positions only
+        kvh = h // (heads // kv_heads)
+        keep = torch.nonzero(mask[0, kvh]).flatten()
+        keys = torch.stack([k_cache[table[p // bs], p % bs, kvh] for p in keep.tolist()])
+        vals = torch.stack([v_cache[table[p // bs], p % bs, kvh] for p in keep.tolist()])
+        w = torch.softmax(keys @ q[0, 0, h] * dim ** -0.5, dim=0)
+        assert torch.allclose(got[0, 0, h], w @ vals, atol=1e-5)

@@ -61,3 +61,30 @@ def test_fp8_cache_keeps_the_demo_models_accuracy(demo_worker):
     finally:
         stop_process(proc)
     assert fp8.total == 50 and fp8.correct >= full.correct - 1, (full.correct, fp8.correct, fp8.wrong[:5])
+
+
+def test_topk_pages_serve_and_read_everything_when_a_sequence_is_short():
+    async def main():
+        texts = {}
+        for dtype, topk in (("auto", 0), ("auto", 8), ("fp8_e4m3", 8), ("auto", 2), ("fp8_e4m3", 2)):
+            worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype=dtype, kv_topk_pages=topk,
+                                                     kv_cache_bytes=8_000_000, block_size=4))
+            gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
+            try:
+                async with AsyncClient(gateway.server.address) as client:
+                    r = await client.generate("12+30-7+5=", max_new_tokens=40, temperature=0.0)
+                texts[(dtype, topk)] = (r.text, r.usage.completion_tokens)
+            finally:
+                await gateway.stop()
+                await worker.stop()
+        return texts
+
+    texts = asyncio.run(main())
+    want = texts[("auto", 0)]
+    assert want[0] == "<think>12+30=42. 42-7=35. 35+5=40.</think> 40"
+    # 8 pages of 4 tokens hold the whole sequence: top-k reads everything and changes nothing
+    assert texts[("auto", 8)] == want and texts[("fp8_e4m3", 8)] == want
+    # 2 pages (the first and the current one) of a ~30-token sequence: sparse, but it still serves
+    assert texts[("auto", 2)][1] > 0 and texts[("fp8_e4m3", 2)][1] > 0
+    with pytest.raises(ValueError, match="kv_topk_pages: 1, must be 0 \\(off\\) or >= 2"):
+        WorkerConfig(kv_topk_pages=1).validate()

@@ -60,6 +60,7 @@ class PagedBatch:
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64
     decode_context_lens: torch.Tensor  # [num_decode] int64
     prefill_rows: list[tuple[int, int, torch.Tensor, int]]  # (start, query_len, block_table [1, n], context_len)
+    fresh_page: torch.Tensor | None = None  # [num_tokens] bool: the token is its page's first (resets page bounds)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,8 @@ class PagedAttention:
     batch: PagedBatch
     kernels: KernelSet
     scale: float
+    page_bounds: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: key min/max [num_blocks, kv_heads, dim]
+    topk_pages: int = 0  # decode reads only this many pages per KV head (0: all)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
@@ -78,20 +81,29 @@ class PagedAttention:
             k_cache, v_cache = entry
             self.kernels.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
 
-            def paged(query, tables, ctx, qlens):
-                return self.kernels.paged_attention(query, k_cache, v_cache, tables, ctx, qlens, self.scale)
+            def paged(query, tables, ctx, qlens, key_mask=None):
+                return self.kernels.paged_attention(query, k_cache, v_cache, tables, ctx, qlens, self.scale, key_mask)
         else:
             k_cache, v_cache, k_scale, v_scale = entry
-            self.kernels.write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, b.slot_mapping)
+            bounds = self.page_bounds[layer] if self.page_bounds else (None, None)
+            self.kernels.write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, b.slot_mapping, *bounds, b.fresh_page)
 
-            def paged(query, tables, ctx, qlens):
-                return self.kernels.paged_attention_fp8(query, k_cache, v_cache, k_scale, v_scale, tables, ctx, qlens, self.scale)
+            def paged(query, tables, ctx, qlens, key_mask=None):
+                return self.kernels.paged_attention_fp8(query, k_cache, v_cache, k_scale, v_scale, tables, ctx, qlens,
+                                                        self.scale, key_mask)
+        if self.page_bounds and len(entry) == 2:
+            self.kernels.update_page_bounds(k_cache.view(-1, *k_cache.shape[2:])[b.slot_mapping], *self.page_bounds[layer],
+                                            b.slot_mapping, b.fresh_page, k_cache.shape[1])
         out = torch.empty_like(q)
         if b.decode_token_idx.numel():
             num = b.decode_token_idx.numel()
             ones = torch.ones(num, dtype=torch.int64, device=q.device)
             dq = q.index_select(0, b.decode_token_idx).unsqueeze(1)  # [num_decode, 1, heads, dim]
-            res = paged(dq, b.decode_block_tables, b.decode_context_lens, ones)
+            key_mask = None
+            if self.topk_pages and self.page_bounds:
+                key_mask = self.kernels.topk_key_mask(dq, *self.page_bounds[layer], b.decode_block_tables, b.decode_context_lens,
+                                                      self.topk_pages, k_cache.shape[1])
+            res = paged(dq, b.decode_block_tables, b.decode_context_lens, ones, key_mask)
             out.index_copy_(0, b.decode_token_idx, res.squeeze(1))
         for start, qlen, table, ctx in b.prefill_rows:
             dev = q.device
