@@ -27,12 +27,20 @@ def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return KV_CACHE_DTYPES[name]
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
+def layer_kv_dtypes(cfg: ModelConfig, kv_dtype: torch.dtype, model_dtype: torch.dtype, skip_layers=()) -> list[torch.dtype]:
+    """Each layer's cache dtype: FP8 layers listed in `skip_layers` keep the model's dtype."""
+    return [model_dtype if kv_dtype == FP8 and layer in skip_layers else kv_dtype for layer in range(cfg.num_layers)]
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, model_dtype: torch.dtype | None = None, skip_layers=()) -> int:
     """Keys and values of one token across all layers; for FP8 the per-token, per-head scales included."""
-    per_head = cfg.head_dim * torch.empty((), dtype=kv_dtype).element_size()
-    if kv_dtype == FP8:
-        per_head += torch.empty((), dtype=FP8_SCALE_DTYPE).element_size()
-    return 2 * cfg.num_layers * cfg.num_kv_heads * per_head
+    total = 0
+    for dtype in layer_kv_dtypes(cfg, kv_dtype, model_dtype or kv_dtype, skip_layers):
+        per_head = cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        if dtype == FP8:
+            per_head += torch.empty((), dtype=FP8_SCALE_DTYPE).element_size()
+        total += 2 * cfg.num_kv_heads * per_head
+    return total
 
 
 @dataclass(slots=True)
@@ -47,7 +55,7 @@ class ModelRunner:
     """Runs one forward pass for a batch of ragged sequences over the paged KV cache."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
-                 topk_pages: int = 0) -> None:
+                 topk_pages: int = 0, skip_layers: frozenset[int] = frozenset()) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -56,14 +64,18 @@ class ModelRunner:
         self.kernels = kernels_for(self.device)
         cfg = self.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+
         def zeros(s: tuple, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(s, dtype=dtype, device=self.device)
 
-        if self.kv_dtype == FP8:
-            self.kv_caches = [(zeros(shape, FP8), zeros(shape, FP8), zeros(shape[:3], FP8_SCALE_DTYPE), zeros(shape[:3], FP8_SCALE_DTYPE))
-                              for _ in range(cfg.num_layers)]
-        else:
-            self.kv_caches = [(zeros(shape, self.kv_dtype), zeros(shape, self.kv_dtype)) for _ in range(cfg.num_layers)]
+        self.skip_layers = skip_layers
+        self.kv_caches = []  # per layer: (k, v), or for FP8 (k, v, k_scale, v_scale)
+        for dtype in layer_kv_dtypes(cfg, self.kv_dtype, loaded.dtype, skip_layers):
+            if dtype == FP8:
+                self.kv_caches.append((zeros(shape, FP8), zeros(shape, FP8), zeros(shape[:3], FP8_SCALE_DTYPE),
+                                       zeros(shape[:3], FP8_SCALE_DTYPE)))
+            else:
+                self.kv_caches.append((zeros(shape, dtype), zeros(shape, dtype)))
         self.scale = cfg.head_dim ** -0.5
         self.topk_pages = topk_pages
         # per-page key min/max, kept only when decode selects pages (float32: [num_blocks, kv_heads, dim] x2 per layer)

@@ -54,6 +54,8 @@ class WorkerConfig:
     """KV cache element type: auto (the model's dtype), fp8_e4m3 (per-token, per-head scales), fp16, bf16, fp32."""
     kv_topk_pages: int = 0
     """Decode reads only this many KV pages per KV head (query-aware bound; first and last page always kept); 0: all."""
+    kv_skip_layers: tuple[int, ...] = ()
+    """With fp8_e4m3: layers whose cache keeps the model's dtype (the most sensitive ones)."""
     block_size: int = 16
     """Tokens per KV block."""
     max_num_seqs: int = 64
@@ -89,6 +91,8 @@ class WorkerConfig:
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes: must be > 0"),
             (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
             (self.kv_topk_pages == 0 or self.kv_topk_pages >= 2, f"kv_topk_pages: {self.kv_topk_pages}, must be 0 (off) or >= 2"),
+            (not self.kv_skip_layers or self.kv_cache_dtype == "fp8_e4m3",
+             "kv_skip_layers: only with --kv-cache-dtype fp8_e4m3 (other caches are full precision already)"),
             (self.kv_cache_dtype in ("auto", *KV_CACHE_DTYPES),
              f"kv_cache_dtype: {self.kv_cache_dtype!r}, allowed: auto, {', '.join(KV_CACHE_DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
@@ -117,7 +121,10 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
     """Size the KV pool: from --kv-cache-bytes, else a share of free memory, never more than
     max_num_seqs full-length sequences need."""
     max_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
-    per_token = kv_bytes_per_token(loaded.config, resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype))
+    bad = [layer for layer in cfg.kv_skip_layers if not 0 <= layer < loaded.config.num_layers]
+    if bad:
+        raise ValueError(f"kv_skip_layers: {bad} out of range, the model's layers are 0..{loaded.config.num_layers - 1}")
+    per_token = kv_bytes_per_token(loaded.config, resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype), loaded.dtype, cfg.kv_skip_layers)
     budget = cfg.kv_cache_bytes
     if budget is None:
         if loaded.device.type == "cuda":
@@ -134,7 +141,7 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                         batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
                         max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent, kv_cache_dtype=cfg.kv_cache_dtype,
-                        kv_topk_pages=cfg.kv_topk_pages)
+                        kv_topk_pages=cfg.kv_topk_pages, kv_skip_layers=tuple(cfg.kv_skip_layers))
 
 
 class LoopMailbox:
@@ -284,7 +291,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_experts=lm.config.num_experts, num_experts_per_tok=lm.config.num_experts_per_tok,
             kv_cache=worker_pb2.KvCacheInfo(
                 dtype=str(self.engine.runner.kv_dtype).removeprefix("torch."), block_size_tokens=ec.block_size,
-                total_blocks=ec.num_blocks, bytes_per_token=kv_bytes_per_token(lm.config, self.engine.runner.kv_dtype),
+                total_blocks=ec.num_blocks, bytes_per_token=kv_bytes_per_token(lm.config, self.engine.runner.kv_dtype, lm.dtype,
+                                                                    self.engine.runner.skip_layers),
             ),
         )
 

@@ -4,10 +4,14 @@ fp32's bytes and keep the demo model's accuracy."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import grpc
 import pytest
+import torch
 
+from cotserve.common.procs import free_port
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.sdk import AsyncClient
 from cotserve.worker.demo.arithmetic import problems
@@ -88,3 +92,28 @@ def test_topk_pages_serve_and_read_everything_when_a_sequence_is_short():
     assert texts[("auto", 2)][1] > 0 and texts[("fp8_e4m3", 2)][1] > 0
     with pytest.raises(ValueError, match="kv_topk_pages: 1, must be 0 \\(off\\) or >= 2"):
         WorkerConfig(kv_topk_pages=1).validate()
+
+
+def test_skip_layers_keep_their_cache_at_full_precision():
+    async def main():
+        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype="fp8_e4m3", kv_skip_layers=(0, 3),
+                                                 kv_cache_bytes=8_000_000))
+        try:
+            caches = worker.engine.runner.kv_caches
+            assert [len(c) for c in caches] == [2, 4, 4, 2] and caches[0][0].dtype == caches[3][0].dtype == torch.float32
+            async with grpc.aio.insecure_channel(worker.server.address) as ch:
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                info = await stub.Info(worker_pb2.InfoRequest())
+                text = "".join([c.text async for c in stub.Generate(worker_pb2.GenerateRequest(prompt_text="37+48-12="))])
+            return info.kv_cache.bytes_per_token, text
+        finally:
+            await worker.stop()
+
+    per_token, text = asyncio.run(main())
+    assert per_token == 2 * 2 * 3 * 64 * 4 + 2 * 2 * 3 * 66  # two fp32 layers, two FP8 layers with their scales
+    assert text == "<think>37+48=85. 85-12=73.</think> 73"
+    with pytest.raises(ValueError, match="kv_skip_layers: only with --kv-cache-dtype fp8_e4m3"):
+        WorkerConfig(kv_skip_layers=(0,)).validate()
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "serve", "worker", "--port", str(free_port()),
+                          "--kv-cache-dtype", "fp8_e4m3", "--kv-skip-layers", "1,7"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "kv_skip_layers: [7] out of range, the model's layers are 0..3" in out.stderr
