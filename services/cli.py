@@ -21,6 +21,7 @@ from cotserve.router.cli import moe_app
 from cotserve.sandbox.cli import sandbox_app
 from cotserve.slo.cli import slo_app
 from cotserve.telemetry.cli import heatmap_command, trace_app
+from cotserve.worker.kv_cli import kv_app
 
 app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_show_locals=False)
@@ -38,6 +39,7 @@ app.add_typer(tenants_app, name="tenants")
 app.add_typer(demo_app, name="demo")
 app.add_typer(trace_app, name="trace")
 app.add_typer(slo_app, name="slo")
+app.add_typer(kv_app, name="kv")
 app.command("heatmap")(heatmap_command)
 
 

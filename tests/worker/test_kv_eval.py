@@ -1,0 +1,56 @@
+"""`cotserve kv eval | calibrate` on the demo model: the table's rows, the identities that must hold
+(full precision against itself, FP8's bytes), and the calibration's recommendation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from cotserve.worker.demo.arithmetic import problems
+from cotserve.worker.kv_eval import CacheConfig, compare, decode_logprobs
+from cotserve.worker.models.loader import load_model
+from cotserve.worker.server import DEMO_MODEL
+
+
+def arithmetic_text() -> str:
+    return " ".join(p.prompt + p.completion for p in problems(7, 20))
+
+
+def test_teacher_forced_decode_matches_one_dense_forward():
+    loaded = load_model(DEMO_MODEL, device=torch.device("cpu"))
+    ids = loaded.tokenizer.encode(arithmetic_text()).ids[:80]
+    paged, nbytes = decode_logprobs(loaded, ids, 50, CacheConfig("full", None))
+    from cotserve.worker.models.attention import DenseCausalAttention
+
+    with torch.inference_mode():
+        x = torch.tensor(ids)
+        hidden = loaded.model(x, torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+        dense = torch.log_softmax(loaded.model.compute_logits(hidden).float(), -1)[49:-1]
+    assert paged.shape == dense.shape == (30, loaded.config.vocab_size)
+    assert torch.allclose(paged, dense, atol=1e-4)
+    assert nbytes == 4 * 2 * 3 * 64 * 4 * 16 * sum(-(-(t + 1) // 16) for t in range(50, 79)) / 29  # fp32 pages read, averaged
+    ppl, ppl2, kl, agree = compare(paged, paged, torch.tensor(ids[50:]))
+    assert ppl == ppl2 and kl == 0 and agree == 1
+
+
+def test_eval_and_calibrate_commands(tmp_path):
+    (tmp_path / "t.txt").write_text(arithmetic_text())
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "kv", "eval", "--text", str(tmp_path / "t.txt"), "--context", "48,96",
+                          "--eval-tokens", "8", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == 10  # 2 contexts x (full, fp8, top-k at 1/8, 1/4, 1/2)
+    assert "full precision" in rows[0] and "+0.00%" in rows[0] and "100.0%" in rows[0] and "1.000" in rows[0]
+    assert "fp8" in rows[1] and "0.258" in rows[1]  # (64 + 2) / (64 x 4) bytes per element of fp32
+    too_long = subprocess.run([sys.executable, "-m", "cotserve.cli", "kv", "eval", "--text", str(tmp_path / "t.txt"),
+                               "--context", "4096", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert too_long.returncode == 2 and "4096" in too_long.stderr
+    cal = subprocess.run([sys.executable, "-m", "cotserve.cli", "kv", "calibrate", "--text", str(tmp_path / "t.txt"), "--context", "64",
+                          "--eval-tokens", "16", "--budget", "2", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert cal.returncode == 0, cal.stderr
+    lines = cal.stdout.strip().splitlines()
+    assert len(lines) == 5 and all(line.startswith("layer") for line in lines[:4])
+    top2 = sorted(int(line.split()[1].rstrip(":")) for line in lines[:2])
+    assert lines[-1] == f"recommended: --kv-cache-dtype fp8_e4m3 --kv-skip-layers {top2[0]},{top2[1]}"
