@@ -370,3 +370,42 @@ def bench_slo(
     ]
     for ok, text in goals:
         console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")
+
+
+@bench_app.command("kv")
+def bench_kv(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the bundled demo model)."),
+    kv_cache_bytes: Optional[int] = typer.Option(None, help="KV budget in bytes for every configuration (default: what holds 16 sequences at fp32 at the longest context)."),
+    contexts: str = typer.Option("128,256", help="Comma-separated tokens per sequence (prompt + generated)."),
+    requests: int = typer.Option(64, min=1, help="Requests submitted at once."),
+    prompt_tokens: int = typer.Option(32, min=1, help="Prompt tokens of each request."),
+    device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
+) -> None:
+    """Sequences held, output tokens/s and inter-token latency of each KV cache configuration under the same memory budget."""
+    from rich.table import Table
+
+    from cotserve.bench.kv import budget_for, run_one
+    from cotserve.worker.models.loader import load_model
+    from cotserve.worker.server import DEMO_MODEL, resolve_device
+
+    levels = _levels(contexts)
+    loaded = load_model(model or DEMO_MODEL, device=resolve_device(device))
+    if max(levels) > loaded.config.max_context or min(levels) <= prompt_tokens:
+        raise typer.BadParameter(f"contexts must be within {prompt_tokens + 1}..{loaded.config.max_context}", param_hint="--contexts")
+    budget = kv_cache_bytes or budget_for(loaded, 16, max(levels))
+    ids = (loaded.tokenizer.encode("12+30-7+5=" * 200).ids * 2)[:prompt_tokens]
+    console = wide_console()
+    table = Table(title=f"{loaded.name} on {loaded.device}: {requests} requests at once, KV budget {budget:,} bytes")
+    for col in ("context", "cache", "blocks", "sequences held", "preemptions", "output tok/s", "ITL ms", "held vs full", "tok/s vs full", "ITL vs full"):
+        table.add_column(col, justify="right")
+    configs = [("full precision", "auto", 0), ("fp16", "fp16", 0), ("fp8", "fp8_e4m3", 0), ("fp8 + top-4 pages", "fp8_e4m3", 4)]
+    for context in levels:
+        base = None
+        for name, dtype, topk in configs:
+            console.print(f"context {context}: {name} ...", style="dim")
+            r = run_one(loaded, name, dtype, topk, budget, context, requests, ids)
+            base = base or r
+            table.add_row(str(context), name, str(r.num_blocks), str(r.fit), str(r.preemptions), f"{r.tokens_per_s:,.0f}", f"{r.itl_ms:.1f}",
+                          f"{r.fit / base.fit:.2f}x", f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
+                          f"{r.itl_ms / base.itl_ms:.2f}x")
+    console.print(table)

@@ -77,3 +77,14 @@ def test_telemetry_bench_sends_every_span_to_both_receivers():
     assert "2520 spans in batches of 504" in out.stdout and "null-receiver" in out.stdout and "1.00x" in out.stdout
     # 6 exports (one warm-up) of 56 request traces each, every one aggregated, none malformed
     assert "{'spans_received': 3024, 'spans_malformed': 0, 'requests_aggregated': 336}" in out.stdout
+
+
+def test_kv_bench_runs_every_cache_under_one_budget():
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "kv", "--contexts", "64", "--requests", "8",
+                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr + out.stdout
+    rows = {line.split("│")[2].strip(): line for line in out.stdout.splitlines() if line.startswith("│")}
+    assert set(rows) == {"full precision", "fp16", "fp8", "fp8 + top-4 pages"}
+    held = {name: int(line.split("│")[4]) for name, line in rows.items()}
+    assert held["full precision"] == 16 and held["fp16"] == 32 and held["fp8"] == 62  # (64 + 2) vs 256 bytes per element
+    assert "3.88x" in rows["fp8"]
