@@ -9,20 +9,14 @@ from typing import Optional
 
 import typer
 
-from cotserve.common.clitools import stack, wide_console
+from cotserve.common.clitools import int_list, stack, wide_console
 
 
 bench_app = typer.Typer(help="Benchmarks: tables, and ratios against a baseline run in the same process.", no_args_is_help=True)
 
 
 def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{text!r}: give comma-separated integers, e.g. 1,8,32") from None
-    if not levels or min(levels) < 1:
-        raise typer.BadParameter(f"{text!r}: every level must be >= 1")
-    return levels
+    return int_list(text, "1,8,32")
 
 
 @bench_app.command("throughput")

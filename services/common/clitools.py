@@ -31,6 +31,17 @@ def run_service(service: str, main: Coroutine) -> None:
         fail(service, getattr(exc, "message", exc))
 
 
+def int_list(text: str, example: str = "1,8,32", minimum: int = 1) -> list[int]:
+    """A comma-separated list of integers from a flag, each >= `minimum`, or a BadParameter naming the rule."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give comma-separated integers, e.g. {example}") from None
+    if not values or min(values) < minimum:
+        raise typer.BadParameter(f"{text!r}: every value must be >= {minimum}")
+    return values
+
+
 def rpc_error_exit(err) -> None:
     typer.echo(f"error: {err.code().name}: {err.details()}", err=True)
     raise typer.Exit(1)

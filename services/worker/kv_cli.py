@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from cotserve.common.clitools import wide_console
+from cotserve.common.clitools import int_list, wide_console
 
 kv_app = typer.Typer(help="The compressed KV cache: quality against full precision, per-layer sensitivity.", no_args_is_help=True)
 
@@ -22,13 +22,7 @@ def _load(model: Optional[Path], text: Path, device: str):
 
 
 def _contexts(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{text!r}: give comma-separated token counts, e.g. 512,1024,2048") from None
-    if not values or min(values) < 2:
-        raise typer.BadParameter(f"{text!r}: every context must be >= 2 tokens")
-    return values
+    return int_list(text, "512,1024,2048", minimum=2)
 
 
 @kv_app.command("eval")

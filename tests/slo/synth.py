@@ -3,7 +3,6 @@ with ramps and bursts. Its queue builds over seconds, so violations can be fores
 
 from __future__ import annotations
 
-import math
 import random
 
 from cotserve.common.v1 import common_pb2
