@@ -220,11 +220,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                         trailers={"retry-after-ms": str(slo.cfg.retry_after_ms)})
         tried: set[WorkerHandle] = set()
         max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+        prompt_bytes = len(wreq.prompt_text.encode())
         while True:
             worker = self.pool.pick(model, exclude=tried, cls=sla)
             if slo is not None:
                 candidates = [w for w in self.pool.workers if w.healthy and w.model == model and w not in tried]
-                better = await slo.pick(model, candidates, sla, len(wreq.prompt_text.encode()), max_new)
+                better = await slo.pick(model, candidates, sla, prompt_bytes, max_new)
                 if better is not None:
                     worker = better
                     span.set_attribute("cotserve.routed_by", "predicted_ttft")
@@ -283,7 +284,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         out.timing.kv_used_fraction_at_admission = chunk.timing.kv_used_fraction_at_admission
                         n_out = chunk.usage.completion_tokens
                         if slo is not None:
-                            slo.finished(model, worker.address, sla, sent_unix_ms, len(wreq.prompt_text.encode()),
+                            slo.finished(model, worker.address, sla, sent_unix_ms, prompt_bytes,
                                          chunk.usage.prompt_tokens, max_new, n_out, (first_at - start) * 1000,
                                          (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else 0.0,
                                          in_flight_at_start, queued_at_arrival)

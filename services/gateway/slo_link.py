@@ -33,7 +33,7 @@ PB_CLASS = {SlaClass.REALTIME: common_pb2.SLA_CLASS_REALTIME, SlaClass.INTERACTI
 
 def queued(worker) -> int:
     """Requests of every class waiting in this gateway's admission queues for `worker`."""
-    return sum(len(q) for q in getattr(worker.admission, "queues", {}).values())
+    return sum(len(q) for q in worker.admission.queues.values())
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -133,7 +133,7 @@ class SloLink:
             per_class = []
             for cls in SlaClass:
                 a = acc.get((w.model, w.address, cls), _Acc())
-                waiting_here = len(w.admission.queues.get(cls, ())) if hasattr(w.admission, "queues") else 0
+                waiting_here = len(w.admission.queues.get(cls, ()))
                 per_class.append(slo_pb2.MetricsWindow(
                     start_unix_ms=start_unix_ms, model=w.model, worker=w.address, sla_class=PB_CLASS[cls],
                     arrivals=a.arrivals, completions=a.completions, first_tokens=len(a.ttft),

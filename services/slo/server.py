@@ -203,11 +203,13 @@ class SloState:
 
     # -- advice --------------------------------------------------------------------------
 
-    def decide(self, model: str, now: float) -> Advice:
+    def decide(self, model: str, now: float, forecasts: dict[int, slo_pb2.ForecastResponse] | None = None) -> Advice:
+        """The advice for `model`, from the urgent classes' forecasts (computed here unless given)."""
         q = self.recent.get(model, ())
         last = max((w.start_unix_ms for w in q), default=0)
         current = len({w.worker for w in q if w.start_unix_ms >= last - 10_000})
-        urgent = [self.forecast(model, c) for c in (common_pb2.SLA_CLASS_REALTIME, common_pb2.SLA_CLASS_INTERACTIVE)]
+        urgent_classes = (common_pb2.SLA_CLASS_REALTIME, common_pb2.SLA_CLASS_INTERACTIVE)
+        urgent = [forecasts[c] if forecasts else self.forecast(model, c) for c in urgent_classes]
         trained = [f.violation_probability for f in urgent if f.is_trained]
         if not trained:
             return Advice(model, slo_pb2.SCALE_ACTION_HOLD, current, 0.0, current)
@@ -320,11 +322,11 @@ async def start_slo(cfg: SloConfig, tracer_provider=None) -> RunningSlo:
     async def advise() -> None:
         now = time.time()
         for model in list(state.recent):
+            forecasts = {cls: state.forecast(model, cls) for cls in F.PB_CLASSES}
             for cls, name in zip(F.PB_CLASSES, F.CLASS_NAMES):
-                f = state.forecast(model, cls)
-                if f.is_trained:
-                    g_prob.labels(model, name).set(f.violation_probability)
-            advice = state.decide(model, now)
+                if forecasts[cls].is_trained:
+                    g_prob.labels(model, name).set(forecasts[cls].violation_probability)
+            advice = state.decide(model, now, forecasts)
             state.advice[model] = advice
             g_rep.labels(model).set(advice.recommended)
             for q in list(state.watchers):

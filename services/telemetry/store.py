@@ -125,13 +125,13 @@ class Aggregator:
         if hists is None:
             hists = series[sample.key] = {}
             self.num_series += 1
+            self.evict(now)  # a new series (every new slot starts one) is when the bounds can be passed
         for metric, value in sample.latencies_ms.items():
             h = hists.get(metric)
             if h is None:
                 h = hists[metric] = Histogram()
             h.add(value)
         self.dirty = True
-        self.evict(now)
         return True
 
     def evict(self, now_ms: int | None = None) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from cotserve.common.sampling import SamplingParams
-from cotserve.worker.model_runner import FP8_SCALE_DTYPE, ModelRunner, layer_kv_dtypes
+from cotserve.worker.model_runner import ModelRunner, kv_bytes_per_token
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.scheduler import ScheduledBatch, ScheduledSeq
 from cotserve.worker.sequence import Sequence
@@ -54,10 +54,7 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
     seq = Sequence("kv-eval", prompt_ids=list(tokens[:prefill]), params=SamplingParams())
     seq.block_table = list(range(blocks))
     out, read = [], []
-    per_page = [(2 * block_size * loaded.config.num_kv_heads
-                 * (loaded.config.head_dim * torch.empty((), dtype=d).element_size()
-                    + (torch.empty((), dtype=FP8_SCALE_DTYPE).element_size() if d == torch.float8_e4m3fn else 0)))
-                for d in layer_kv_dtypes(loaded.config, runner.kv_dtype, loaded.dtype, cfg.skip_layers)]
+    page_bytes = block_size * kv_bytes_per_token(loaded.config, runner.kv_dtype, loaded.dtype, cfg.skip_layers)
     while seq.num_computed_tokens < prefill:
         n = min(chunk, prefill - seq.num_computed_tokens)
         logits = runner.execute(ScheduledBatch([ScheduledSeq(seq, n)]))
@@ -70,7 +67,7 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
         out.append(torch.log_softmax(logits[0].float(), -1))
         pages = -(-(t + 1) // block_size)
         read_pages = min(pages, cfg.topk_pages) if cfg.topk_pages else pages
-        read.append(sum(per_page) * read_pages)
+        read.append(page_bytes * read_pages)
     return torch.stack(out), (sum(read) / len(read) if read else 0.0)
 
 

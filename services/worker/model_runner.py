@@ -32,15 +32,21 @@ def layer_kv_dtypes(cfg: ModelConfig, kv_dtype: torch.dtype, model_dtype: torch.
     return [model_dtype if kv_dtype == FP8 and layer in skip_layers else kv_dtype for layer in range(cfg.num_layers)]
 
 
-def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, model_dtype: torch.dtype | None = None, skip_layers=()) -> int:
-    """Keys and values of one token across all layers; for FP8 the per-token, per-head scales included."""
-    total = 0
+def layer_kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, model_dtype: torch.dtype | None = None,
+                             skip_layers=()) -> list[int]:
+    """Keys and values of one token in each layer; for FP8 the per-token, per-head scales included."""
+    out = []
     for dtype in layer_kv_dtypes(cfg, kv_dtype, model_dtype or kv_dtype, skip_layers):
         per_head = cfg.head_dim * torch.empty((), dtype=dtype).element_size()
         if dtype == FP8:
             per_head += torch.empty((), dtype=FP8_SCALE_DTYPE).element_size()
-        total += 2 * cfg.num_kv_heads * per_head
-    return total
+        out.append(2 * cfg.num_kv_heads * per_head)
+    return out
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, model_dtype: torch.dtype | None = None, skip_layers=()) -> int:
+    """Keys and values of one token across all layers."""
+    return sum(layer_kv_bytes_per_token(cfg, kv_dtype, model_dtype, skip_layers))
 
 
 @dataclass(slots=True)

@@ -5,7 +5,6 @@ counted and skipped; the aggregates survive a restart."""
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import defaultdict
 
@@ -28,17 +27,13 @@ from cotserve.telemetry.store import kv_bucket
 from cotserve.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 from cotserve.worker.server import WorkerConfig, start_worker
 from tests.conftest import start_telemetry as start_telemetry_process
+from tests.telemetry.test_histogram import nearest_rank
 from tests.conftest import stop_process
 
 METRICS = {"ttft": telemetry_pb2.LATENCY_METRIC_TTFT, "e2e": telemetry_pb2.LATENCY_METRIC_E2E,
            "tpot": telemetry_pb2.LATENCY_METRIC_TPOT, "queue": telemetry_pb2.LATENCY_METRIC_QUEUE}
 SLAS = {"realtime": common_pb2.SLA_CLASS_REALTIME, "interactive": common_pb2.SLA_CLASS_INTERACTIVE,
         "batch": common_pb2.SLA_CLASS_BATCH}
-
-
-def nearest_rank(values, q):
-    s = sorted(values)
-    return s[max(1, math.ceil(q * len(s))) - 1]
 
 
 def providers(endpoint: str):
