@@ -1,11 +1,12 @@
 """The one place that chooses a kernel implementation for a device.
 
-Triton on CUDA, the plain-torch reference elsewhere (DESIGN.md, Conventions: Kernels). Until the
-Triton kernels land, every device gets the reference.
+Triton on CUDA, the plain-torch reference elsewhere (DESIGN.md, Conventions: Kernels).
+`COTSERVE_KERNELS=reference` forces the reference on CUDA too (a debugging switch).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,28 +17,48 @@ from cotserve.kernels import kv_fp8, paged_attention
 
 @dataclass(slots=True, frozen=True)
 class KernelSet:
-    """The attention kernels one worker uses, fixed at start-up."""
+    """The KV-cache kernels one worker uses, fixed at start-up."""
 
     name: str
-    reshape_and_cache: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    write_fp8: Callable[..., None]  # FP8 pages with per-token, per-head scales
-    paged_attention_fp8: Callable[..., torch.Tensor]
-    update_page_bounds: Callable[..., None]  # per-page key min/max for top-k page selection
-    topk_key_mask: Callable[..., torch.Tensor]
+    # new keys/values into their slots: FP8 with per-token, per-head scales, or a plain copy; page key min/max
+    write_kv: Callable[..., None]
+    # one decode query per row over its pages (all, or the selected ones), FP8 dequantized as read
+    decode_attention: Callable[..., torch.Tensor]
+    # query-aware page scores and top-k selection (sink and last page always kept)
+    select_pages: Callable[..., torch.Tensor]
+    # block dst := block src over every cache tensor (copy-on-write forks, compaction)
+    copy_blocks: Callable[..., None]
+    # prefill chunks (several queries per row): exact attention over the row's pages
+    paged_attention: Callable[..., torch.Tensor] = paged_attention.paged_attention_ref
+    paged_attention_fp8: Callable[..., torch.Tensor] = kv_fp8.paged_attention_fp8_ref
 
 
 REFERENCE = KernelSet(
     name="torch-reference",
-    reshape_and_cache=paged_attention.reshape_and_cache_ref,
-    paged_attention=paged_attention.paged_attention_ref,
-    write_fp8=kv_fp8.write_fp8_ref,
-    paged_attention_fp8=kv_fp8.paged_attention_fp8_ref,
-    update_page_bounds=kv_fp8.update_page_bounds_ref,
-    topk_key_mask=kv_fp8.topk_key_mask_ref,
+    write_kv=kv_fp8.write_kv_ref,
+    decode_attention=kv_fp8.decode_attention_ref,
+    select_pages=kv_fp8.select_pages_from_bounds_ref,
+    copy_blocks=paged_attention.copy_blocks_ref,
 )
 
 
+def triton_kernels() -> KernelSet:
+    from cotserve.kernels import triton_kv
+
+    return KernelSet(
+        name="triton",
+        write_kv=triton_kv.write_kv,
+        decode_attention=triton_kv.decode_attention,
+        select_pages=triton_kv.select_pages,
+        copy_blocks=triton_kv.copy_blocks,
+    )
+
+
 def kernels_for(device: torch.device) -> KernelSet:
-    """Kernels for `device`."""
+    """Kernels for `device`: Triton on CUDA (unless COTSERVE_KERNELS=reference), else the reference."""
+    choice = os.environ.get("COTSERVE_KERNELS", "auto")
+    if choice not in ("auto", "reference", "triton"):
+        raise ValueError(f"COTSERVE_KERNELS: {choice!r}, allowed auto, reference, triton")
+    if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+        return triton_kernels()
     return REFERENCE

@@ -15,8 +15,8 @@ Page selection (Quest-style): for a query q of one KV head's group, a page's sco
 pages whose bound is low can be skipped. The first page (attention sink) and the last page (the
 recent tokens) are always kept.
 
-The Triton kernels that implement the same functions on CUDA come next; these references are
-what they are tested against.
+`cotserve.kernels.triton_kv` implements the same functions as Triton kernels for CUDA; these
+references are what they are tested against, and what the worker runs on the CPU.
 """
 
 from __future__ import annotations
@@ -90,17 +90,23 @@ def update_page_bounds_ref(keys: torch.Tensor, k_min: torch.Tensor, k_max: torch
     k_max.view(-1, heads * dim).scatter_reduce_(0, index, flat, "amax")
 
 
-def topk_key_mask_ref(query: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
-    """For one decode query per row ([batch, 1, heads, dim]): [batch, kv_heads, max_ctx] True on the
-    positions of the k pages `select_pages_ref` keeps for each KV head (all pages when a row has <= k)."""
-    max_ctx = int(context_lens.max())
-    max_pages = (max_ctx + block_size - 1) // block_size
-    tables = block_tables[:, :max_pages]
+def select_pages_from_bounds_ref(query: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, block_tables: torch.Tensor,
+                                 context_lens: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+    """One decode query per row ([batch, heads, dim]) -> [batch, kv_heads, k] indexes into each row's
+    block table of the pages to read: `page_scores_ref` then `select_pages_ref`."""
+    if k < 2:
+        raise ValueError(f"k: {k}, must be >= 2 (the first and the most recent page are always read)")
+    max_pages = -(-int(context_lens.max()) // block_size) if context_lens.numel() else 0
     num_pages = torch.div(context_lens + block_size - 1, block_size, rounding_mode="floor")
-    chosen = select_pages_ref(page_scores_ref(query[:, 0], k_min, k_max, tables), num_pages, k)  # [batch, kv, k]
-    keep = torch.zeros(chosen.shape[0], chosen.shape[1], max_pages, dtype=torch.bool, device=query.device)
-    keep.scatter_(2, chosen, True)
+    return select_pages_ref(page_scores_ref(query, k_min, k_max, block_tables[:, :max_pages]), num_pages, k)
+
+
+def pages_key_mask(pages: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[batch, kv_heads, k] selected pages -> [batch, kv_heads, max_ctx] True on their positions."""
+    max_ctx = int(context_lens.max())
+    max_pages = -(-max_ctx // block_size)
+    keep = torch.zeros(pages.shape[0], pages.shape[1], max_pages, dtype=torch.bool, device=pages.device)
+    keep.scatter_(2, pages.clamp(max=max_pages - 1), True)
     return keep.repeat_interleave(block_size, dim=2)[:, :, :max_ctx]
 
 
@@ -131,7 +137,9 @@ def select_pages_ref(scores: torch.Tensor, num_pages: torch.Tensor, k: int) -> t
     last = (num_pages - 1).clamp(min=0)
     s[:, :, 0] = float("inf")
     s.scatter_(2, last.view(batch, 1, 1).expand(batch, kv_heads, 1), float("inf"))
-    top = s.topk(min(k, max_blocks), dim=-1).indices
+    if k > max_blocks:  # always k wide: the padding below fills the extra columns with the last page
+        s = torch.cat([s, s.new_full((batch, kv_heads, k - max_blocks), float("-inf"))], dim=2)
+    top = s.topk(k, dim=-1).indices
     top = torch.where(top < num_pages.view(batch, 1, 1), top, last.view(batch, 1, 1))
     return top.sort(dim=-1).values
 
@@ -155,3 +163,38 @@ def paged_attention_fp8_ref(
     keys = dequantize_ref(gather_pages(k_cache, block_tables, context_lens), gather_pages(k_scale, block_tables, context_lens), query.dtype)
     values = dequantize_ref(gather_pages(v_cache, block_tables, context_lens), gather_pages(v_scale, block_tables, context_lens), query.dtype)
     return attend_gathered(query, keys, values, context_lens, query_lens, scale, key_mask)
+
+
+def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 k_min: torch.Tensor | None = None, k_max: torch.Tensor | None = None,
+                 fresh_page: torch.Tensor | None = None) -> None:
+    """Write new keys/values into any cache format: FP8 pages with their scales, or a plain-dtype
+    copy; with `k_min`/`k_max`, fold the keys (as stored) into their pages' bounds."""
+    from cotserve.kernels.paged_attention import reshape_and_cache_ref
+
+    if k_cache.dtype == FP8:
+        write_fp8_ref(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, k_min, k_max, fresh_page)
+        return
+    reshape_and_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+    if k_min is not None:
+        update_page_bounds_ref(key.to(k_cache.dtype), k_min, k_max, slot_mapping, fresh_page, k_cache.shape[1])
+
+
+def decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode query per row ([batch, heads, dim]) over its pages, all of them or the selected
+    `pages` [batch, kv_heads, k]; FP8 caches are dequantized page by page as gathered."""
+    from cotserve.kernels.paged_attention import paged_attention_ref
+
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    ones = torch.ones_like(context_lens)
+    key_mask = pages_key_mask(pages, context_lens, k_cache.shape[1]) if pages is not None else None
+    q = query.unsqueeze(1)
+    if k_cache.dtype == FP8:
+        out = paged_attention_fp8_ref(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, ones, scale, key_mask)
+    else:
+        out = paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, ones, scale, key_mask)
+    return out.squeeze(1)

@@ -4,8 +4,8 @@ Layout of one layer's cache: `[num_blocks, block_size, num_kv_heads, head_dim]` 
 values. A sequence's tokens live in the blocks its block table lists, in order; token `p` of a
 sequence sits at slot `block_table[p // block_size] * block_size + p % block_size`.
 
-This module holds the plain-torch reference. The Triton kernels (FP8 pages, top-k page selection)
-arrive behind the same two functions; `cotserve.kernels.dispatch` picks the implementation.
+This module holds the plain-torch references; `cotserve.kernels.triton_kv` has the Triton kernels
+for CUDA and `cotserve.kernels.dispatch` picks the implementation.
 """
 
 from __future__ import annotations
@@ -74,3 +74,12 @@ def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         enable_gqa=num_heads != num_kv_heads,
     )  # [batch, heads, max_q, head_dim]
     return out.transpose(1, 2)
+
+
+def copy_blocks_ref(caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """For every tensor (first dimension = block), block dst[i] := block src[i] (copy-on-write forks,
+    page compaction). All sources are read before any destination is written."""
+    if src.numel() == 0:
+        return
+    for cache in caches:
+        cache[dst] = cache[src]

@@ -135,8 +135,32 @@ class ModelRunner:
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
 
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block: payloads, FP8 scales, page bounds."""
+        out = [t for entry in self.kv_caches for t in entry]
+        return out + [t for pair in self.page_bounds for t in pair] if self.page_bounds else out
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Execute the block manager's planned copies in order (copy-on-write, compaction): copies
+        go to the kernel in waves in which no destination is also a source."""
+        tensors = self.cache_tensors()
+        i = 0
+        while i < len(copies):
+            srcs, dsts = set(), set()
+            j = i
+            while j < len(copies) and copies[j][0] not in dsts and copies[j][1] not in srcs | dsts:
+                srcs.add(copies[j][0])
+                dsts.add(copies[j][1])
+                j += 1
+            wave = torch.tensor(copies[i:j], dtype=torch.int64, device=self.device)
+            self.kernels.copy_blocks(tensors, wave[:, 0].contiguous(), wave[:, 1].contiguous())
+            i = j
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:  # [num_sampled, vocab] float32
+        if batch.block_copies:
+            self.copy_blocks(batch.block_copies)
         inputs = self.prepare_inputs(batch)
         attn = PagedAttention(self.kv_caches, inputs.paged, self.kernels, self.scale, self.page_bounds, self.topk_pages)
         hidden = self.model(inputs.input_ids, inputs.positions, attn)

@@ -34,6 +34,7 @@ class ScheduledSeq:
 class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), done before the forward pass
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +160,8 @@ class Scheduler:
                 used_batch += n
             else:
                 used_urgent += n
+        if batch.items:  # an empty batch runs nothing: planned copies wait for the next one
+            batch.block_copies = self.block_manager.take_copies()
         return batch
 
     def _victims(self, seq: Sequence, scheduled: set[int], allow_self: bool) -> list[Sequence]:

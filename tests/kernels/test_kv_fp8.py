@@ -126,9 +126,8 @@ def test_fp8_paged_attention_is_attention_over_the_dequantized_pages(heads, kv_h
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_topk_key_mask_selects_whole_pages_and_attention_sees_only_them():
-    from cotserve.kernels.kv_fp8 import topk_key_mask_ref, update_page_bounds_ref
-    from cotserve.kernels.paged_attention import paged_attention_ref
+def test_selected_pages_are_whole_pages_and_attention_sees_only_them():
+    from cotserve.kernels.kv_fp8 import decode_attention_ref, pages_key_mask, select_pages_from_bounds_ref, update_page_bounds_ref
 
     torch.manual_seed(3)
     bs, kv_heads, heads, dim, n = 16, 2, 4, 64, 90  # 6 pages, the last partly filled
@@ -141,21 +140,22 @@ def test_topk_key_mask_selects_whole_pages_and_attention_sees_only_them():
     for i, page in enumerate(table):
         used = min(bs, n - i * bs)
         assert torch.equal(k_min[page], k_cache[page, :used].amin(0)) and torch.equal(k_max[page], k_cache[page, :used].amax(0))
-    q = torch.randn(1, 1, heads, dim)
+    q = torch.randn(1, heads, dim)
     ctx, tables = torch.tensor([n]), torch.tensor([table])
-    everything = topk_key_mask_ref(q, k_min, k_max, tables, ctx, k=6, block_size=bs)
-    assert everything.all()  # as many pages as the row has: nothing skipped
-    mask = topk_key_mask_ref(q, k_min, k_max, tables, ctx, k=3, block_size=bs)
+    everything = select_pages_from_bounds_ref(q, k_min, k_max, tables, ctx, k=8, block_size=bs)
+    assert everything[0, 0].tolist() == [0, 1, 2, 3, 4, 5, 5, 5]  # fewer pages than k: all of them, padded with the last
+    assert pages_key_mask(everything, ctx, bs).all()
+    chosen = select_pages_from_bounds_ref(q, k_min, k_max, tables, ctx, k=3, block_size=bs)
+    mask = pages_key_mask(chosen, ctx, bs)
     for h in range(kv_heads):
         pages = sorted({int(p) // bs for p in torch.nonzero(mask[0, h]).flatten()})
         assert len(pages) == 3 and pages[0] == 0 and pages[-1] == 5
         assert mask[0, h].sum() == sum(min(bs, n - p * bs) for p in pages)  # whole pages
-    args = (tables, ctx, torch.ones(1, dtype=torch.int64), dim ** -0.5)
-    got = paged_attention_ref(q, k_cache, v_cache, *args, key_mask=mask)
+    got = decode_attention_ref(q, k_cache, v_cache, tables, ctx, dim ** -0.5, pages=chosen)
     for h in range(heads):  # brute force: softmax over the kept positions only
         kvh = h // (heads // kv_heads)
         keep = torch.nonzero(mask[0, kvh]).flatten()
         keys = torch.stack([k_cache[table[p // bs], p % bs, kvh] for p in keep.tolist()])
         vals = torch.stack([v_cache[table[p // bs], p % bs, kvh] for p in keep.tolist()])
-        w = torch.softmax(keys @ q[0, 0, h] * dim ** -0.5, dim=0)
-        assert torch.allclose(got[0, 0, h], w @ vals, atol=1e-5)
+        w = torch.softmax(keys @ q[0, h] * dim ** -0.5, dim=0)
+        assert torch.allclose(got[0, h], w @ vals, atol=1e-5)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from cotserve.worker.demo.arithmetic import problems
@@ -33,6 +35,22 @@ def test_teacher_forced_decode_matches_one_dense_forward():
     assert nbytes == 4 * 2 * 3 * 64 * 4 * 16 * sum(-(-(t + 1) // 16) for t in range(50, 79)) / 29  # fp32 pages read, averaged
     ppl, ppl2, kl, agree = compare(paged, paged, torch.tensor(ids[50:]))
     assert ppl == ppl2 and kl == 0 and agree == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1", reason="no Triton backend")
+@pytest.mark.parametrize("cfg", [CacheConfig("fp8 + top-2", torch.float8_e4m3fn, 2), CacheConfig("fp16", torch.float16)],
+                         ids=lambda c: c.name)
+def test_the_worker_on_triton_kernels_gives_the_references_logits(monkeypatch, cfg):
+    """The whole runner (writes, page selection, decode attention) on the Triton kernels against the
+    torch references: same teacher-forced log-probabilities step by step."""
+    loaded = load_model(DEMO_MODEL, device=torch.device("cpu"))
+    ids = loaded.tokenizer.encode(arithmetic_text()).ids[:72]
+    monkeypatch.setenv("COTSERVE_KERNELS", "reference")
+    want, want_bytes = decode_logprobs(loaded, ids, 52, cfg)
+    monkeypatch.setenv("COTSERVE_KERNELS", "triton")
+    got, got_bytes = decode_logprobs(loaded, ids, 52, cfg)
+    assert got.shape == (20, loaded.config.vocab_size) and got_bytes == want_bytes
+    assert torch.allclose(got, want, atol=2e-4), (got - want).abs().max()
 
 
 def test_eval_and_calibrate_commands(tmp_path):

@@ -77,36 +77,27 @@ class PagedAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
         entry = self.kv_caches[layer]
-        if len(entry) == 2:
-            k_cache, v_cache = entry
-            self.kernels.reshape_and_cache(k, v, k_cache, v_cache, b.slot_mapping)
-
-            def paged(query, tables, ctx, qlens, key_mask=None):
-                return self.kernels.paged_attention(query, k_cache, v_cache, tables, ctx, qlens, self.scale, key_mask)
-        else:
-            k_cache, v_cache, k_scale, v_scale = entry
-            bounds = self.page_bounds[layer] if self.page_bounds else (None, None)
-            self.kernels.write_fp8(k, v, k_cache, v_cache, k_scale, v_scale, b.slot_mapping, *bounds, b.fresh_page)
-
-            def paged(query, tables, ctx, qlens, key_mask=None):
-                return self.kernels.paged_attention_fp8(query, k_cache, v_cache, k_scale, v_scale, tables, ctx, qlens,
-                                                        self.scale, key_mask)
-        if self.page_bounds and len(entry) == 2:
-            self.kernels.update_page_bounds(k_cache.view(-1, *k_cache.shape[2:])[b.slot_mapping], *self.page_bounds[layer],
-                                            b.slot_mapping, b.fresh_page, k_cache.shape[1])
+        k_cache, v_cache = entry[0], entry[1]
+        k_scale, v_scale = (entry[2], entry[3]) if len(entry) == 4 else (None, None)
+        bounds = self.page_bounds[layer] if self.page_bounds else (None, None)
+        self.kernels.write_kv(k, v, k_cache, v_cache, b.slot_mapping, k_scale, v_scale, *bounds, b.fresh_page)
         out = torch.empty_like(q)
         if b.decode_token_idx.numel():
-            num = b.decode_token_idx.numel()
-            ones = torch.ones(num, dtype=torch.int64, device=q.device)
-            dq = q.index_select(0, b.decode_token_idx).unsqueeze(1)  # [num_decode, 1, heads, dim]
-            key_mask = None
+            dq = q.index_select(0, b.decode_token_idx)  # [num_decode, heads, dim]
+            pages = None
             if self.topk_pages and self.page_bounds:
-                key_mask = self.kernels.topk_key_mask(dq, *self.page_bounds[layer], b.decode_block_tables, b.decode_context_lens,
-                                                      self.topk_pages, k_cache.shape[1])
-            res = paged(dq, b.decode_block_tables, b.decode_context_lens, ones, key_mask)
-            out.index_copy_(0, b.decode_token_idx, res.squeeze(1))
+                pages = self.kernels.select_pages(dq, *bounds, b.decode_block_tables, b.decode_context_lens,
+                                                  self.topk_pages, k_cache.shape[1])
+            res = self.kernels.decode_attention(dq, k_cache, v_cache, b.decode_block_tables, b.decode_context_lens,
+                                                self.scale, k_scale, v_scale, pages)
+            out.index_copy_(0, b.decode_token_idx, res)
         for start, qlen, table, ctx in b.prefill_rows:
             dev = q.device
-            res = paged(q[start : start + qlen].unsqueeze(0), table, torch.tensor([ctx], device=dev), torch.tensor([qlen], device=dev))
+            ctx_t, qlen_t = torch.tensor([ctx], device=dev), torch.tensor([qlen], device=dev)
+            query = q[start : start + qlen].unsqueeze(0)
+            if k_scale is not None:
+                res = self.kernels.paged_attention_fp8(query, k_cache, v_cache, k_scale, v_scale, table, ctx_t, qlen_t, self.scale)
+            else:
+                res = self.kernels.paged_attention(query, k_cache, v_cache, table, ctx_t, qlen_t, self.scale)
             out[start : start + qlen] = res[0]
         return out
