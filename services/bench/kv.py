@@ -18,7 +18,7 @@ import torch
 
 from cotserve.common.sampling import SamplingParams
 from cotserve.worker.engine import Engine, EngineConfig
-from cotserve.worker.model_runner import kv_bytes_per_token, resolve_kv_dtype
+from cotserve.worker.model_runner import kv_bytes_per_block, kv_bytes_per_token, resolve_kv_dtype
 from cotserve.worker.models.loader import LoadedModel
 
 
@@ -42,8 +42,8 @@ def budget_for(loaded: LoadedModel, sequences: int, context: int, block_size: in
 
 def run_one(loaded: LoadedModel, name: str, kv_dtype: str, topk: int, kv_bytes: int, context: int, requests: int,
             prompt_ids: list[int], block_size: int = 16) -> KvRun:
-    per_token = kv_bytes_per_token(loaded.config, resolve_kv_dtype(kv_dtype, loaded.dtype))
-    num_blocks = kv_bytes // (per_token * block_size)
+    num_blocks = kv_bytes // kv_bytes_per_block(loaded.config, resolve_kv_dtype(kv_dtype, loaded.dtype), block_size, loaded.dtype,
+                                                topk_pages=topk)
     cfg = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=requests,
                        max_num_batched_tokens=2048, max_model_len=loaded.config.max_context, kv_cache_dtype=kv_dtype,
                        kv_topk_pages=topk)

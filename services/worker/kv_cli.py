@@ -30,7 +30,8 @@ def kv_eval(
     text: Path = typer.Option(..., exists=True, dir_okay=False, help="Text to evaluate on (tokenized with the model's tokenizer)."),
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the bundled demo model)."),
     context: str = typer.Option("512,1024,2048", help="Comma-separated context lengths in tokens."),
-    eval_tokens: int = typer.Option(64, min=1, help="Decode steps evaluated at the end of each context."),
+    eval_tokens: int = typer.Option(64, min=1, help="Decode steps evaluated at the end of each window."),
+    windows: int = typer.Option(4, min=1, help="Windows of each context length, evenly spaced over the text, pooled."),
     block_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
 ) -> None:
@@ -42,14 +43,16 @@ def kv_eval(
     console = wide_console()
     loaded, ids = _load(model, text, device)
     try:
-        rows = evaluate_cache(loaded, ids, _contexts(context), eval_tokens, block_size, progress=lambda m: console.print(m, style="dim"))
+        rows = evaluate_cache(loaded, ids, _contexts(context), eval_tokens, block_size,
+                              progress=lambda m: console.print(m, style="dim"), windows=windows)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--context") from None
-    table = Table(title=f"KV cache quality against full precision: {loaded.name}, {eval_tokens} decode steps per context")
-    for col in ("context", "cache", "perplexity", "ppl change", "mean KL", "top-1 agree", "KV bytes/step", "vs full"):
+    table = Table(title=f"KV cache quality against full precision: {loaded.name}, {windows} window(s) x {eval_tokens} decode steps "
+                        "per context")
+    for col in ("context", "cache", "tokens", "perplexity", "ppl change", "mean KL", "top-1 agree", "KV bytes/step", "vs full"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r.context), r.config, f"{r.perplexity:.3f}", f"{100 * r.ppl_change:+.2f}%", f"{r.mean_kl:.5f}",
+        table.add_row(str(r.context), r.config, str(r.tokens), f"{r.perplexity:.3f}", f"{100 * r.ppl_change:+.2f}%", f"{r.mean_kl:.5f}",
                       f"{100 * r.top1_agreement:.1f}%", f"{r.bytes_per_step:,.0f}", f"{r.bytes_fraction:.3f}")
     console.print(table)
 

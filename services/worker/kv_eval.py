@@ -7,8 +7,10 @@ every decode step reads the cache the way serving does, top-k page selection inc
 configuration is compared with the full-precision cache on the same tokens: perplexity and its
 relative change, mean per-token KL(full || config), top-1 next-token agreement, and the bytes of
 KV a decode step reads: the pages it attends to (all, or the top-k selected ones) in the cache's
-format, scales included. That is what a kernel reading only those pages moves; the torch reference
-the worker runs on CPU still gathers every page before masking.
+format, scales included, plus with top-k the page key min/max it scores every page with (float32).
+That is what the decode kernel moves; the CPU reference also gathers only the selected pages.
+Several windows of the text (`windows`) are measured and pooled, so agreement is not decided by a
+few dozen tokens.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
     seq.block_table = list(range(blocks))
     out, read = [], []
     page_bytes = block_size * kv_bytes_per_token(loaded.config, runner.kv_dtype, loaded.dtype, cfg.skip_layers)
+    c = loaded.config
+    bounds_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 if cfg.topk_pages else 0  # per page scored
     while seq.num_computed_tokens < prefill:
         n = min(chunk, prefill - seq.num_computed_tokens)
         logits = runner.execute(ScheduledBatch([ScheduledSeq(seq, n)]))
@@ -67,7 +71,7 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
         out.append(torch.log_softmax(logits[0].float(), -1))
         pages = -(-(t + 1) // block_size)
         read_pages = min(pages, cfg.topk_pages) if cfg.topk_pages else pages
-        read.append(page_bytes * read_pages)
+        read.append(page_bytes * read_pages + bounds_bytes * pages)
     return torch.stack(out), (sum(read) / len(read) if read else 0.0)
 
 
@@ -87,25 +91,35 @@ def standard_configs(pages: int) -> list[CacheConfig]:
         CacheConfig(f"fp8 + top-{max(2, pages // d)} pages (1/{d})", fp8, max(2, pages // d)) for d in (8, 4, 2)]
 
 
+def windows_of(tokens: list[int], context: int, windows: int) -> list[list[int]]:
+    """`windows` windows of `context` tokens, evenly spaced over the text (overlapping only when the
+    text is shorter than windows x context)."""
+    if context > len(tokens):
+        raise ValueError(f"context: {context} tokens asked, the text has {len(tokens)}")
+    last = len(tokens) - context
+    starts = sorted({round(i * last / max(1, windows - 1)) for i in range(windows)}) if windows > 1 else [0]
+    return [tokens[s : s + context] for s in starts]
+
+
 def evaluate_cache(loaded: LoadedModel, tokens: list[int], contexts: list[int], eval_tokens: int, block_size: int = 16,
-                   configs_for=standard_configs, progress=lambda msg: None) -> list[EvalRow]:
+                   configs_for=standard_configs, progress=lambda msg: None, windows: int = 1) -> list[EvalRow]:
     rows = []
     for context in contexts:
-        if context > len(tokens):
-            raise ValueError(f"context: {context} tokens asked, the text has {len(tokens)}")
         if context > loaded.config.max_context:
             raise ValueError(f"context: {context} exceeds the model's {loaded.config.max_context} tokens")
         n_eval = min(eval_tokens, context - 1)
-        window = tokens[:context]
-        targets = torch.tensor(window[context - n_eval:])
+        spans = windows_of(tokens, context, windows)
+        targets = torch.cat([torch.tensor(w[context - n_eval:]) for w in spans])
         results = {}
         for cfg in configs_for(-(-context // block_size)):
-            progress(f"context {context}: {cfg.name} ...")
-            results[cfg.name] = decode_logprobs(loaded, window, context - n_eval, cfg, block_size)
+            progress(f"context {context}: {cfg.name}, {len(spans)} window(s) ...")
+            parts = [decode_logprobs(loaded, w, context - n_eval, cfg, block_size) for w in spans]
+            results[cfg.name] = (torch.cat([lp for lp, _ in parts]), sum(b for _, b in parts) / len(parts))
         full_lp, full_bytes = next(iter(results.values()))
         for name, (lp, nbytes) in results.items():
             ppl_full, ppl, kl, agree = compare(full_lp, lp, targets)
-            rows.append(EvalRow(name, context, n_eval, ppl, ppl / ppl_full - 1, kl, agree, nbytes, nbytes / full_bytes if full_bytes else math.nan))
+            rows.append(EvalRow(name, context, len(targets), ppl, ppl / ppl_full - 1, kl, agree, nbytes,
+                                nbytes / full_bytes if full_bytes else math.nan))
     return rows
 
 

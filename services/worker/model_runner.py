@@ -49,6 +49,14 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, model_dtype: tor
     return sum(layer_kv_bytes_per_token(cfg, kv_dtype, model_dtype, skip_layers))
 
 
+def kv_bytes_per_block(cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int, model_dtype: torch.dtype | None = None,
+                       skip_layers=(), topk_pages: int = 0) -> int:
+    """One KV block across all layers: its tokens' keys, values and FP8 scales, plus with top-k page
+    selection the page's key min/max (float32, per layer and KV head)."""
+    bounds = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 if topk_pages else 0
+    return block_size * kv_bytes_per_token(cfg, kv_dtype, model_dtype, skip_layers) + bounds
+
+
 @dataclass(slots=True)
 class PreparedInputs:
     input_ids: torch.Tensor  # [num_tokens]

@@ -24,7 +24,7 @@ from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
-from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_token, resolve_kv_dtype
+from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_block, kv_bytes_per_token, resolve_kv_dtype
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
 from cotserve.worker.requests import generate_from_pb, output_to_pb
 from cotserve.worker.utilization import UtilizationProbe
@@ -124,19 +124,20 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
     bad = [layer for layer in cfg.kv_skip_layers if not 0 <= layer < loaded.config.num_layers]
     if bad:
         raise ValueError(f"kv_skip_layers: {bad} out of range, the model's layers are 0..{loaded.config.num_layers - 1}")
-    per_token = kv_bytes_per_token(loaded.config, resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype), loaded.dtype, cfg.kv_skip_layers)
+    per_block = kv_bytes_per_block(loaded.config, resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype), cfg.block_size, loaded.dtype,
+                                   cfg.kv_skip_layers, cfg.kv_topk_pages)
     budget = cfg.kv_cache_bytes
     if budget is None:
         if loaded.device.type == "cuda":
             budget = int(torch.cuda.mem_get_info(loaded.device)[0] * 0.9)
         else:
             budget = int(_available_ram_bytes() * 0.05)
-    num_blocks = budget // (per_token * cfg.block_size)
+    num_blocks = budget // per_block
     if cfg.kv_cache_bytes is None:
         num_blocks = min(num_blocks, cfg.max_num_seqs * -(-max_len // cfg.block_size))
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes: {budget} bytes holds no block of {cfg.block_size} tokens "
-                         f"({per_token * cfg.block_size} bytes each)")
+                         f"({per_block} bytes each)")
     return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                         batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
@@ -215,11 +216,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._loaded: LoadedModel | None = None
         self._mailbox: LoopMailbox | None = None
         self._probe: UtilizationProbe | None = None
+        self._block_bytes = 0  # KV bytes per block, known once the model is loaded
 
     def attach(self, engine: Engine, loaded: LoadedModel) -> None:
         """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
         self._engine, self._loaded = engine, loaded
         self._probe = UtilizationProbe(str(loaded.device))
+        r, ec = engine.runner, engine.config
+        self._block_bytes = kv_bytes_per_block(loaded.config, r.kv_dtype, ec.block_size, loaded.dtype, r.skip_layers, r.topk_pages)
 
     @property
     def engine(self) -> Engine:
@@ -306,7 +310,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             step_latency_p50_ms=s.step_latency_p50_ms, step_latency_p95_ms=s.step_latency_p95_ms,
             generated_tokens_per_s=s.generated_tokens_per_s, num_preemptions_total=s.num_preemptions_total,
             num_requests_finished_total=s.num_requests_finished_total, num_waiting_urgent_seqs=s.num_waiting_urgent_seqs,
-            moe_policy_version=s.moe_policy_version,
+            moe_policy_version=s.moe_policy_version, kv_bytes_used=s.kv_blocks_used * self._block_bytes,
+            kv_bytes_total=(s.kv_blocks_used + s.kv_blocks_free) * self._block_bytes,
         )
 
     async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:

@@ -117,3 +117,31 @@ def test_skip_layers_keep_their_cache_at_full_precision():
     out = subprocess.run([sys.executable, "-m", "cotserve.cli", "serve", "worker", "--port", str(free_port()),
                           "--kv-cache-dtype", "fp8_e4m3", "--kv-skip-layers", "1,7"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "kv_skip_layers: [7] out of range, the model's layers are 0..3" in out.stderr
+
+
+def test_stats_report_the_kv_bytes_in_use():
+    async def main():
+        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype="fp8_e4m3", kv_topk_pages=2,
+                                                 kv_cache_bytes=2_000_000))
+        try:
+            async with grpc.aio.insecure_channel(worker.server.address) as ch:
+                stub = worker_pb2_grpc.WorkerServiceStub(ch)
+                info = await stub.Info(worker_pb2.InfoRequest())
+                during = None
+                async for _ in stub.Generate(worker_pb2.GenerateRequest(prompt_text="37+48-12+5-9+11=")):
+                    if during is None:
+                        during = await stub.Stats(worker_pb2.StatsRequest())
+                for _ in range(50):
+                    after = await stub.Stats(worker_pb2.StatsRequest())
+                    if after.kv_blocks_used == 0:
+                        break
+                    await asyncio.sleep(0.05)
+            return info.kv_cache, during, after
+        finally:
+            await worker.stop()
+
+    kv, during, after = asyncio.run(main())
+    block = kv.block_size_tokens * kv.bytes_per_token + 4 * 3 * 2 * 64 * 4  # + the page key min/max top-k scores with
+    assert during.kv_blocks_used > 0 and during.kv_bytes_used == during.kv_blocks_used * block
+    assert during.kv_bytes_total == kv.total_blocks * block <= 2_000_000 < (kv.total_blocks + 1) * block
+    assert after.kv_blocks_used == 0 and after.kv_bytes_used == 0 and after.kv_bytes_total == during.kv_bytes_total

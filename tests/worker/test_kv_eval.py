@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cotserve.worker.demo.arithmetic import problems
-from cotserve.worker.kv_eval import CacheConfig, compare, decode_logprobs
+from cotserve.worker.kv_eval import CacheConfig, compare, decode_logprobs, windows_of
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.server import DEMO_MODEL
 
@@ -53,13 +53,33 @@ def test_the_worker_on_triton_kernels_gives_the_references_logits(monkeypatch, c
     assert torch.allclose(got, want, atol=2e-4), (got - want).abs().max()
 
 
+def cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip("│").split("│")]
+
+
+def test_windows_are_evenly_spaced_and_topk_bytes_count_the_page_bounds():
+    tokens = list(range(100))
+    assert [w[0] for w in windows_of(tokens, 40, 4)] == [0, 20, 40, 60] and all(len(w) == 40 for w in windows_of(tokens, 40, 4))
+    assert windows_of(tokens, 100, 3) == [tokens]
+    with pytest.raises(ValueError, match="context: 101"):
+        windows_of(tokens, 101, 1)
+    loaded = load_model(DEMO_MODEL, device=torch.device("cpu"))
+    ids = loaded.tokenizer.encode(arithmetic_text()).ids[:80]
+    _, nbytes = decode_logprobs(loaded, ids, 50, CacheConfig("fp8 + top-2", torch.float8_e4m3fn, 2))
+    page = 16 * 4 * 2 * 3 * (64 + 2)  # 16 tokens x 4 layers x (K, V) x 3 KV heads x (64 B payload + 2 B scale)
+    bounds = 4 * 3 * 2 * 64 * 4  # per page scored: 4 layers x 3 KV heads x (min, max) x 64 x float32
+    steps = [-(-(t + 1) // 16) for t in range(50, 79)]
+    assert nbytes == sum(page * min(2, p) + bounds * p for p in steps) / len(steps)
+
+
 def test_eval_and_calibrate_commands(tmp_path):
     (tmp_path / "t.txt").write_text(arithmetic_text())
     out = subprocess.run([sys.executable, "-m", "cotserve.cli", "kv", "eval", "--text", str(tmp_path / "t.txt"), "--context", "48,96",
-                          "--eval-tokens", "8", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+                          "--eval-tokens", "8", "--windows", "3", "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("│")]
     assert len(rows) == 10  # 2 contexts x (full, fp8, top-k at 1/8, 1/4, 1/2)
+    assert all(cells(r)[2] == "24" for r in rows)  # 3 windows x 8 decode steps pooled
     assert "full precision" in rows[0] and "+0.00%" in rows[0] and "100.0%" in rows[0] and "1.000" in rows[0]
     assert "fp8" in rows[1] and "0.258" in rows[1]  # (64 + 2) / (64 x 4) bytes per element of fp32
     too_long = subprocess.run([sys.executable, "-m", "cotserve.cli", "kv", "eval", "--text", str(tmp_path / "t.txt"),

@@ -261,6 +261,8 @@ class StatsResponse(_message.Message):
     UTILIZATION_FIELD_NUMBER: _builtins.int
     UTILIZATION_IS_CPU_FIELD_NUMBER: _builtins.int
     MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
+    KV_BYTES_USED_FIELD_NUMBER: _builtins.int
+    KV_BYTES_TOTAL_FIELD_NUMBER: _builtins.int
     num_running_seqs: _builtins.int
     """Sequences in the running batch."""
     num_waiting_seqs: _builtins.int
@@ -289,6 +291,10 @@ class StatsResponse(_message.Message):
     """True when utilization is CPU utilisation (no GPU)."""
     memory_used_bytes: _builtins.int
     """Accelerator memory in use (NVML), or this process's resident memory without a GPU."""
+    kv_bytes_used: _builtins.int
+    """Bytes of the KV pool held by sequences: payload, FP8 scales and top-k page bounds of the used blocks."""
+    kv_bytes_total: _builtins.int
+    """Bytes of the whole KV pool, used and free blocks."""
     def __init__(
         self,
         *,
@@ -306,10 +312,12 @@ class StatsResponse(_message.Message):
         utilization: _builtins.float = ...,
         utilization_is_cpu: _builtins.bool = ...,
         memory_used_bytes: _builtins.int = ...,
+        kv_bytes_used: _builtins.int = ...,
+        kv_bytes_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
