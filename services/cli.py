@@ -43,11 +43,11 @@ app.add_typer(kv_app, name="kv")
 app.command("heatmap")(heatmap_command)
 
 
-def _layer_list(text: str) -> tuple[int, ...]:
+def _layer_list(text: str, field: str = "kv_skip_layers") -> tuple[int, ...]:
     try:
         return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
     except ValueError:
-        fail("worker", f"kv_skip_layers: {text!r}, want comma-separated layer numbers such as 0,1")
+        fail("worker", f"{field}: {text!r}, want comma-separated layer numbers such as 0,1")
 
 
 @serve_app.command("worker")
@@ -60,6 +60,7 @@ def serve_worker(
     kv_cache_bytes: Optional[int] = typer.Option(None, envvar="COTSERVE_KV_CACHE_BYTES", help="KV pool size in bytes (default: 5% of available RAM on CPU, 90% of free GPU memory)."),
     kv_cache_dtype: str = typer.Option("auto", envvar="COTSERVE_KV_CACHE_DTYPE", help="KV cache element type: auto (the model's dtype), fp8_e4m3 (E4M3 with per-token, per-head scales), fp16, bf16 or fp32."),
     kv_topk_pages: int = typer.Option(0, envvar="COTSERVE_KV_TOPK_PAGES", help="Decode reads only this many KV pages per KV head, chosen by a query-aware bound; the first and last page always (0 = off, else >= 2)."),
+    kv_topk_dense_layers: str = typer.Option("", envvar="COTSERVE_KV_TOPK_DENSE_LAYERS", help="With --kv-topk-pages: comma-separated layers that still read every page (Quest keeps the first two dense: 0,1)."),
     kv_skip_layers: str = typer.Option("", envvar="COTSERVE_KV_SKIP_LAYERS", help="With fp8_e4m3: comma-separated layers whose cache keeps the model's dtype (e.g. 0,1)."),
     block_size: int = typer.Option(16, envvar="COTSERVE_BLOCK_SIZE", help="Tokens per KV block."),
     max_num_seqs: int = typer.Option(64, envvar="COTSERVE_MAX_NUM_SEQS", help="Sequences per batch at most."),
@@ -81,7 +82,7 @@ def serve_worker(
     setup_logging()
     cfg = WorkerConfig(
         model=model or DEMO_MODEL, host=host, port=port, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, kv_topk_pages=kv_topk_pages,
-        kv_skip_layers=_layer_list(kv_skip_layers),
+        kv_skip_layers=_layer_list(kv_skip_layers), kv_topk_dense_layers=_layer_list(kv_topk_dense_layers, "kv_topk_dense_layers"),
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, served_model_name=served_model_name, batch_min_share=batch_min_share, torch_threads=torch_threads,
         metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,

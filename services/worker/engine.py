@@ -40,6 +40,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8_e4m3, fp16, bf16 or fp32
     kv_topk_pages: int = 0  # decode reads this many pages per KV head, chosen by a query-aware bound (0: all)
     kv_skip_layers: tuple[int, ...] = ()  # with fp8_e4m3: these layers keep the model's dtype
+    kv_topk_dense_layers: tuple[int, ...] = ()  # with kv_topk_pages: these layers read every page
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,7 +116,7 @@ class Engine:
                                    config.batch_min_share, by_class=config.scheduling == "priority",
                                    max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent)
         self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype),
-                                  config.kv_topk_pages, frozenset(config.kv_skip_layers))
+                                  config.kv_topk_pages, frozenset(config.kv_skip_layers), frozenset(config.kv_topk_dense_layers))
         self.sampler = Sampler(loaded.device)
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._requests: dict[str, _Request] = {}

@@ -31,6 +31,7 @@ def kv_eval(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the bundled demo model)."),
     context: str = typer.Option("512,1024,2048", help="Comma-separated context lengths in tokens."),
     eval_tokens: int = typer.Option(64, min=1, help="Decode steps evaluated at the end of each window."),
+    topk_dense_layers: str = typer.Option("", help="Comma-separated layers that read every page in the top-k configurations (e.g. 0,1)."),
     windows: int = typer.Option(4, min=1, help="Windows of each context length, evenly spaced over the text, pooled."),
     block_size: int = typer.Option(16, min=1, help="Tokens per KV page."),
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
@@ -38,12 +39,16 @@ def kv_eval(
     """Perplexity, KL, top-1 agreement and KV bytes read per decode step of each cache configuration against full precision."""
     from rich.table import Table
 
-    from cotserve.worker.kv_eval import evaluate_cache
+    from cotserve.worker.kv_eval import evaluate_cache, standard_configs
 
     console = wide_console()
     loaded, ids = _load(model, text, device)
+    dense = frozenset(int_list(topk_dense_layers, "0,1", minimum=0)) if topk_dense_layers else frozenset()
+    if any(layer >= loaded.config.num_layers for layer in dense):
+        raise typer.BadParameter(f"{sorted(dense)}: the model's layers are 0..{loaded.config.num_layers - 1}",
+                                 param_hint="--topk-dense-layers")
     try:
-        rows = evaluate_cache(loaded, ids, _contexts(context), eval_tokens, block_size,
+        rows = evaluate_cache(loaded, ids, _contexts(context), eval_tokens, block_size, lambda pages: standard_configs(pages, dense),
                               progress=lambda m: console.print(m, style="dim"), windows=windows)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--context") from None

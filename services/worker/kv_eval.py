@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cotserve.common.sampling import SamplingParams
-from cotserve.worker.model_runner import ModelRunner, kv_bytes_per_token
+from cotserve.worker.model_runner import ModelRunner, layer_kv_bytes_per_token
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.scheduler import ScheduledBatch, ScheduledSeq
 from cotserve.worker.sequence import Sequence
@@ -33,6 +33,7 @@ class CacheConfig:
     kv_dtype: torch.dtype | None  # None: the model's dtype
     topk_pages: int = 0
     skip_layers: frozenset[int] = frozenset()
+    topk_dense_layers: frozenset[int] = frozenset()  # layers that read every page despite top-k
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,13 +53,15 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
                     chunk: int = 512) -> tuple[torch.Tensor, float]:
     """([len(tokens) - prefill, vocab] log-probabilities of each next token, mean KV bytes read per decode step)."""
     blocks = -(-len(tokens) // block_size) + 1
-    runner = ModelRunner(loaded, blocks, block_size, cfg.kv_dtype or loaded.dtype, cfg.topk_pages, cfg.skip_layers)
+    runner = ModelRunner(loaded, blocks, block_size, cfg.kv_dtype or loaded.dtype, cfg.topk_pages, cfg.skip_layers,
+                         cfg.topk_dense_layers)
     seq = Sequence("kv-eval", prompt_ids=list(tokens[:prefill]), params=SamplingParams())
     seq.block_table = list(range(blocks))
     out, read = [], []
-    page_bytes = block_size * kv_bytes_per_token(loaded.config, runner.kv_dtype, loaded.dtype, cfg.skip_layers)
     c = loaded.config
-    bounds_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 if cfg.topk_pages else 0  # per page scored
+    layer_pages = [block_size * b for b in layer_kv_bytes_per_token(c, runner.kv_dtype, loaded.dtype, cfg.skip_layers)]
+    sparse = [bool(cfg.topk_pages) and layer not in cfg.topk_dense_layers for layer in range(c.num_layers)]
+    bounds_bytes = 2 * c.num_kv_heads * c.head_dim * 4  # one layer's page key min/max, float32: read per page scored
     while seq.num_computed_tokens < prefill:
         n = min(chunk, prefill - seq.num_computed_tokens)
         logits = runner.execute(ScheduledBatch([ScheduledSeq(seq, n)]))
@@ -70,8 +73,8 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
         seq.num_computed_tokens += 1
         out.append(torch.log_softmax(logits[0].float(), -1))
         pages = -(-(t + 1) // block_size)
-        read_pages = min(pages, cfg.topk_pages) if cfg.topk_pages else pages
-        read.append(page_bytes * read_pages + bounds_bytes * pages)
+        read.append(sum(pb * min(pages, cfg.topk_pages) + bounds_bytes * pages if sp else pb * pages
+                        for pb, sp in zip(layer_pages, sparse)))
     return torch.stack(out), (sum(read) / len(read) if read else 0.0)
 
 
@@ -84,11 +87,14 @@ def compare(full: torch.Tensor, other: torch.Tensor, targets: torch.Tensor) -> t
     return math.exp(nll_full), math.exp(nll_other), kl, agree
 
 
-def standard_configs(pages: int) -> list[CacheConfig]:
-    """Full precision, fp8, and fp8 + top-k at 1/8, 1/4 and 1/2 of the context's pages (at least 2)."""
+def standard_configs(pages: int, dense_layers: frozenset[int] = frozenset()) -> list[CacheConfig]:
+    """Full precision, fp8, and fp8 + top-k at 1/8, 1/4 and 1/2 of the context's pages (at least 2),
+    the top-k ones with `dense_layers` reading every page."""
     fp8 = torch.float8_e4m3fn
+    dense = f", layers {','.join(map(str, sorted(dense_layers)))} dense" if dense_layers else ""
     return [CacheConfig("full precision", None), CacheConfig("fp8", fp8)] + [
-        CacheConfig(f"fp8 + top-{max(2, pages // d)} pages (1/{d})", fp8, max(2, pages // d)) for d in (8, 4, 2)]
+        CacheConfig(f"fp8 + top-{max(2, pages // d)} pages (1/{d}){dense}", fp8, max(2, pages // d), topk_dense_layers=dense_layers)
+        for d in (8, 4, 2)]
 
 
 def windows_of(tokens: list[int], context: int, windows: int) -> list[list[int]]:

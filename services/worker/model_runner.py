@@ -69,7 +69,7 @@ class ModelRunner:
     """Runs one forward pass for a batch of ragged sequences over the paged KV cache."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
-                 topk_pages: int = 0, skip_layers: frozenset[int] = frozenset()) -> None:
+                 topk_pages: int = 0, skip_layers: frozenset[int] = frozenset(), topk_dense_layers: frozenset[int] = frozenset()) -> None:
         self.model = loaded.model
         self.config = loaded.config
         self.device = loaded.device
@@ -92,6 +92,7 @@ class ModelRunner:
                 self.kv_caches.append((zeros(shape, dtype), zeros(shape, dtype)))
         self.scale = cfg.head_dim ** -0.5
         self.topk_pages = topk_pages
+        self.topk_dense_layers = topk_dense_layers  # layers that read every page despite top-k (Quest: the first two)
         # per-page key min/max, kept only when decode selects pages (float32: [num_blocks, kv_heads, dim] x2 per layer)
         self.page_bounds = [(zeros(shape[:1] + shape[2:], torch.float32), zeros(shape[:1] + shape[2:], torch.float32))
                             for _ in range(cfg.num_layers)] if topk_pages else None
@@ -170,6 +171,7 @@ class ModelRunner:
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
         inputs = self.prepare_inputs(batch)
-        attn = PagedAttention(self.kv_caches, inputs.paged, self.kernels, self.scale, self.page_bounds, self.topk_pages)
+        attn = PagedAttention(self.kv_caches, inputs.paged, self.kernels, self.scale, self.page_bounds, self.topk_pages,
+                              self.topk_dense_layers)
         hidden = self.model(inputs.input_ids, inputs.positions, attn)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)).float()

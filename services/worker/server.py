@@ -55,6 +55,7 @@ class WorkerConfig:
     kv_topk_pages: int = 0
     """Decode reads only this many KV pages per KV head (query-aware bound; first and last page always kept); 0: all."""
     kv_skip_layers: tuple[int, ...] = ()
+    kv_topk_dense_layers: tuple[int, ...] = ()  # with kv_topk_pages: layers that read every page
     """With fp8_e4m3: layers whose cache keeps the model's dtype (the most sensitive ones)."""
     block_size: int = 16
     """Tokens per KV block."""
@@ -91,6 +92,7 @@ class WorkerConfig:
             (self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes: must be > 0"),
             (self.dtype in ("auto", *DTYPES), f"dtype: {self.dtype!r}, allowed: auto, {', '.join(DTYPES)}"),
             (self.kv_topk_pages == 0 or self.kv_topk_pages >= 2, f"kv_topk_pages: {self.kv_topk_pages}, must be 0 (off) or >= 2"),
+            (not self.kv_topk_dense_layers or self.kv_topk_pages > 0, "kv_topk_dense_layers: only with --kv-topk-pages > 0"),
             (not self.kv_skip_layers or self.kv_cache_dtype == "fp8_e4m3",
              "kv_skip_layers: only with --kv-cache-dtype fp8_e4m3 (other caches are full precision already)"),
             (self.kv_cache_dtype in ("auto", *KV_CACHE_DTYPES),
@@ -121,9 +123,10 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
     """Size the KV pool: from --kv-cache-bytes, else a share of free memory, never more than
     max_num_seqs full-length sequences need."""
     max_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
-    bad = [layer for layer in cfg.kv_skip_layers if not 0 <= layer < loaded.config.num_layers]
-    if bad:
-        raise ValueError(f"kv_skip_layers: {bad} out of range, the model's layers are 0..{loaded.config.num_layers - 1}")
+    for field in ("kv_skip_layers", "kv_topk_dense_layers"):
+        bad = [layer for layer in getattr(cfg, field) if not 0 <= layer < loaded.config.num_layers]
+        if bad:
+            raise ValueError(f"{field}: {bad} out of range, the model's layers are 0..{loaded.config.num_layers - 1}")
     per_block = kv_bytes_per_block(loaded.config, resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype), cfg.block_size, loaded.dtype,
                                    cfg.kv_skip_layers, cfg.kv_topk_pages)
     budget = cfg.kv_cache_bytes
@@ -142,7 +145,8 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
                         max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
                         batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
                         max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent, kv_cache_dtype=cfg.kv_cache_dtype,
-                        kv_topk_pages=cfg.kv_topk_pages, kv_skip_layers=tuple(cfg.kv_skip_layers))
+                        kv_topk_pages=cfg.kv_topk_pages, kv_skip_layers=tuple(cfg.kv_skip_layers),
+                        kv_topk_dense_layers=tuple(cfg.kv_topk_dense_layers))
 
 
 class LoopMailbox:

@@ -70,14 +70,15 @@ def test_fp8_cache_keeps_the_demo_models_accuracy(demo_worker):
 def test_topk_pages_serve_and_read_everything_when_a_sequence_is_short():
     async def main():
         texts = {}
-        for dtype, topk in (("auto", 0), ("auto", 8), ("fp8_e4m3", 8), ("auto", 2), ("fp8_e4m3", 2)):
+        for dtype, topk, dense in (("auto", 0, ()), ("auto", 8, ()), ("fp8_e4m3", 8, ()), ("auto", 2, ()), ("fp8_e4m3", 2, ()),
+                                   ("auto", 2, (0, 1, 2, 3))):
             worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype=dtype, kv_topk_pages=topk,
-                                                     kv_cache_bytes=8_000_000, block_size=4))
+                                                     kv_cache_bytes=8_000_000, block_size=4, kv_topk_dense_layers=dense))
             gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
             try:
                 async with AsyncClient(gateway.server.address) as client:
                     r = await client.generate("12+30-7+5=", max_new_tokens=40, temperature=0.0)
-                texts[(dtype, topk)] = (r.text, r.usage.completion_tokens)
+                texts[(dtype, topk) if not dense else "all dense"] = (r.text, r.usage.completion_tokens)
             finally:
                 await gateway.stop()
                 await worker.stop()
@@ -90,6 +91,9 @@ def test_topk_pages_serve_and_read_everything_when_a_sequence_is_short():
     assert texts[("auto", 8)] == want and texts[("fp8_e4m3", 8)] == want
     # 2 pages (the first and the current one) of a ~30-token sequence: sparse, but it still serves
     assert texts[("auto", 2)][1] > 0 and texts[("fp8_e4m3", 2)][1] > 0
+    assert texts["all dense"] == want  # --kv-topk-dense-layers naming every layer: nothing is sparse
+    with pytest.raises(ValueError, match="kv_topk_dense_layers: only with --kv-topk-pages > 0"):
+        WorkerConfig(kv_topk_dense_layers=(0,)).validate()
     with pytest.raises(ValueError, match="kv_topk_pages: 1, must be 0 \\(off\\) or >= 2"):
         WorkerConfig(kv_topk_pages=1).validate()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +93,22 @@ def test_eval_and_calibrate_commands(tmp_path):
     assert len(lines) == 5 and all(line.startswith("layer") for line in lines[:4])
     top2 = sorted(int(line.split()[1].rstrip(":")) for line in lines[:2])
     assert lines[-1] == f"recommended: --kv-cache-dtype fp8_e4m3 --kv-skip-layers {top2[0]},{top2[1]}"
+
+
+def test_the_long_context_checkpoint_is_trained_and_top_k_dense_layers_cost_less():
+    """tests/fixtures/stdlib_llama (context 2048, trained on the standard library's source) on its
+    held-out text: far better than chance, FP8 nearly free; keeping layers 0 and 1 dense under top-k
+    reads more bytes and moves the output less."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "stdlib_llama"
+    loaded = load_model(fixture, device=torch.device("cpu"))
+    assert loaded.config.max_context == 2048 and loaded.config.head_dim == 64
+    ids = loaded.tokenizer.encode((fixture / "eval.txt").read_text()[:20000]).ids[:384]
+    full, full_bytes = decode_logprobs(loaded, ids, 352, CacheConfig("full", None))
+    targets = torch.tensor(ids[352:])
+    ppl, fp8_ppl, fp8_kl, _ = compare(full, decode_logprobs(loaded, ids, 352, CacheConfig("fp8", torch.float8_e4m3fn))[0], targets)
+    assert ppl < 400 < loaded.config.vocab_size and abs(fp8_ppl / ppl - 1) < 0.01 and fp8_kl < 1e-3
+    sparse, sparse_bytes = decode_logprobs(loaded, ids, 352, CacheConfig("k4", torch.float8_e4m3fn, 4))
+    dense, dense_bytes = decode_logprobs(loaded, ids, 352, CacheConfig("k4 dense", torch.float8_e4m3fn, 4,
+                                                                        topk_dense_layers=frozenset({0, 1})))
+    assert sparse_bytes < dense_bytes < full_bytes
+    assert compare(full, dense, targets)[2] < compare(full, sparse, targets)[2]

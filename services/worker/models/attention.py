@@ -73,6 +73,7 @@ class PagedAttention:
     scale: float
     page_bounds: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: key min/max [num_blocks, kv_heads, dim]
     topk_pages: int = 0  # decode reads only this many pages per KV head (0: all)
+    dense_layers: frozenset[int] = frozenset()  # layers that read every page even with topk_pages
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.batch
@@ -85,7 +86,7 @@ class PagedAttention:
         if b.decode_token_idx.numel():
             dq = q.index_select(0, b.decode_token_idx)  # [num_decode, heads, dim]
             pages = None
-            if self.topk_pages and self.page_bounds:
+            if self.topk_pages and self.page_bounds and layer not in self.dense_layers:
                 pages = self.kernels.select_pages(dq, *bounds, b.decode_block_tables, b.decode_context_lens,
                                                   self.topk_pages, k_cache.shape[1])
             res = self.kernels.decode_attention(dq, k_cache, v_cache, b.decode_block_tables, b.decode_context_lens,
