@@ -91,6 +91,8 @@ class ModelRunner:
             else:
                 self.kv_caches.append((zeros(shape, dtype), zeros(shape, dtype)))
         self.scale = cfg.head_dim ** -0.5
+        if any(len(entry) == 4 for entry in self.kv_caches) and self.device.type == "cpu":
+            self._warm_up_dequantize(cfg)
         self.topk_pages = topk_pages
         self.topk_dense_layers = topk_dense_layers  # layers that read every page despite top-k (Quest: the first two)
         # per-page key min/max, kept only when decode selects pages (float32: [num_blocks, kv_heads, dim] x2 per layer)
@@ -143,6 +145,18 @@ class ModelRunner:
             fresh_page=torch.tensor(fresh, dtype=torch.bool, device=dev),
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
+
+    @staticmethod
+    def _warm_up_dequantize(cfg: ModelConfig) -> None:
+        """Compile the CPU FP8 dequantization now (seconds, cached on disk by torch) rather than
+        during the first requests: gathered pages are [rows, kv_heads, tokens, head_dim], and a
+        single row is a shape class of its own (torch specialises sizes of 1)."""
+        from cotserve.kernels.kv_fp8 import dequantize_fast
+
+        with torch.inference_mode():
+            for rows in (1, 2):
+                shape = (rows, cfg.num_kv_heads, 3)
+                dequantize_fast(torch.zeros(*shape, cfg.head_dim, dtype=FP8), torch.ones(shape, dtype=FP8_SCALE_DTYPE))
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by block: payloads, FP8 scales, page bounds."""

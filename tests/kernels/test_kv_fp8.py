@@ -159,3 +159,15 @@ def test_selected_pages_are_whole_pages_and_attention_sees_only_them():
         vals = torch.stack([v_cache[table[p // bs], p % bs, kvh] for p in keep.tolist()])
         w = torch.softmax(keys @ q[0, h] * dim ** -0.5, dim=0)
         assert torch.allclose(got[0, h], w @ vals, atol=1e-5)
+
+
+def test_compiled_cpu_dequantization_is_bit_identical_to_the_reference():
+    from cotserve.kernels.kv_fp8 import dequantize_fast
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8)
+    codes = codes[torch.isfinite(codes.float())]
+    for shape in ((1, 2, codes.numel() // 2), (3, 2, codes.numel() // 2)):  # one row, several rows
+        payload = codes[: shape[2] * 2].repeat(shape[0]).view(shape[0], 2, shape[2])[..., None].expand(*shape, 64).contiguous()
+        scale = torch.rand(shape, dtype=torch.float16) + 0.01
+        assert torch.equal(dequantize_fast(payload, scale), dequantize_ref(payload, scale))
+        assert torch.equal(dequantize_ref(payload, scale), payload.float() * scale.float()[..., None])  # torch's own cast

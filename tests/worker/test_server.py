@@ -31,9 +31,9 @@ def test_health_and_reflection(demo_worker):
     with grpc.insecure_channel(demo_worker) as ch:
         health = health_pb2_grpc.HealthStub(ch)
         for name in ("", "cotserve.worker.v1.WorkerService"):
-            assert health.Check(health_pb2.HealthCheckRequest(service=name)).status == health_pb2.HealthCheckResponse.SERVING
+            assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
         names = {s.name for s in resp.list_services_response.service}
         assert {"cotserve.worker.v1.WorkerService", "grpc.health.v1.Health"} <= names
 
