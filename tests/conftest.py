@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,21 +24,29 @@ def _start_service(service: str, args: list[str], timeout_s: float) -> tuple[sub
     from grpc_health.v1 import health_pb2
 
     port = free_port()
+    # Output goes to a file, not a pipe: nobody reads a pipe while the service runs, and a
+    # session-long worker's access log fills the 64 KiB pipe buffer and blocks the process.
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cotserve.cli", "serve", service, "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+    def output() -> str:
+        log.seek(0)
+        return log.read()
+
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{service} exited {proc.returncode}: {proc.stdout.read()}")
+            raise RuntimeError(f"{service} exited {proc.returncode}: {output()}")
         if health_status(address, 0.5) == health_pb2.HealthCheckResponse.SERVING:
             return proc, address
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"{service} did not become SERVING: {proc.stdout.read()}")
+    raise RuntimeError(f"{service} did not become SERVING: {output()}")
 
 
 def start_worker(*args: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
