@@ -5,8 +5,10 @@ The engine runs in this process (no gRPC, so the cache is what differs): `reques
 the engine steps until every one is done. Reported per configuration: the sequences of that length
 the budget holds at once, the preemptions the run needed, output tokens/s over the run and the mean
 inter-token latency (mean step time while every running sequence decodes), as ratios against the
-full-precision cache. On CPU the FP8 cache runs the torch reference, which dequantizes every
-gathered page each step: the memory effect shows, the kernels' bandwidth effect cannot.
+full-precision cache. On CPU the FP8 cache runs the torch reference (dequantization compiled by
+torch.compile; with top-k only the selected pages are gathered). A CPU running a small model is
+compute-bound, so a bigger batch buys little throughput there: the memory effect shows, the
+bandwidth effect a GPU kernel gets from reading fewer bytes does not.
 """
 
 from __future__ import annotations
