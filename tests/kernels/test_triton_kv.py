@@ -185,3 +185,18 @@ def test_copy_blocks_matches_reference(dtype):
         a, b = cache[name], twin[name]
         assert torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8 else b), name
         assert torch.equal((a.view(torch.uint8) if a.dtype == FP8 else a)[20], (a.view(torch.uint8) if a.dtype == FP8 else a)[3])
+
+
+def test_dispatch_picks_triton_on_cuda_and_the_reference_elsewhere(monkeypatch):
+    from cotserve.kernels import dispatch
+
+    monkeypatch.delenv("COTSERVE_KERNELS", raising=False)
+    assert dispatch.kernels_for(torch.device("cpu")) is dispatch.REFERENCE
+    cuda = dispatch.kernels_for(torch.device("cuda"))
+    assert cuda.name == "triton" and cuda.decode_attention is triton_kv.decode_attention
+    assert cuda.write_kv is triton_kv.write_kv and cuda.select_pages is triton_kv.select_pages
+    monkeypatch.setenv("COTSERVE_KERNELS", "reference")
+    assert dispatch.kernels_for(torch.device("cuda")) is dispatch.REFERENCE
+    monkeypatch.setenv("COTSERVE_KERNELS", "fast")
+    with pytest.raises(ValueError, match="COTSERVE_KERNELS: 'fast', allowed auto, reference, triton"):
+        dispatch.kernels_for(torch.device("cpu"))
