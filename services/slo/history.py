@@ -28,34 +28,31 @@ _WINDOW_FLOATS = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "it
 _REQUEST_FLOATS = ("ttft_ms", "tpot_ms")
 
 
+def _validate_common(m, where: str, floats: tuple[str, ...]) -> None:
+    """The checks a window and a request observation share: model and worker named, a known class,
+    a start time, and `floats` finite and >= 0."""
+    if not m.model or not m.worker:
+        raise InvalidArgument(f"{where}.model and .worker: must not be empty")
+    if m.sla_class not in _CLASSES:
+        raise InvalidArgument(f"{where}.sla_class: must be REALTIME, INTERACTIVE or BATCH, got {m.sla_class}")
+    if m.start_unix_ms <= 0:
+        raise InvalidArgument(f"{where}.start_unix_ms: must be > 0, got {m.start_unix_ms}")
+    for name in floats:
+        v = getattr(m, name)
+        if not math.isfinite(v) or v < 0:
+            raise InvalidArgument(f"{where}.{name}: must be a finite number >= 0, got {v}")
+
+
 def validate_window(w: slo_pb2.MetricsWindow, where: str) -> None:
     """INVALID_ARGUMENT naming the field for NaN, infinite or negative values, an unknown class,
     a missing model or worker. (Counts are unsigned on the wire, so they cannot be negative.)"""
-    if not w.model or not w.worker:
-        raise InvalidArgument(f"{where}.model and .worker: must not be empty")
-    if w.sla_class not in _CLASSES:
-        raise InvalidArgument(f"{where}.sla_class: must be REALTIME, INTERACTIVE or BATCH, got {w.sla_class}")
-    if w.start_unix_ms <= 0:
-        raise InvalidArgument(f"{where}.start_unix_ms: must be > 0, got {w.start_unix_ms}")
-    for name in _WINDOW_FLOATS:
-        v = getattr(w, name)
-        if not math.isfinite(v) or v < 0:
-            raise InvalidArgument(f"{where}.{name}: must be a finite number >= 0, got {v}")
+    _validate_common(w, where, _WINDOW_FLOATS)
     if w.kv_used_fraction > 1 or w.utilization > 1:
         raise InvalidArgument(f"{where}.kv_used_fraction and .utilization: must be within 0..1")
 
 
 def validate_request(r: slo_pb2.RequestObservation, where: str) -> None:
-    if not r.model or not r.worker:
-        raise InvalidArgument(f"{where}.model and .worker: must not be empty")
-    if r.sla_class not in _CLASSES:
-        raise InvalidArgument(f"{where}.sla_class: must be REALTIME, INTERACTIVE or BATCH, got {r.sla_class}")
-    if r.start_unix_ms <= 0:
-        raise InvalidArgument(f"{where}.start_unix_ms: must be > 0, got {r.start_unix_ms}")
-    for name in _REQUEST_FLOATS:
-        v = getattr(r, name)
-        if not math.isfinite(v) or v < 0:
-            raise InvalidArgument(f"{where}.{name}: must be a finite number >= 0, got {v}")
+    _validate_common(r, where, _REQUEST_FLOATS)
 
 
 class History:
