@@ -49,7 +49,7 @@ def dequantize_ref(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (half.float() * (scale.float() * 256.0)[..., None]).to(dtype)
 
 
-_compiled_dequantize = None  # None: not tried yet; False: unavailable, eager from then on
+_cpu_dequantize = None  # chosen at the first CPU call: compiled, or the eager reference
 
 
 def dequantize_fast(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,20 +57,24 @@ def dequantize_fast(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
     conversion and the scaling into one vectorised loop (several times faster than eager, same
     results bit for bit). Eager on other devices, when COTSERVE_TORCH_COMPILE=0, or when compiling
     fails (no C++ compiler): then a warning says so once."""
-    global _compiled_dequantize
-    if payload.device.type != "cpu" or os.environ.get("COTSERVE_TORCH_COMPILE", "1") == "0" or _compiled_dequantize is False:
+    global _cpu_dequantize
+    if payload.device.type != "cpu":
         return dequantize_ref(payload, scale, dtype)
-    if _compiled_dequantize is None:
-        import torch._inductor.config as inductor_config
+    if _cpu_dequantize is None:
+        _cpu_dequantize = dequantize_ref
+        if os.environ.get("COTSERVE_TORCH_COMPILE", "1") != "0":
+            import torch._inductor.config as inductor_config
 
-        # compile in this process, without inductor's pool of compile worker processes: a serving
-        # process should not grow helpers for one small kernel that compiles in seconds
-        inductor_config.compile_threads = 1
-        _compiled_dequantize = torch.compile(dequantize_ref, dynamic=True)
+            # compile in this process, without inductor's pool of compile worker processes: a serving
+            # process should not grow helpers for one small kernel that compiles in seconds
+            inductor_config.compile_threads = 1
+            _cpu_dequantize = torch.compile(dequantize_ref, dynamic=True)
+    if _cpu_dequantize is dequantize_ref:
+        return dequantize_ref(payload, scale, dtype)
     try:
-        return _compiled_dequantize(payload, scale, dtype)
+        return _cpu_dequantize(payload, scale, dtype)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager reference is always right
-        _compiled_dequantize = False
+        _cpu_dequantize = dequantize_ref
         logging.getLogger(__name__).warning("torch.compile unavailable for FP8 dequantization, running eager: %s", exc)
         return dequantize_ref(payload, scale, dtype)
 
@@ -109,15 +113,22 @@ def write_fp8_ref(
         update_page_bounds_ref(dequantize_ref(kq, ks), k_min, k_max, slot_mapping, fresh_page, block_size)
 
 
+def reset_fresh_pages(k_min: torch.Tensor, k_max: torch.Tensor, pages: torch.Tensor, fresh_page: torch.Tensor | None) -> None:
+    """Empty the bounds (min +inf, max -inf) of the pages (`pages`, one per token) whose first slot
+    this write fills, before the new keys are folded in."""
+    if fresh_page is not None:
+        fresh = pages[fresh_page]
+        k_min[fresh] = float("inf")
+        k_max[fresh] = float("-inf")
+
+
 def update_page_bounds_ref(keys: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor, slot_mapping: torch.Tensor,
                            fresh_page: torch.Tensor, block_size: int) -> None:
     """Fold keys (as attention will read them) [num_tokens, kv_heads, dim] into their pages' channel-wise
     min/max, resetting pages whose first slot this write fills."""
     heads, dim = k_min.shape[1], k_min.shape[2]
     pages = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    fresh = pages[fresh_page]
-    k_min[fresh] = float("inf")
-    k_max[fresh] = float("-inf")
+    reset_fresh_pages(k_min, k_max, pages, fresh_page)
     flat = keys.to(k_min.dtype).reshape(len(pages), heads * dim)
     index = pages[:, None].expand(-1, heads * dim)
     k_min.view(-1, heads * dim).scatter_reduce_(0, index, flat, "amin")

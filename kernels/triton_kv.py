@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cotserve.kernels.kv_fp8 import E4M3_MAX, FP8
+from cotserve.kernels.kv_fp8 import E4M3_MAX, FP8, reset_fresh_pages
 
 
 @triton.jit
@@ -113,10 +113,8 @@ def write_kv(
     block_size = k_cache.shape[1]
     is_fp8 = k_cache.dtype == FP8
     has_bounds = k_min is not None
-    if has_bounds and fresh_page is not None and bool(fresh_page.any()):
-        pages = torch.div(slot_mapping[fresh_page], block_size, rounding_mode="floor")
-        k_min[pages] = float("inf")
-        k_max[pages] = float("-inf")
+    if has_bounds:
+        reset_fresh_pages(k_min, k_max, torch.div(slot_mapping, block_size, rounding_mode="floor"), fresh_page)
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     kc = k_cache.view(torch.uint8) if is_fp8 else k_cache

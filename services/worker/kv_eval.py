@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from cotserve.common.sampling import SamplingParams
-from cotserve.worker.model_runner import ModelRunner, layer_kv_bytes_per_token
+from cotserve.worker.model_runner import ModelRunner, layer_kv_bytes_per_token, page_bounds_bytes
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.scheduler import ScheduledBatch, ScheduledSeq
 from cotserve.worker.sequence import Sequence
@@ -61,7 +61,7 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
     c = loaded.config
     layer_pages = [block_size * b for b in layer_kv_bytes_per_token(c, runner.kv_dtype, loaded.dtype, cfg.skip_layers)]
     sparse = [bool(cfg.topk_pages) and layer not in cfg.topk_dense_layers for layer in range(c.num_layers)]
-    bounds_bytes = 2 * c.num_kv_heads * c.head_dim * 4  # one layer's page key min/max, float32: read per page scored
+    bounds_bytes = page_bounds_bytes(c)  # one layer's page key min/max: read for every page scored
     while seq.num_computed_tokens < prefill:
         n = min(chunk, prefill - seq.num_computed_tokens)
         logits = runner.execute(ScheduledBatch([ScheduledSeq(seq, n)]))

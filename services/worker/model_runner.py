@@ -49,11 +49,19 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype, model_dtype: tor
     return sum(layer_kv_bytes_per_token(cfg, kv_dtype, model_dtype, skip_layers))
 
 
+PAGE_BOUNDS_DTYPE = torch.float32  # per-page key min/max that top-k page selection scores
+
+
+def page_bounds_bytes(cfg: ModelConfig) -> int:
+    """One layer's key min and max of one page, every KV head."""
+    return 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=PAGE_BOUNDS_DTYPE).element_size()
+
+
 def kv_bytes_per_block(cfg: ModelConfig, kv_dtype: torch.dtype, block_size: int, model_dtype: torch.dtype | None = None,
                        skip_layers=(), topk_pages: int = 0) -> int:
     """One KV block across all layers: its tokens' keys, values and FP8 scales, plus with top-k page
-    selection the page's key min/max (float32, per layer and KV head)."""
-    bounds = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 if topk_pages else 0
+    selection the page's key min/max in every layer."""
+    bounds = cfg.num_layers * page_bounds_bytes(cfg) if topk_pages else 0
     return block_size * kv_bytes_per_token(cfg, kv_dtype, model_dtype, skip_layers) + bounds
 
 
@@ -95,8 +103,8 @@ class ModelRunner:
             self._warm_up_dequantize(cfg)
         self.topk_pages = topk_pages
         self.topk_dense_layers = topk_dense_layers  # layers that read every page despite top-k (Quest: the first two)
-        # per-page key min/max, kept only when decode selects pages (float32: [num_blocks, kv_heads, dim] x2 per layer)
-        self.page_bounds = [(zeros(shape[:1] + shape[2:], torch.float32), zeros(shape[:1] + shape[2:], torch.float32))
+        # per-page key min/max, kept only when decode selects pages ([num_blocks, kv_heads, dim] x2 per layer)
+        self.page_bounds = [(zeros(shape[:1] + shape[2:], PAGE_BOUNDS_DTYPE), zeros(shape[:1] + shape[2:], PAGE_BOUNDS_DTYPE))
                             for _ in range(cfg.num_layers)] if topk_pages else None
 
     def prepare_inputs(self, batch: ScheduledBatch) -> PreparedInputs:
