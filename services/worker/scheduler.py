@@ -13,7 +13,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from cotserve.worker.block_manager import BlockManager
+from cotserve.worker.block_manager import NO_HIT, BlockManager, CacheHit
 from cotserve.worker.sequence import Sequence, SequenceStatus, SlaClass
 
 
@@ -65,6 +65,11 @@ class Scheduler:
       never a more urgent class for a less urgent one.
     - A waiting sequence may take the seat of a running one of a strictly less urgent class
       when `max_num_seqs` is reached, so REALTIME joins the very next step.
+    - A waiting sequence starts from the longest chain of cached blocks of its tokens (prefix
+      cache) and computes the rest; when its next block is being computed this step by another
+      sequence, it waits a step and takes it from the cache instead of computing it twice.
+    - A sequence whose samples fork once its prompt is computed (`group_size` > 1) is admitted
+      only when there are seats for all of them.
     - BATCH work, when there is any, keeps `batch_min_share` of each step's token budget; while
       urgent work is present, BATCH takes at most `max_batch_tokens_when_urgent` tokens a step
       (but never less than its share), so a wave of BATCH prefill cannot stretch the steps that
@@ -131,18 +136,23 @@ class Scheduler:
                 limit = min(limit, batch_cap - used_batch)
             else:
                 limit -= max(0, reserve - used_batch)
-            n = min(seq.num_uncomputed_tokens, limit)
+            running = seq.status == SequenceStatus.RUNNING
+            hit = NO_HIT if running or admission_blocked else self.block_manager.find_cached(seq)
+            if hit.pending:
+                continue  # its next blocks are being computed this step: take them from the cache next step
+            start = len(hit.blocks) * self.block_manager.block_size if hit.blocks else seq.num_computed_tokens
+            n = min(len(seq) - start, limit)
             if n <= 0:
                 continue
-            target = seq.num_computed_tokens + n
-            if seq.status == SequenceStatus.RUNNING:
+            target = start + n
+            if running:
                 if not self._make_room(seq, target, batch, scheduled, allow_self=True):
                     continue
             else:
                 if admission_blocked:
                     continue
-                if not self._can_admit(seq, target, scheduled) or not (
-                    self._make_seat(seq, batch, scheduled) and self._make_room(seq, target, batch, scheduled, allow_self=False)
+                if not self._can_admit(seq, target, scheduled, hit) or not (
+                    self._make_seat(seq, batch, scheduled) and self._make_room(seq, target, batch, scheduled, False, hit)
                 ):
                     admission_blocked = True  # strict priority: nothing newer jumps ahead of it
                     continue
@@ -151,9 +161,10 @@ class Scheduler:
                 if not seq.num_preemptions:
                     bm = self.block_manager
                     seq.kv_used_fraction_at_admission = bm.num_used_blocks / bm.num_blocks
+                    seq.num_cached_tokens = min(start, len(seq.prompt_ids))
                 seq.record("scheduled")
                 self.running.append(seq)
-            self.block_manager.allocate(seq, target)
+            self.block_manager.allocate(seq, target, hit)
             batch.items.append(ScheduledSeq(seq, n))
             scheduled.add(seq.seq_id)
             if is_batch:
@@ -164,25 +175,45 @@ class Scheduler:
             batch.block_copies = self.block_manager.take_copies()
         return batch
 
+    def advance(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: the scheduled tokens are computed; full blocks join the prefix cache."""
+        for item in batch.items:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.block_manager.register_computed(item.seq)
+
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """`children` (samples of `parent`'s prompt) join the running batch sharing `parent`'s
+        computed blocks; each takes the seat `parent` reserved for it."""
+        for child in children:
+            self.block_manager.fork(parent, child)
+            child.status = SequenceStatus.RUNNING
+            child.first_scheduled_time = parent.first_scheduled_time
+            child.kv_used_fraction_at_admission = parent.kv_used_fraction_at_admission
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.running.append(child)
+        parent.group_size = 1
+
     def _victims(self, seq: Sequence, scheduled: set[int], allow_self: bool) -> list[Sequence]:
         key = self.key(seq)
         return [r for r in self.running
                 if r.seq_id not in scheduled and (self.key(r) > key or (allow_self and r is seq))]
 
-    def _can_admit(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+    def _can_admit(self, seq: Sequence, num_tokens: int, scheduled: set[int], hit: CacheHit) -> bool:
         """Whether preempting lower-priority work could seat `seq` and hold `num_tokens`: checked
         first, so nobody is preempted for an admission that fails anyway."""
         victims = self._victims(seq, scheduled, False)
-        if len(self.running) >= self.max_num_seqs and not any(self.key(v)[0] > self.key(seq)[0] for v in victims):
-            return False
+        if len(self.running) + seq.group_size > self.max_num_seqs:
+            less_urgent = sum(1 for v in victims if self.key(v)[0] > self.key(seq)[0])
+            if len(self.running) - less_urgent + seq.group_size > self.max_num_seqs:
+                return False
         reclaimable = self.block_manager.num_free_blocks + sum(len(v.block_table) for v in victims)
-        return self.block_manager.num_new_blocks(seq, num_tokens) <= reclaimable
+        return self.block_manager.num_new_blocks(seq, num_tokens, hit) <= reclaimable
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, scheduled: set[int],
-                   allow_self: bool) -> bool:
+                   allow_self: bool, hit: CacheHit = NO_HIT) -> bool:
         """Preempt lowest-priority sequences until `seq` can hold `num_tokens`; False if it cannot
         (or, when `allow_self`, if `seq` itself was the lowest and got preempted)."""
-        while not self.block_manager.can_allocate(seq, num_tokens):
+        while not self.block_manager.can_allocate(seq, num_tokens, hit):
             candidates = self._victims(seq, scheduled, allow_self)
             if not candidates:
                 return False
@@ -194,8 +225,8 @@ class Scheduler:
         return True
 
     def _make_seat(self, seq: Sequence, batch: ScheduledBatch, scheduled: set[int]) -> bool:
-        """Free a batch seat for a waiting `seq` by preempting a strictly less urgent class."""
-        while len(self.running) >= self.max_num_seqs:
+        """Free batch seats for a waiting `seq` (and its samples to come) by preempting a strictly less urgent class."""
+        while len(self.running) + seq.group_size > self.max_num_seqs:
             candidates = [r for r in self._victims(seq, scheduled, False) if self.key(r)[0] > self.key(seq)[0]]
             if not candidates:
                 return False

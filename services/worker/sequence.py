@@ -56,6 +56,12 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     events: list[tuple[str, int]] = field(default_factory=list)  # (name, wall-clock ns) for the trace
+    index: int = 0  # which of its request's samples this is (n > 1)
+    group_size: int = 1  # batch seats it will take: 1 + the samples that fork from it once its prompt is computed
+    cache_root: bytes = b""  # root of its block-hash chain: model, KV format and salt (see BlockManager)
+    block_hashes: list[bytes] = field(default_factory=list)  # hash of each full block of its tokens, computed lazily
+    num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
 
     def record(self, name: str) -> None:
         self.events.append((name, time.time_ns()))
