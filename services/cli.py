@@ -63,6 +63,7 @@ def serve_worker(
     kv_topk_dense_layers: str = typer.Option("", envvar="COTSERVE_KV_TOPK_DENSE_LAYERS", help="With --kv-topk-pages: comma-separated layers that still read every page (Quest keeps the first two dense: 0,1)."),
     kv_skip_layers: str = typer.Option("", envvar="COTSERVE_KV_SKIP_LAYERS", help="With fp8_e4m3: comma-separated layers whose cache keeps the model's dtype (e.g. 0,1)."),
     block_size: int = typer.Option(16, envvar="COTSERVE_BLOCK_SIZE", help="Tokens per KV block."),
+    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", envvar="COTSERVE_PREFIX_CACHING", help="Reuse cached full KV blocks of earlier sequences that start with the same tokens (same cache salt); LRU eviction."),
     max_num_seqs: int = typer.Option(64, envvar="COTSERVE_MAX_NUM_SEQS", help="Sequences per batch at most."),
     max_num_batched_tokens: int = typer.Option(2048, envvar="COTSERVE_MAX_NUM_BATCHED_TOKENS", help="Tokens per engine step at most (prefill chunk bound)."),
     max_model_len: Optional[int] = typer.Option(None, envvar="COTSERVE_MAX_MODEL_LEN", help="Longest sequence served (default: the model's context)."),
@@ -86,7 +87,7 @@ def serve_worker(
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, served_model_name=served_model_name, batch_min_share=batch_min_share, torch_threads=torch_threads,
         metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,
-        redis_url=redis_url, worker_id=worker_id,
+        redis_url=redis_url, worker_id=worker_id, enable_prefix_caching=prefix_caching,
         grace_s=grace_s,
     )
     run_service("worker", serve(cfg))
@@ -114,6 +115,7 @@ def serve_gateway(
     slo_routing: bool = typer.Option(True, "--slo-routing/--no-slo-routing", help="Route among a model's workers by predicted TTFT."),
     slo_budget_ms: float = typer.Option(5.0, envvar="COTSERVE_SLO_BUDGET_MS", help="Milliseconds routing waits for a prediction before using the load heuristic."),
     slo_retry_after_ms: int = typer.Option(10_000, help="retry-after-ms sent with a deferred BATCH request."),
+    prefix_cache_scope: str = typer.Option("tenant", envvar="COTSERVE_PREFIX_CACHE_SCOPE", help="Who shares workers' cached prompt blocks: tenant (requests of the same tenant only; the default, as a shared cache leaks prompts through timing) or global."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
@@ -131,7 +133,7 @@ def serve_gateway(
                             metrics_port=metrics_port, tenants_file=tenants_file, redis_url=redis_url,
                             sandbox_address=sandbox, fail_open_modules=frozenset(fail_open), slo_address=slo,
                             slo_admission=slo_admission, slo_routing=slo_routing, slo_predict_budget_ms=slo_budget_ms,
-                            slo_retry_after_ms=slo_retry_after_ms)
+                            slo_retry_after_ms=slo_retry_after_ms, prefix_cache_scope=prefix_cache_scope)
         cfg.validate()
     except ValueError as exc:
         fail("gateway", exc)
@@ -319,30 +321,48 @@ def generate(
     timeout_s: Optional[float] = typer.Option(None, help="Deadline for the whole call, in seconds."),
     pre_processor: str = typer.Option("", help="Sandbox module run on the prompt first (e.g. cot-guard)."),
     post_processor: str = typer.Option("", help="Sandbox module run on the completed text (e.g. strip-think)."),
-    stream: bool = typer.Option(False, "--stream", help="Print text as it arrives."),
+    stream: bool = typer.Option(False, "--stream", help="Print text as it arrives (with --n, each sample's line as it completes)."),
+    n: int = typer.Option(1, "--n", help="Samples of the prompt, 1..16: computed once, sampled n times (seed + i for sample i)."),
+    cache_salt: str = typer.Option("", help="Share cached prompt blocks only with requests that give the same salt."),
 ) -> None:
     """Generate a completion through the gateway and print it with its timing line."""
     from cotserve.sdk import Client, CotserveError
 
     kwargs = dict(model=model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, sla=sla,
-                  timeout_s=timeout_s, api_key=api_key, pre_processor=pre_processor, post_processor=post_processor)
+                  timeout_s=timeout_s, api_key=api_key, pre_processor=pre_processor, post_processor=post_processor,
+                  n=n, cache_salt=cache_salt)
     try:
         with Client(address) as client:
             if stream:
-                last = None
+                texts: dict[int, list[str]] = {}
+                reasons: dict[int, str | None] = {}
                 for chunk in client.stream(prompt, **kwargs):
-                    sys.stdout.write(chunk.text)
-                    sys.stdout.flush()
-                    last = chunk
-                reason, usage, timing = last.finish_reason, last.usage, last.timing
+                    if n == 1:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+                    texts.setdefault(chunk.index, []).append(chunk.text)
+                    if chunk.finish_reason:
+                        reasons[chunk.index] = chunk.finish_reason
+                        if n > 1:
+                            typer.echo(f"[{chunk.index}] {''.join(texts[chunk.index])} ({chunk.finish_reason})")
+                    if chunk.usage is not None:  # the stream's last chunk
+                        usage, timing = chunk.usage, chunk.timing
+                reason = ", ".join(str(reasons[i]) for i in sorted(reasons))
             else:
                 result = client.generate(prompt, **kwargs)
-                sys.stdout.write(result.text)
-                reason, usage, timing = result.finish_reason, result.usage, result.timing
+                if n == 1:
+                    sys.stdout.write(result.text)
+                else:
+                    for c in result.choices:
+                        typer.echo(f"[{c.index}] {c.text} ({c.finish_reason})")
+                reason = ", ".join(str(c.finish_reason) for c in result.choices)
+                usage, timing = result.usage, result.timing
     except CotserveError as err:
         typer.echo(f"error: {err.code.name}: {err.message}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(f"\n[{reason} | {usage.prompt_tokens} prompt + {usage.completion_tokens} completion tokens | "
+    cached = f" ({usage.cached_prompt_tokens} cached)" if usage.cached_prompt_tokens else ""
+    newline = "\n" if n == 1 else ""  # after the streamed or printed text
+    typer.echo(f"{newline}[{reason} | {usage.prompt_tokens} prompt{cached} + {usage.completion_tokens} completion tokens | "
                f"queue {timing.queue_ms:.1f} ms, ttft {timing.ttft_ms:.1f} ms, total {timing.total_ms:.1f} ms]")
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from cotserve.bench.throughput import percentile
 from cotserve.common.clitools import int_list, stack, wide_console
 
 
@@ -403,3 +404,75 @@ def bench_kv(
                           f"{r.fit / base.fit:.2f}x", f"{r.tokens_per_s / base.tokens_per_s:.2f}x",
                           f"{r.itl_ms / base.itl_ms:.2f}x")
     console.print(table)
+
+
+@bench_app.command("prefix")
+def bench_prefix(
+    model: list[Path] = typer.Option([], "--model", help="Checkpoint folder (repeatable; default: the demo model and tests/fixtures/stdlib_llama)."),
+    system_tokens: str = typer.Option("", help="Comma-separated system-prompt tokens per model (default: 160 for a context under 1,024, else 1024)."),
+    requests: int = typer.Option(32, min=1, help="Requests of the shared-system-prompt workload."),
+    concurrency: int = typer.Option(8, min=1, help="Requests in flight at once in that workload."),
+    max_new_tokens: int = typer.Option(16, min=1, help="Tokens each request of that workload generates."),
+    samples: int = typer.Option(8, min=2, max=16, help="n of the parallel-samples workload."),
+    sample_prompt_tokens: int = typer.Option(64, min=1, help="Prompt tokens of the parallel-samples workload."),
+    sample_tokens: int = typer.Option(64, min=1, help="Tokens each sample generates."),
+) -> None:
+    """Prefix cache and parallel samples: TTFT and prompt tokens computed with the cache off and on; n samples vs n requests."""
+    from rich.table import Table
+
+    from cotserve.bench.prefix import Stack, default_models, parallel_samples, shared_system_prompt
+    from cotserve.worker.models.config import ModelConfig
+
+    console = wide_console()
+    models = list(model) or default_models()
+    sizes = int_list(system_tokens, "") if system_tokens else []
+    log = lambda m: console.print(m, style="dim")  # noqa: E731
+    goals = []
+    for i, folder in enumerate(models):
+        context = ModelConfig.from_file(folder / "config.json").max_context
+        size = sizes[i] if i < len(sizes) else (1024 if context > 1024 else 160)
+        shared = Table(title=f"{folder.name}: {size}-token system prompt + a question, {requests} requests at concurrency {concurrency}")
+        for col in ("prefix cache", "TTFT p50 ms", "TTFT p95 ms", "prompt tokens computed", "vs unique", "hit rate", "wall s",
+                    "TTFT p50 vs off"):
+            shared.add_column(col, justify="right")
+        runs = []
+        for caching in (False, True):
+            name = "on" if caching else "off"
+            log(f"{folder.name}: shared system prompt, cache {name} ...")
+            with Stack(folder, caching, log) as st:
+                runs.append(asyncio.run(shared_system_prompt(st, name, size, requests, concurrency, max_new_tokens)))
+        off = runs[0]
+        for r in runs:
+            p50 = percentile(r.ttft_ms, 50)
+            shared.add_row(r.name, f"{p50:,.1f}", f"{percentile(r.ttft_ms, 95):,.1f}", f"{r.prompt_tokens_computed:,}",
+                           f"{r.prompt_tokens_computed / r.unique_prompt_tokens:.2f}x", f"{r.hit_rate:.1%}", f"{r.seconds:.1f}",
+                           f"{p50 / percentile(off.ttft_ms, 50):.2f}x")
+        console.print(shared)
+        on = runs[1]
+        ttft_ratio = percentile(on.ttft_ms, 50) / percentile(off.ttft_ms, 50)
+        goals.append((ttft_ratio <= 0.3, f"{folder.name}: TTFT p50 with the cache {ttft_ratio:.2f}x of without (goal <= 0.3x)"))
+        computed = on.prompt_tokens_computed / on.unique_prompt_tokens
+        goals.append((computed <= 1.1, f"{folder.name}: prompt tokens computed {computed:.2f}x the unique ones (goal <= 1.1x)"))
+
+        par = Table(title=f"{folder.name}: {samples} samples of one {sample_prompt_tokens}-token prompt, {sample_tokens} tokens each")
+        for col in ("how", "peak KV blocks", "bound", "prompt tokens computed", "wall s", "wall vs n requests (cache off)"):
+            par.add_column(col, justify="right")
+        bs = 16
+        bound = -(-sample_prompt_tokens // bs) + samples * -(-sample_tokens // bs) + samples
+        results = []
+        for label, caching, grouped in ((f"{samples} requests, cache off", False, False),
+                                        (f"{samples} requests, cache on", True, False), (f"n={samples}", True, True)):
+            log(f"{folder.name}: {label} ...")
+            with Stack(folder, caching, log) as st:
+                results.append(asyncio.run(parallel_samples(st, label, sample_prompt_tokens, samples, sample_tokens, grouped)))
+        base = results[0]
+        for r in results:
+            par.add_row(r.name, str(r.peak_blocks), str(bound), f"{r.prompt_tokens_computed:,}", f"{r.seconds:.2f}",
+                        f"{r.seconds / base.seconds:.2f}x")
+        console.print(par)
+        group = results[-1]
+        goals.append((group.peak_blocks <= bound, f"{folder.name}: n={samples} peak KV blocks {group.peak_blocks} (goal <= {bound})"))
+        goals.append((group.seconds / base.seconds <= 0.6,
+                      f"{folder.name}: n={samples} wall time {group.seconds / base.seconds:.2f}x of {samples} requests (goal <= 0.6x)"))
+    for ok, text in goals:
+        console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")

@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     ignore_eos: bool = False
+    n: int = 1  # samples of the prompt; they share its KV pages
 
     @property
     def is_greedy(self) -> bool:
@@ -44,6 +45,7 @@ class SamplingParams:
 DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
+MAX_SAMPLES = 16
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 _SLA = {
@@ -82,6 +84,9 @@ def sampling_from_pb(
     for s in sp.stop:
         if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
             raise InvalidArgument(f"sampling.stop: each stop string must have 1..{MAX_STOP_STRING_CHARS} characters")
+    n = sp.n if sp.HasField("n") else 1
+    if not 1 <= n <= MAX_SAMPLES:
+        raise InvalidArgument(f"sampling.n: {n} is out of range (1..{MAX_SAMPLES})")
     for t in sp.stop_token_ids:
         if t >= vocab_size:
             raise InvalidArgument(f"sampling.stop_token_ids: {t} is out of range (0..{vocab_size - 1})")
@@ -95,6 +100,7 @@ def sampling_from_pb(
         stop_token_ids=tuple(sp.stop_token_ids),
         logprobs=sp.logprobs,
         ignore_eos=sp.ignore_eos,
+        n=n,
     )
 
 

@@ -32,6 +32,8 @@ from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
 
 log = logging.getLogger("cotserve.gateway")
+PREFIX_CACHE_SCOPES = ("tenant", "global")
+MAX_CACHE_SALT_CHARS = 256
 _FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
 
 
@@ -73,6 +75,9 @@ class GatewayConfig:
     """How long routing waits for a latency prediction before using the load heuristic."""
     slo_retry_after_ms: int = 10_000
     """retry-after-ms of a deferred BATCH request."""
+    prefix_cache_scope: str = "tenant"
+    """Who shares workers' prefix-cache blocks: tenant (only requests of the same tenant: a shared cache would
+    leak one tenant's prompts to another through timing) or global (every request)."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -100,6 +105,8 @@ class GatewayConfig:
             raise ValueError(f"poll_interval_s: {self.poll_interval_s}, must be > 0")
         if self.slo_retry_after_ms < 1:
             raise ValueError(f"slo_retry_after_ms: {self.slo_retry_after_ms}, must be >= 1")
+        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+            raise ValueError(f"prefix_cache_scope: {self.prefix_cache_scope!r}, allowed: {', '.join(PREFIX_CACHE_SCOPES)}")
         if self.slo_predict_budget_ms <= 0:
             raise ValueError(f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0")
         if self.admission.batch_limit < 0:
@@ -113,7 +120,8 @@ class GatewayConfig:
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
                  quota: QuotaEnforcer | None = None, processors: Processors | None = None,
-                 tracer_provider: TracerProvider | None = None, slo: SloLink | None = None) -> None:
+                 tracer_provider: TracerProvider | None = None, slo: SloLink | None = None,
+                 prefix_cache_scope: str = "tenant") -> None:
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.gateway")
         self.slo = slo
         self.pool = pool
@@ -121,6 +129,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.tenants = tenants or TenantRegistry.open()
         self.quota = quota
         self.processors = processors or Processors(None)
+        self.prefix_cache_scope = prefix_cache_scope
+
+    def _cache_salt(self, tenant: Tenant, request_salt: str) -> str:
+        """The worker's prefix-cache partition: the tenant (scope `tenant`) narrowed by the
+        request's own salt. A request's salt never widens sharing across tenants."""
+        if len(request_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidArgument(f"cache_salt: {len(request_salt)} characters, at most {MAX_CACHE_SALT_CHARS} allowed")
+        if self.prefix_cache_scope == "global":
+            return request_salt
+        return f"tenant:{tenant.name}\x00{request_salt}"
 
     async def _counted(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """`_relay`, counted in `cotserve_gateway_requests_total` by final status."""
@@ -164,6 +182,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                      tenant: Tenant) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         start = time.monotonic()
         model, sla, wreq = self._worker_request(request, labels)
+        wreq.cache_salt = self._cache_salt(tenant, request.cache_salt)
         self.tenants.authorize(tenant, sla)
         trace.get_current_span().set_attribute("cotserve.tenant", tenant.name)
         if request.pre_processor:
@@ -171,23 +190,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                                            context.time_remaining())
         grant = None
         if self.quota is not None and tenant.has_limits:
-            max_new = wreq.sampling.max_new_tokens if wreq.sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
-            grant = await self.quota.admit(tenant, token_reservation(wreq.prompt_text, max_new))
+            sp = wreq.sampling
+            max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+            grant = await self.quota.admit(tenant, token_reservation(wreq.prompt_text, max_new * (sp.n or 1)))
         generated, used_tokens = 0, None
-        completion: list[str] = []
+        completion: dict[int, list[str]] = {}  # per sample
         try:
             async for out in self._stream(start, model, sla, wreq, context):
                 generated += 1
-                if out.finish_reason:
+                if out.HasField("usage"):
                     used_tokens = out.usage.prompt_tokens + out.usage.completion_tokens
                 if request.post_processor:
-                    # The text is held back until the post-processor has seen all of it; each
-                    # chunk still carries its token id and logprob.
-                    completion.append(out.text)
+                    # Each sample's text is held back until the post-processor has seen all of it;
+                    # each chunk still carries its token id and logprob.
+                    completion.setdefault(out.index, []).append(out.text)
                     out.text = ""
                     if out.finish_reason:
                         out.text = await self.processors.apply("post_processor", request.post_processor,
-                                                               "".join(completion), tenant, context.time_remaining())
+                                                               "".join(completion.pop(out.index)), tenant,
+                                                               context.time_remaining())
                 yield out
         finally:
             if grant is not None:
@@ -254,12 +275,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 call = worker.stub.Generate(wreq, timeout=context.time_remaining())
                 async for chunk in call:
                     now = time.monotonic()
-                    if first_at is not None:
-                        worker.admission.observe_itl(sla, (now - last_at) * 1000)
-                        itl_h.observe(now - last_at)
-                        if slo is not None:
-                            slo.token(model, worker.address, sla, (now - last_at) * 1000)
-                    last_at = now
+                    if chunk.index == 0:  # inter-token latency of one sample (the others arrive in the same steps)
+                        if first_at is not None:
+                            worker.admission.observe_itl(sla, (now - last_at) * 1000)
+                            itl_h.observe(now - last_at)
+                            if slo is not None:
+                                slo.token(model, worker.address, sla, (now - last_at) * 1000)
+                        last_at = now
                     if first_at is None:
                         first_at = now
                         ttft_h.observe(now - start)
@@ -271,11 +293,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                             "cotserve.kv_used_fraction_at_admission": chunk.timing.kv_used_fraction_at_admission,
                         })
                     out = gateway_pb2.GenerateStreamResponse(
-                        text=chunk.text, token_id=chunk.token_id, finish_reason=chunk.finish_reason,
+                        text=chunk.text, token_id=chunk.token_id, finish_reason=chunk.finish_reason, index=chunk.index,
                     )
                     if chunk.HasField("logprob"):
                         out.logprob = chunk.logprob
-                    if chunk.finish_reason:
+                    if chunk.HasField("usage"):  # the stream's last chunk
                         m.e2e.labels(model, sla.name).observe(now - start)
                         out.usage.CopyFrom(chunk.usage)
                         out.timing.queue_ms = (sent_at - start) * 1000 + chunk.timing.queue_ms
@@ -293,6 +315,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                             **({"cotserve.tpot_ms": (now - first_at) * 1000 / (n_out - 1)} if n_out > 1 else {}),
                             "gen_ai.usage.input_tokens": chunk.usage.prompt_tokens,
                             "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
+                            "cotserve.cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
                             "gen_ai.response.finish_reasons": [_FINISH_NAMES.get(chunk.finish_reason, "unknown")],
                         })
                     yield out
@@ -322,17 +345,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.GenerateResponse:
         resp = gateway_pb2.GenerateResponse()
-        text = []
+        choices: dict[int, gateway_pb2.Choice] = {}
+        texts: dict[int, list[str]] = {}
         async for chunk in self._counted(request, context):
-            text.append(chunk.text)
-            resp.token_ids.append(chunk.token_id)
+            choice = choices.get(chunk.index)
+            if choice is None:
+                choice = choices[chunk.index] = gateway_pb2.Choice(index=chunk.index)
+            texts.setdefault(chunk.index, []).append(chunk.text)
+            choice.token_ids.append(chunk.token_id)
             if chunk.HasField("logprob"):
-                resp.logprobs.append(chunk.logprob)
+                choice.logprobs.append(chunk.logprob)
             if chunk.finish_reason:
-                resp.finish_reason = chunk.finish_reason
+                choice.finish_reason = chunk.finish_reason
+            if chunk.HasField("usage"):
                 resp.usage.CopyFrom(chunk.usage)
                 resp.timing.CopyFrom(chunk.timing)
-        resp.text = "".join(text)
+        for index in sorted(choices):
+            choices[index].text = "".join(texts[index])
+            resp.choices.append(choices[index])
+        if resp.choices:  # the first sample also fills the single-completion fields
+            first = resp.choices[0]
+            resp.text, resp.finish_reason = first.text, first.finish_reason
+            resp.token_ids.extend(first.token_ids)
+            resp.logprobs.extend(first.logprobs)
         return resp
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
@@ -406,7 +441,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     if cfg.slo_address:
         slo = SloLink(SloLinkConfig(cfg.slo_address, admission=cfg.slo_admission, routing=cfg.slo_routing,
                                     predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms), pool)
-    servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider, slo)
+    servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)

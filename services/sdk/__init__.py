@@ -5,10 +5,10 @@ from cotserve.sdk.errors import (
     CotserveError, DeadlineExceeded, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated,
     Unavailable, Unimplemented,
 )
-from cotserve.sdk.types import GenerateResult, ModelInfo, StreamChunk, Timing, Usage
+from cotserve.sdk.types import Choice, GenerateResult, ModelInfo, StreamChunk, Timing, Usage
 
 __all__ = [
-    "AsyncClient", "Client", "CotserveError", "DeadlineExceeded", "GenerateResult", "InvalidArgument", "ModelInfo",
+    "AsyncClient", "Choice", "Client", "CotserveError", "DeadlineExceeded", "GenerateResult", "InvalidArgument", "ModelInfo",
     "NotFound", "PermissionDenied", "ResourceExhausted", "StreamChunk", "Timing", "Unauthenticated", "Unavailable",
     "Unimplemented", "Usage",
 ]

@@ -17,7 +17,7 @@ from cotserve.sdk.types import (
 def _request(cls, prompt: str, *, model: str, max_new_tokens: int | None, temperature: float | None,
              top_p: float | None, top_k: int | None, seed: int | None, stop: Sequence[str] | None,
              stop_token_ids: Sequence[int] | None, logprobs: bool, ignore_eos: bool, sla: str | int | None,
-             post_processor: str, pre_processor: str = ""):
+             post_processor: str, pre_processor: str = "", n: int | None = None, cache_salt: str = ""):
     if isinstance(sla, str):
         if sla.lower() not in SLA_CLASSES:
             raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
@@ -28,11 +28,11 @@ def _request(cls, prompt: str, *, model: str, max_new_tokens: int | None, temper
     sp = common_pb2.SamplingParams(stop=list(stop or ()), stop_token_ids=list(stop_token_ids or ()),
                                    logprobs=logprobs, ignore_eos=ignore_eos)
     for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed)):
+                        ("top_k", top_k), ("seed", seed), ("n", n)):
         if value is not None:
             setattr(sp, name, value)
     return cls(prompt=prompt, model=model, sampling=sp, sla_class=sla_value, post_processor=post_processor,
-               pre_processor=pre_processor)
+               pre_processor=pre_processor, cache_salt=cache_salt)
 
 
 class _Base:
@@ -54,6 +54,8 @@ class Client(_Base):
 
     Every call takes `timeout_s` (the gRPC deadline) and `api_key`, overriding the client's defaults.
     `pre_processor` / `post_processor` name sandbox modules run on the prompt / the completed text.
+    `n` draws that many samples of the prompt (1..16; the result's `choices`, the chunks' `index`);
+    `cache_salt` narrows who shares the worker's cached prompt blocks with this request.
     gRPC errors are raised as `cotserve.sdk.errors` exceptions that keep the code and message.
     """
 
@@ -66,11 +68,11 @@ class Client(_Base):
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                  stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
                  ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "", pre_processor: str = "",
-                 timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
+                 n: int | None = None, cache_salt: str = "", timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
         req = _request(gateway_pb2.GenerateRequest, prompt, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor)
+                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt)
         try:
             return result_from_pb(self._stub.Generate(req, **self._call_opts(timeout_s, api_key)))
         except grpc.RpcError as err:
@@ -80,12 +82,12 @@ class Client(_Base):
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
                ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "", pre_processor: str = "",
-               timeout_s: float | None = None, api_key: str | None = None) -> Iterator[StreamChunk]:
+               n: int | None = None, cache_salt: str = "", timeout_s: float | None = None, api_key: str | None = None) -> Iterator[StreamChunk]:
         """Yield one chunk per token; closing the iterator early cancels the request."""
         req = _request(gateway_pb2.GenerateStreamRequest, prompt, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor)
+                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt)
         call = self._stub.GenerateStream(req, **self._call_opts(timeout_s, api_key))
         try:
             for chunk in call:
@@ -131,12 +133,13 @@ class AsyncClient(_Base):
                        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                        seed: int | None = None, stop: Sequence[str] | None = None,
                        stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
-                       sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", timeout_s: float | None = None,
+                       sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", n: int | None = None,
+                       cache_salt: str = "", timeout_s: float | None = None,
                        api_key: str | None = None) -> GenerateResult:
         req = _request(gateway_pb2.GenerateRequest, prompt, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor)
+                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt)
         try:
             return result_from_pb(await self._stub.Generate(req, **self._call_opts(timeout_s, api_key)))
         except grpc.RpcError as err:
@@ -146,12 +149,13 @@ class AsyncClient(_Base):
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      seed: int | None = None, stop: Sequence[str] | None = None,
                      stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
-                     sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", timeout_s: float | None = None,
+                     sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", n: int | None = None,
+                     cache_salt: str = "", timeout_s: float | None = None,
                      api_key: str | None = None) -> AsyncIterator[StreamChunk]:
         req = _request(gateway_pb2.GenerateStreamRequest, prompt, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor)
+                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt)
         call = self._stub.GenerateStream(req, **self._call_opts(timeout_s, api_key))
         try:
             async for chunk in call:

@@ -3,10 +3,18 @@
 `submit` and `abort` are thread-safe and return at once; they queue work that the engine thread
 applies between two steps. Each request's outputs go to the `sink` it was submitted with, called
 on the engine thread (the servicer's sink hops onto its asyncio loop).
+
+A request with n > 1 samples is one sequence until its prompt is computed; in the step that
+samples its first token, the other n - 1 samples fork from it (they share its KV blocks,
+copy-on-write) and each draws its first token from the same logits with its own generator. From
+then on every sample is a sequence of its own: scheduled, preempted (recomputed later, its
+prompt's blocks taken from the prefix cache while they are still there) and finished on its own;
+the request ends when its last sample does, and cancelling it ends every sample.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -15,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cotserve.worker.block_manager import BlockManager
+from cotserve.worker.block_manager import BlockManager, cache_root
 from cotserve.worker.detokenizer import IncrementalDetokenizer
 from cotserve.worker.model_runner import ModelRunner, resolve_kv_dtype
 from cotserve.worker.models.loader import LoadedModel
@@ -41,6 +49,7 @@ class EngineConfig:
     kv_topk_pages: int = 0  # decode reads this many pages per KV head, chosen by a query-aware bound (0: all)
     kv_skip_layers: tuple[int, ...] = ()  # with fp8_e4m3: these layers keep the model's dtype
     kv_topk_dense_layers: tuple[int, ...] = ()  # with kv_topk_pages: these layers read every page
+    enable_prefix_caching: bool = True  # reuse cached full KV blocks of earlier sequences with the same tokens
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,7 +62,9 @@ class Timing:
 
 @dataclass(slots=True, frozen=True)
 class RequestOutput:
-    """One generated token of one request. `finish_reason` is set on the last ("stop"/"length")."""
+    """One generated token of one sample (`index`) of a request. `finish_reason` ("stop"/"length")
+    is set on each sample's last token; `is_last` on the request's last output, which carries the
+    usage (the prompt once, completion tokens summed over the samples) and the timing."""
 
     request_id: str
     token_id: int
@@ -65,6 +76,9 @@ class RequestOutput:
     timing: Timing | None = None
     error: str | None = None  # set when the request failed inside the engine
     events: tuple[tuple[str, int], ...] = ()  # engine events since the previous output: (name, wall ns)
+    index: int = 0
+    cached_prompt_tokens: int = 0  # on the last output: prompt tokens found in the prefix cache
+    is_last: bool = False
 
 
 Sink = Callable[[RequestOutput], None]
@@ -84,20 +98,33 @@ class EngineStats:
     num_waiting_urgent_seqs: int = 0
     num_generated_tokens_total: int = 0
     moe_policy_version: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_blocks: int = 0
+    prefix_cache_evictions: int = 0
+    num_prompt_tokens_computed_total: int = 0
+    kv_blocks_used_peak: int = 0
 
 
 @dataclass(slots=True, eq=False)
 class _Request:
-    seq: Sequence
+    """One request's samples; `samples[0]` is the sequence the others fork from."""
+
     sink: Sink
-    detok: IncrementalDetokenizer
+    samples: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
     stop_ids: frozenset[int] = field(default_factory=frozenset)
+    forks: list[Sequence] = field(default_factory=list)  # samples not yet forked from samples[0]
+    num_unfinished: int = 1
     num_events_sent: int = 0
+    first_sent: bool = False
 
     def new_events(self) -> tuple[tuple[str, int], ...]:
-        events = tuple(self.seq.events[self.num_events_sent :])
-        self.num_events_sent = len(self.seq.events)
-        return events
+        """The request's trace events (those of samples[0]) since the previous call."""
+        events = self.samples[0].events
+        out = tuple(events[self.num_events_sent :])
+        self.num_events_sent = len(events)
+        return out
 
 
 def _percentile(ordered: list[float], q: float) -> float:
@@ -111,13 +138,19 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded = loaded
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.batch_min_share, by_class=config.scheduling == "priority",
                                    max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent)
         self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype),
                                   config.kv_topk_pages, frozenset(config.kv_skip_layers), frozenset(config.kv_topk_dense_layers))
         self.sampler = Sampler(loaded.device)
+        # everything besides tokens and salt that decides a KV block's contents (the MoE policy
+        # version joins it per sequence): blocks of another format or model never match
+        self._cache_identity = (loaded.revision, str(self.runner.kv_dtype), tuple(sorted(config.kv_skip_layers)),
+                                config.block_size)
+        self._prompt_tokens_computed = 0
+        self._kv_blocks_peak = 0
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._requests: dict[str, _Request] = {}
         self._step_ms: deque[float] = deque(maxlen=256)
@@ -132,15 +165,20 @@ class Engine:
 
     # ---- thread-safe API -------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
-               sla_class: SlaClass = SlaClass.INTERACTIVE) -> None:
-        """Queue a validated request. Raises ValueError when it can never fit the KV pool."""
-        seq = Sequence(request_id, list(prompt_ids), params, sla_class)
+               sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "") -> None:
+        """Queue a validated request of `params.n` samples. `cache_salt` separates prefix-cache
+        users: blocks cached under one salt are never found under another. Raises ValueError when
+        it can never fit the KV pool or the batch."""
+        seq = Sequence(request_id, list(prompt_ids), params, sla_class, group_size=params.n)
         if not self.scheduler.can_ever_fit(seq):
             raise ValueError(
                 f"prompt_tokens + max_new_tokens = {seq.max_len} exceeds the KV cache "
                 f"({self.scheduler.capacity_tokens} tokens)"
             )
-        self._inbox.put(("add", (seq, sink)))
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"sampling.n: {params.n} samples, this worker batches at most {self.config.max_num_seqs} "
+                             f"sequences (--max-num-seqs)")
+        self._inbox.put(("add", (seq, sink, cache_salt)))
 
     def set_routing_policy(self, policy: RoutingPolicy) -> None:
         """Queue a routing policy; the engine thread applies it to all layers together between two
@@ -201,25 +239,40 @@ class Engine:
             return
         self.loaded.model.set_routing_policy(policy)
         self.policy_version = policy.version
+        # blocks computed under the old routing hold other values: new sequences root their hash
+        # chains in the new version, and the old cached blocks are the first to be reused
+        self.block_manager.reset_prefix_cache()
         self._publish_stats()
         for listener in tuple(self.policy_listeners):  # a snapshot: listeners may be added meanwhile
             listener(policy.version)
 
-    def _add(self, seq: Sequence, sink: Sink) -> None:
+    def _add(self, seq: Sequence, sink: Sink, cache_salt: str = "") -> None:
         if seq.request_id in self._requests:
             sink(RequestOutput(seq.request_id, 0, "", None, error=f"request_id {seq.request_id!r} is already running"))
             return
         p = seq.params
+        seq.cache_root = cache_root(self._cache_identity, self.policy_version, cache_salt)
+        forks = [Sequence(seq.request_id, seq.prompt_ids, self._sample_params(p, i), seq.sla_class, index=i,
+                          arrival_time=seq.arrival_time) for i in range(1, p.n)]
+        samples = [seq, *forks]
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.loaded.eos_token_ids)
-        detok = IncrementalDetokenizer(self.loaded.tokenizer, seq.prompt_ids, p.stop)
-        self._requests[seq.request_id] = _Request(seq, sink, detok, stop_ids)
+        detoks = [IncrementalDetokenizer(self.loaded.tokenizer, seq.prompt_ids, p.stop) for _ in samples]
+        self._requests[seq.request_id] = _Request(sink, samples, detoks, stop_ids, forks, num_unfinished=len(samples))
         self.scheduler.add(seq)
+
+    @staticmethod
+    def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+        """Sample `index` of a request draws from seed + index, when the request has a seed."""
+        if params.seed is None:
+            return params
+        return dataclasses.replace(params, seed=(params.seed + index) % 2**64)
 
     def _abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None:
-            self.scheduler.abort(req.seq)
-            self.sampler.forget(req.seq.seq_id)
+            for seq in req.samples:
+                self.scheduler.abort(seq)
+                self.sampler.forget(seq.seq_id)
             self._finished_total += 1
             self._publish_stats()
 
@@ -231,12 +284,15 @@ class Engine:
             time.sleep(0.001)  # nothing fits right now (cannot persist: running work frees blocks)
             self._publish_stats()
             return
+        self._kv_blocks_peak = max(self._kv_blocks_peak, self.block_manager.num_used_blocks)
         for item in batch.items:
             if item.seq.first_scheduled_time is None:
                 item.seq.first_scheduled_time = start
         try:
             logits = self.runner.execute(batch)
-            sampling = [i.seq for i in batch.items if i.samples]
+            rows, sampling = self._sampling_rows([i.seq for i in batch.items if i.samples])
+            if len(rows) != logits.shape[0]:
+                logits = logits[rows]  # a prompt's samples all draw from its last row
             result = self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
         except Exception as exc:  # noqa: BLE001 - the engine must keep serving other requests
             log.exception("engine step failed; failing %d requests", len(batch.items))
@@ -244,23 +300,36 @@ class Engine:
                 self._fail(item.seq, f"engine step failed: {exc}")
             self._publish_stats()
             return
-        self._postprocess(batch, result.token_ids, result.logprobs)
+        self._postprocess(batch, sampling, result.token_ids, result.logprobs)
         now = time.monotonic()
         self._step_ms.append((now - start) * 1000)
         self._publish_stats()
 
-    def _postprocess(self, batch: ScheduledBatch, token_ids: list[int], logprobs: list[float | None]) -> None:
+    def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """Logits row and sequence of each token to sample: a sequence whose samples fork now
+        brings them along, on its own row."""
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for row, seq in enumerate(sampling):
+            group = [seq, *self._requests[seq.request_id].forks] if seq.group_size > 1 else [seq]
+            rows.extend([row] * len(group))
+            seqs.extend(group)
+        return rows, seqs
+
+    def _postprocess(self, batch: ScheduledBatch, sampling: list[Sequence], token_ids: list[int],
+                     logprobs: list[float | None]) -> None:
         now = time.monotonic()
-        k = 0
-        generated = 0
         for item in batch.items:
-            seq = item.seq
-            samples = item.samples
-            seq.num_computed_tokens += item.num_tokens
-            if not samples:
-                continue
-            token, lp = token_ids[k], logprobs[k]
-            k += 1
+            start, prompt_len = item.seq.num_computed_tokens, len(item.seq.prompt_ids)
+            self._prompt_tokens_computed += max(0, min(start + item.num_tokens, prompt_len) - start)
+        self.scheduler.advance(batch)
+        for seq in sampling:
+            if seq.group_size > 1:  # its prompt is computed: the other samples fork from it now
+                req = self._requests[seq.request_id]
+                self.scheduler.fork(seq, req.forks)
+                req.forks = []
+        generated = 0
+        for seq, token, lp in zip(sampling, token_ids, logprobs):
             generated += 1
             seq.output_ids.append(token)
             if lp is not None:
@@ -274,47 +343,57 @@ class Engine:
 
     def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
         req = self._requests[seq.request_id]
+        detok = req.detoks[seq.index]
         finish: str | None = None
         if token in req.stop_ids:
             finish, text = "stop", ""
         else:
-            text = req.detok.add_token(token)
-            if req.detok.stopped_by_string:
+            text = detok.add_token(token)
+            if detok.stopped_by_string:
                 finish = "stop"
             elif len(seq.output_ids) >= seq.params.max_new_tokens or len(seq) >= self.config.max_model_len:
                 finish = "length"
+        first = None if req.first_sent else self._timing(req.samples[0])
+        req.first_sent = True
         if finish is None:
-            first = self._timing(seq) if len(seq.output_ids) == 1 else None
-            req.sink(RequestOutput(seq.request_id, token, text, logprob, timing=first, events=req.new_events()))
+            req.sink(RequestOutput(seq.request_id, token, text, logprob, timing=first, events=req.new_events(), index=seq.index))
             return
-        text += req.detok.flush()
+        text += detok.flush()
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED if finish == "stop" else SequenceStatus.FINISHED_LENGTH)
         self.sampler.forget(seq.seq_id)
+        seq.finish_time = now
+        req.num_unfinished -= 1
+        if req.num_unfinished:
+            req.sink(RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish, timing=first,
+                                   events=req.new_events(), index=seq.index))
+            return
         del self._requests[seq.request_id]
         self._finished_total += 1
-        seq.finish_time = now
-        seq.record("finished")
+        head = req.samples[0]
+        head.record("finished")
         req.sink(RequestOutput(
-            seq.request_id, token, text, logprob, finish_reason=finish,
-            prompt_tokens=len(seq.prompt_ids), completion_tokens=len(seq.output_ids), timing=self._timing(seq),
-            events=req.new_events(),
+            seq.request_id, token, text, logprob, finish_reason=finish, prompt_tokens=len(head.prompt_ids),
+            completion_tokens=sum(len(s.output_ids) for s in req.samples), timing=self._timing(head, end=now),
+            events=req.new_events(), index=seq.index, cached_prompt_tokens=head.num_cached_tokens, is_last=True,
         ))
 
     @staticmethod
-    def _timing(seq: Sequence) -> Timing:
+    def _timing(seq: Sequence, end: float | None = None) -> Timing:
         def ms(t: float | None) -> float:
             return 0.0 if t is None else (t - seq.arrival_time) * 1000
 
-        return Timing(queue_ms=ms(seq.first_scheduled_time), ttft_ms=ms(seq.first_token_time), total_ms=ms(seq.finish_time),
+        return Timing(queue_ms=ms(seq.first_scheduled_time), ttft_ms=ms(seq.first_token_time), total_ms=ms(end),
                       kv_used_fraction_at_admission=seq.kv_used_fraction_at_admission)
 
     def _fail(self, seq: Sequence, message: str) -> None:
+        """Fail `seq`'s whole request: every sample ends and frees its blocks."""
         req = self._requests.pop(seq.request_id, None)
-        if not seq.is_finished:
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-        self.sampler.forget(seq.seq_id)
-        self._finished_total += 1
+        for s in req.samples if req is not None else [seq]:
+            if not s.is_finished:
+                self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
+            self.sampler.forget(s.seq_id)
         if req is not None:
+            self._finished_total += 1
             req.sink(RequestOutput(seq.request_id, 0, "", None, error=message))
 
     def _publish_stats(self) -> None:
@@ -323,6 +402,7 @@ class Engine:
             self._tokens.popleft()
         span = max(1e-3, now - self._tokens[0][0]) if len(self._tokens) > 1 else 1.0
         steps = sorted(self._step_ms)  # sorted once for both percentiles
+        bm = self.block_manager
         self._stats = EngineStats(
             num_running_seqs=len(self.scheduler.running),
             num_waiting_seqs=len(self.scheduler.waiting),
@@ -336,4 +416,7 @@ class Engine:
             num_generated_tokens_total=self._generated_total,
             moe_policy_version=self.policy_version,
             num_waiting_urgent_seqs=sum(1 for s in self.scheduler.waiting if s.sla_class != SlaClass.BATCH),
+            prefix_cache_queried_tokens=bm.num_queried_tokens, prefix_cache_hit_tokens=bm.num_hit_tokens,
+            prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=bm.num_evictions,
+            num_prompt_tokens_computed_total=self._prompt_tokens_computed, kv_blocks_used_peak=self._kv_blocks_peak,
         )

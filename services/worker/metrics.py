@@ -38,6 +38,11 @@ def worker_registry(stats: Callable[[], EngineStats], model: str, total_blocks: 
             counter("cotserve_worker_generated_tokens", "Tokens generated since start.", s.num_generated_tokens_total),
             counter("cotserve_worker_preemptions", "Preemptions since start.", s.num_preemptions_total),
             counter("cotserve_worker_requests_finished", "Requests finished (any way) since start.", s.num_requests_finished_total),
+            counter("cotserve_worker_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache at admission.", s.prefix_cache_queried_tokens),
+            counter("cotserve_worker_prefix_cache_hit_tokens", "Tokens found in the prefix cache at admission.", s.prefix_cache_hit_tokens),
+            gauge("cotserve_worker_prefix_cache_blocks", "KV blocks registered in the prefix cache (held or evictable).", s.prefix_cache_blocks),
+            counter("cotserve_worker_prefix_cache_evictions", "Cached KV blocks evicted for new contents.", s.prefix_cache_evictions),
+            counter("cotserve_worker_prompt_tokens_computed", "Prompt tokens computed by the model (cache hits excluded).", s.num_prompt_tokens_computed_total),
         ]
 
     registry.register(CallbackCollector(collect))

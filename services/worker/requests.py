@@ -17,6 +17,7 @@ class GenerateCall:
     prompt_ids: list[int]
     params: SamplingParams
     sla_class: SlaClass
+    cache_salt: str = ""
 
 
 def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> GenerateCall:
@@ -41,17 +42,19 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     params = sampling_from_pb(
         req.sampling, vocab_size=vocab_size, max_model_len=max_model_len, max_new_tokens_limit=max_model_len - len(ids)
     )
-    return GenerateCall(ids, params, sla_from_pb(req.sla_class))
+    return GenerateCall(ids, params, sla_from_pb(req.sla_class), req.cache_salt)
 
 
 def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
-    msg = worker_pb2.GenerateResponse(token_id=out.token_id, text=out.text)
+    msg = worker_pb2.GenerateResponse(token_id=out.token_id, text=out.text, index=out.index)
     if out.logprob is not None:
         msg.logprob = out.logprob
     if out.finish_reason is not None:
         msg.finish_reason = finish_reason_to_pb(out.finish_reason)
+    if out.is_last:
         msg.usage.prompt_tokens = out.prompt_tokens
         msg.usage.completion_tokens = out.completion_tokens
+        msg.usage.cached_prompt_tokens = out.cached_prompt_tokens
     if out.timing is not None:
         msg.timing.queue_ms = out.timing.queue_ms
         msg.timing.ttft_ms = out.timing.ttft_ms

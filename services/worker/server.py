@@ -55,8 +55,12 @@ class WorkerConfig:
     kv_topk_pages: int = 0
     """Decode reads only this many KV pages per KV head (query-aware bound; first and last page always kept); 0: all."""
     kv_skip_layers: tuple[int, ...] = ()
-    kv_topk_dense_layers: tuple[int, ...] = ()  # with kv_topk_pages: layers that read every page
     """With fp8_e4m3: layers whose cache keeps the model's dtype (the most sensitive ones)."""
+    kv_topk_dense_layers: tuple[int, ...] = ()
+    """With kv_topk_pages: layers that read every page."""
+    enable_prefix_caching: bool = True
+    """Keep full KV blocks of finished and preempted sequences and reuse them for new sequences with the same
+    leading tokens and cache salt (LRU eviction)."""
     block_size: int = 16
     """Tokens per KV block."""
     max_num_seqs: int = 64
@@ -146,7 +150,8 @@ def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
                         batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
                         max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent, kv_cache_dtype=cfg.kv_cache_dtype,
                         kv_topk_pages=cfg.kv_topk_pages, kv_skip_layers=tuple(cfg.kv_skip_layers),
-                        kv_topk_dense_layers=tuple(cfg.kv_topk_dense_layers))
+                        kv_topk_dense_layers=tuple(cfg.kv_topk_dense_layers),
+                        enable_prefix_caching=cfg.enable_prefix_caching)
 
 
 class LoopMailbox:
@@ -253,7 +258,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             mailbox.put(outputs, out)
 
         try:
-            self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class)
+            self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class, call.cache_salt)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         span = trace.get_current_span()  # the gRPC server span, child of the caller's (gateway's) span
@@ -261,10 +266,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         span.set_attributes({
             "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.loaded.name,
             "gen_ai.request.max_tokens": call.params.max_new_tokens, "gen_ai.request.temperature": call.params.temperature,
-            "gen_ai.usage.input_tokens": len(call.prompt_ids), "cotserve.request_id": request_id,
+            "gen_ai.usage.input_tokens": len(call.prompt_ids), "cotserve.request_id": request_id, "cotserve.n": call.params.n,
             "cotserve.sla_class": call.sla_class.name, "cotserve.model_revision": self.loaded.revision,
         })
         finished = False
+        reasons: dict[int, str] = {}  # finish reason per sample
         phases = _PhaseSpans(self.tracer, span, time.time_ns())
         try:
             while True:
@@ -278,11 +284,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     finished = True
                     raise Unavailable(f"request {request_id} failed: {out.error}")
                 if out.finish_reason is not None:
+                    reasons[out.index] = out.finish_reason
+                if out.is_last:
                     span.set_attributes({"gen_ai.usage.output_tokens": out.completion_tokens,
-                                         "gen_ai.response.finish_reasons": [out.finish_reason],
+                                         "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
+                                         "cotserve.cached_prompt_tokens": out.cached_prompt_tokens,
                                          "cotserve.preemptions": phases.preemptions})
                 yield output_to_pb(out)
-                if out.finish_reason is not None:
+                if out.is_last:
                     finished = True
                     return
         finally:
@@ -316,6 +325,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_requests_finished_total=s.num_requests_finished_total, num_waiting_urgent_seqs=s.num_waiting_urgent_seqs,
             moe_policy_version=s.moe_policy_version, kv_bytes_used=s.kv_blocks_used * self._block_bytes,
             kv_bytes_total=(s.kv_blocks_used + s.kv_blocks_free) * self._block_bytes,
+            prefix_cache_queried_tokens_total=s.prefix_cache_queried_tokens, prefix_cache_hit_tokens_total=s.prefix_cache_hit_tokens,
+            prefix_cache_blocks=s.prefix_cache_blocks, prefix_cache_evictions_total=s.prefix_cache_evictions,
+            prompt_tokens_computed_total=s.num_prompt_tokens_computed_total, kv_blocks_used_peak=s.kv_blocks_used_peak,
         )
 
     async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:
@@ -385,9 +397,9 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
         await follower.start()  # the current policy is in force before the first request
     servicer.attach(engine, loaded)
     await server.set_serving()
-    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d, %s scheduling", loaded.name,
-             loaded.revision, server.address, loaded.dtype, econfig.num_blocks, econfig.block_size, econfig.max_model_len,
-             econfig.scheduling)
+    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d, %s scheduling, prefix cache %s",
+             loaded.name, loaded.revision, server.address, loaded.dtype, econfig.num_blocks, econfig.block_size,
+             econfig.max_model_len, econfig.scheduling, "on" if econfig.enable_prefix_caching else "off")
     return RunningWorker(server, engine, loaded, metrics_server, follower)
 
 

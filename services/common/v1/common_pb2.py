@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/common/v1/common.proto\x12\x12\x63otserve.common.v1\"\x8e\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"d\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12%\n\x1dkv_used_fraction_at_admission\x18\x04 \x01(\x01*m\n\x08SlaClass\x12\x19\n\x15SLA_CLASS_UNSPECIFIED\x10\x00\x12\x16\n\x12SLA_CLASS_REALTIME\x10\x01\x12\x19\n\x15SLA_CLASS_INTERACTIVE\x10\x02\x12\x13\n\x0fSLA_CLASS_BATCH\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/common/v1/common.proto\x12\x12\x63otserve.common.v1\"\xa4\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0e\n\x01n\x18\n \x01(\rH\x05\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_n\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"d\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12%\n\x1dkv_used_fraction_at_admission\x18\x04 \x01(\x01*m\n\x08SlaClass\x12\x19\n\x15SLA_CLASS_UNSPECIFIED\x10\x00\x12\x16\n\x12SLA_CLASS_REALTIME\x10\x01\x12\x19\n\x15SLA_CLASS_INTERACTIVE\x10\x02\x12\x13\n\x0fSLA_CLASS_BATCH\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cotserve.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SLACLASS']._serialized_start=489
-  _globals['_SLACLASS']._serialized_end=598
-  _globals['_FINISHREASON']._serialized_start=600
-  _globals['_FINISHREASON']._serialized_end=695
+  _globals['_SLACLASS']._serialized_start=541
+  _globals['_SLACLASS']._serialized_end=650
+  _globals['_FINISHREASON']._serialized_start=652
+  _globals['_FINISHREASON']._serialized_end=747
   _globals['_SAMPLINGPARAMS']._serialized_start=56
-  _globals['_SAMPLINGPARAMS']._serialized_end=326
-  _globals['_USAGE']._serialized_start=328
-  _globals['_USAGE']._serialized_end=385
-  _globals['_TIMING']._serialized_start=387
-  _globals['_TIMING']._serialized_end=487
+  _globals['_SAMPLINGPARAMS']._serialized_end=348
+  _globals['_USAGE']._serialized_start=350
+  _globals['_USAGE']._serialized_end=437
+  _globals['_TIMING']._serialized_start=439
+  _globals['_TIMING']._serialized_end=539
 # @@protoc_insertion_point(module_scope)

@@ -31,6 +31,7 @@ class GenerateStreamRequest(_message.Message):
     SLA_CLASS_FIELD_NUMBER: _builtins.int
     POST_PROCESSOR_FIELD_NUMBER: _builtins.int
     PRE_PROCESSOR_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text; must not be empty."""
     model: _builtins.str
@@ -41,6 +42,10 @@ class GenerateStreamRequest(_message.Message):
     """Sandbox module run on the completed text before it is returned; empty for none."""
     pre_processor: _builtins.str
     """Sandbox module run on the prompt before generation; empty for none."""
+    cache_salt: _builtins.str
+    """Narrows prefix-cache sharing: only requests with the same salt (and, in the default tenant scope, the same
+    tenant) reuse each other's cached prompt blocks. Empty: the gateway's scope alone decides.
+    """
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
@@ -54,10 +59,11 @@ class GenerateStreamRequest(_message.Message):
         sla_class: _common_pb2.SlaClass.ValueType = ...,
         post_processor: _builtins.str = ...,
         pre_processor: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -65,7 +71,9 @@ Global___GenerateStreamRequest: _TypeAlias = GenerateStreamRequest  # noqa: Y015
 
 @_typing.final
 class GenerateStreamResponse(_message.Message):
-    """One streamed chunk; the last carries finish_reason, usage and timing."""
+    """One streamed chunk of one sample; each sample's last chunk carries its finish_reason, the stream's last chunk
+    usage and timing.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -75,6 +83,7 @@ class GenerateStreamResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta."""
     token_id: _builtins.int
@@ -82,14 +91,16 @@ class GenerateStreamResponse(_message.Message):
     logprob: _builtins.float
     """Its log-probability, when asked for."""
     finish_reason: _common_pb2.FinishReason.ValueType
-    """Set on the last chunk only."""
+    """Set on the last chunk of each sample."""
+    index: _builtins.int
+    """Which sample this chunk belongs to, 0..n-1."""
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
-        """Token counts, on the last chunk."""
+        """Token counts, on the last chunk of the stream only (the prompt once, completion tokens of every sample)."""
 
     @_builtins.property
     def timing(self) -> _common_pb2.Timing:
-        """Timing, on the last chunk."""
+        """Timing, on the last chunk of the stream."""
 
     def __init__(
         self,
@@ -100,10 +111,11 @@ class GenerateStreamResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "finish_reason", b"finish_reason", "logprob", b"logprob", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
     _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
@@ -123,6 +135,7 @@ class GenerateRequest(_message.Message):
     SLA_CLASS_FIELD_NUMBER: _builtins.int
     POST_PROCESSOR_FIELD_NUMBER: _builtins.int
     PRE_PROCESSOR_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text; must not be empty."""
     model: _builtins.str
@@ -133,6 +146,8 @@ class GenerateRequest(_message.Message):
     """Sandbox module run on the completed text; empty for none."""
     pre_processor: _builtins.str
     """Sandbox module run on the prompt; empty for none."""
+    cache_salt: _builtins.str
+    """Narrows prefix-cache sharing, as in GenerateStreamRequest."""
     @_builtins.property
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
@@ -146,18 +161,61 @@ class GenerateRequest(_message.Message):
         sla_class: _common_pb2.SlaClass.ValueType = ...,
         post_processor: _builtins.str = ...,
         pre_processor: _builtins.str = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
+class Choice(_message.Message):
+    """One sample of a completion."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Sample index, 0..n-1."""
+    text: _builtins.str
+    """The generated text."""
+    finish_reason: _common_pb2.FinishReason.ValueType
+    """Why this sample ended."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The generated token ids."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per-token log-probabilities, when asked for."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        finish_reason: _common_pb2.FinishReason.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015
+
+@_typing.final
 class GenerateResponse(_message.Message):
-    """A whole completion."""
+    """A whole completion. text, token_ids, logprobs and finish_reason are those of the first sample."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -167,6 +225,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The generated text."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -187,6 +246,10 @@ class GenerateResponse(_message.Message):
     def timing(self) -> _common_pb2.Timing:
         """Timing."""
 
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Choice]:
+        """Every sample, in index order (one when n is 1)."""
+
     def __init__(
         self,
         *,
@@ -196,10 +259,11 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
+        choices: _abc.Iterable[Global___Choice] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,12 +30,17 @@ class GenerateRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SLA_CLASS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and traces; the worker makes one up when empty."""
     prompt_text: _builtins.str
     """The prompt as text; the worker tokenizes it (special tokens added as the tokenizer says)."""
     sla_class: _common_pb2.SlaClass.ValueType
     """Scheduling class; unspecified means interactive."""
+    cache_salt: _builtins.str
+    """Prefix-cache partition: KV blocks cached under one salt are never reused under another (the gateway
+    sets it to the tenant by default); empty is a partition of its own.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt as token ids, each below the vocabulary size."""
@@ -52,10 +57,11 @@ class GenerateRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         sla_class: _common_pb2.SlaClass.ValueType = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -63,7 +69,9 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
-    """One generated token. The last chunk carries finish_reason, usage and timing."""
+    """One generated token of one sample. Each sample's last chunk carries its finish_reason; the last chunk of
+    the stream carries usage and timing.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -73,6 +81,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     """The generated token."""
     text: _builtins.str
@@ -80,14 +89,16 @@ class GenerateResponse(_message.Message):
     logprob: _builtins.float
     """Log-probability of the token under the sampling distribution's logits, when asked for."""
     finish_reason: _common_pb2.FinishReason.ValueType
-    """Set on the last chunk only."""
+    """Set on the last chunk of each sample."""
+    index: _builtins.int
+    """Which sample this token belongs to, 0..n-1."""
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
-        """Token counts, on the last chunk."""
+        """Token counts, on the last chunk of the stream only (the prompt once, completion tokens of every sample)."""
 
     @_builtins.property
     def timing(self) -> _common_pb2.Timing:
-        """Timing, on the last chunk (queue_ms and ttft_ms are also set on the first chunk)."""
+        """Timing, on the last chunk of the stream (queue_ms and ttft_ms are also set on the first chunk)."""
 
     def __init__(
         self,
@@ -98,10 +109,11 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "finish_reason", b"finish_reason", "logprob", b"logprob", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
     _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
@@ -263,6 +275,12 @@ class StatsResponse(_message.Message):
     MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
     KV_BYTES_USED_FIELD_NUMBER: _builtins.int
     KV_BYTES_TOTAL_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_QUERIED_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HIT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_EVICTIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_COMPUTED_TOTAL_FIELD_NUMBER: _builtins.int
+    KV_BLOCKS_USED_PEAK_FIELD_NUMBER: _builtins.int
     num_running_seqs: _builtins.int
     """Sequences in the running batch."""
     num_waiting_seqs: _builtins.int
@@ -295,6 +313,18 @@ class StatsResponse(_message.Message):
     """Bytes of the KV pool held by sequences: payload, FP8 scales and top-k page bounds of the used blocks."""
     kv_bytes_total: _builtins.int
     """Bytes of the whole KV pool, used and free blocks."""
+    prefix_cache_queried_tokens_total: _builtins.int
+    """Tokens looked up in the prefix cache when sequences were admitted (readmissions included), since start."""
+    prefix_cache_hit_tokens_total: _builtins.int
+    """Of those, tokens whose KV was found cached, since start."""
+    prefix_cache_blocks: _builtins.int
+    """KV blocks registered in the prefix cache now, held by sequences or free (evictable)."""
+    prefix_cache_evictions_total: _builtins.int
+    """Cached blocks evicted to make room for new contents, since start."""
+    prompt_tokens_computed_total: _builtins.int
+    """Prompt tokens computed by the model (prefix-cache hits excluded, recomputation after preemption included), since start."""
+    kv_blocks_used_peak: _builtins.int
+    """Most KV blocks held by sequences at once, since start."""
     def __init__(
         self,
         *,
@@ -314,10 +344,16 @@ class StatsResponse(_message.Message):
         memory_used_bytes: _builtins.int = ...,
         kv_bytes_used: _builtins.int = ...,
         kv_bytes_total: _builtins.int = ...,
+        prefix_cache_queried_tokens_total: _builtins.int = ...,
+        prefix_cache_hit_tokens_total: _builtins.int = ...,
+        prefix_cache_blocks: _builtins.int = ...,
+        prefix_cache_evictions_total: _builtins.int = ...,
+        prompt_tokens_computed_total: _builtins.int = ...,
+        kv_blocks_used_peak: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_blocks_used_peak", b"kv_blocks_used_peak", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_evictions_total", b"prefix_cache_evictions_total", "prefix_cache_hit_tokens_total", b"prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total", b"prefix_cache_queried_tokens_total", "prompt_tokens_computed_total", b"prompt_tokens_computed_total", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
