@@ -414,7 +414,7 @@ def bench_prefix(
     concurrency: int = typer.Option(8, min=1, help="Requests in flight at once in that workload."),
     max_new_tokens: int = typer.Option(16, min=1, help="Tokens each request of that workload generates."),
     samples: int = typer.Option(8, min=2, max=16, help="n of the parallel-samples workload."),
-    sample_prompt_tokens: int = typer.Option(64, min=1, help="Prompt tokens of the parallel-samples workload."),
+    sample_prompt_tokens: Optional[int] = typer.Option(None, min=1, help="Prompt tokens of the parallel-samples workload (default: the model's system-prompt size)."),
     sample_tokens: int = typer.Option(64, min=1, help="Tokens each sample generates."),
 ) -> None:
     """Prefix cache and parallel samples: TTFT and prompt tokens computed with the cache off and on; n samples vs n requests."""
@@ -454,17 +454,18 @@ def bench_prefix(
         computed = on.prompt_tokens_computed / on.unique_prompt_tokens
         goals.append((computed <= 1.1, f"{folder.name}: prompt tokens computed {computed:.2f}x the unique ones (goal <= 1.1x)"))
 
-        par = Table(title=f"{folder.name}: {samples} samples of one {sample_prompt_tokens}-token prompt, {sample_tokens} tokens each")
+        prompt_size = sample_prompt_tokens or size
+        par = Table(title=f"{folder.name}: {samples} samples of one {prompt_size}-token prompt, {sample_tokens} tokens each")
         for col in ("how", "peak KV blocks", "bound", "prompt tokens computed", "wall s", "wall vs n requests (cache off)"):
             par.add_column(col, justify="right")
         bs = 16
-        bound = -(-sample_prompt_tokens // bs) + samples * -(-sample_tokens // bs) + samples
+        bound = -(-prompt_size // bs) + samples * -(-sample_tokens // bs) + samples
         results = []
         for label, caching, grouped in ((f"{samples} requests, cache off", False, False),
                                         (f"{samples} requests, cache on", True, False), (f"n={samples}", True, True)):
             log(f"{folder.name}: {label} ...")
             with Stack(folder, caching, log) as st:
-                results.append(asyncio.run(parallel_samples(st, label, sample_prompt_tokens, samples, sample_tokens, grouped)))
+                results.append(asyncio.run(parallel_samples(st, label, prompt_size, samples, sample_tokens, grouped)))
         base = results[0]
         for r in results:
             par.add_row(r.name, str(r.peak_blocks), str(bound), f"{r.prompt_tokens_computed:,}", f"{r.seconds:.2f}",
