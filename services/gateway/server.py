@@ -269,6 +269,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             call = None
             first_at: float | None = None
             last_at = sent_at
+            reasons: dict[int, str] = {}  # each sample's finish reason
             try:  # from here on, the finally gives the admission slot back whatever happens
                 span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
                 m.queue.labels(model, sla.name).observe(gateway_queue_ms / 1000)
@@ -297,6 +298,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     )
                     if chunk.HasField("logprob"):
                         out.logprob = chunk.logprob
+                    if chunk.finish_reason:
+                        reasons[chunk.index] = _FINISH_NAMES.get(chunk.finish_reason, "unknown")
                     if chunk.HasField("usage"):  # the stream's last chunk
                         m.e2e.labels(model, sla.name).observe(now - start)
                         out.usage.CopyFrom(chunk.usage)
@@ -316,7 +319,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                             "gen_ai.usage.input_tokens": chunk.usage.prompt_tokens,
                             "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
                             "cotserve.cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
-                            "gen_ai.response.finish_reasons": [_FINISH_NAMES.get(chunk.finish_reason, "unknown")],
+                            "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
                         })
                     yield out
                 return
