@@ -63,6 +63,10 @@ def serve_worker(
     kv_topk_dense_layers: str = typer.Option("", envvar="COTSERVE_KV_TOPK_DENSE_LAYERS", help="With --kv-topk-pages: comma-separated layers that still read every page (Quest keeps the first two dense: 0,1)."),
     kv_skip_layers: str = typer.Option("", envvar="COTSERVE_KV_SKIP_LAYERS", help="With fp8_e4m3: comma-separated layers whose cache keeps the model's dtype (e.g. 0,1)."),
     block_size: int = typer.Option(16, envvar="COTSERVE_BLOCK_SIZE", help="Tokens per KV block."),
+    reasoning_start: Optional[str] = typer.Option(None, envvar="COTSERVE_REASONING_START", help="Text that opens the model's thinking (default: <think>, when the tokenizer has <think> and </think>)."),
+    reasoning_end: Optional[str] = typer.Option(None, envvar="COTSERVE_REASONING_END", help="Text that closes the model's thinking (default: </think>)."),
+    reasoning_step: Optional[str] = typer.Option(None, envvar="COTSERVE_REASONING_STEP", help="Text that ends one reasoning step, e.g. '.' or a newline; needed for max_thinking_steps (default: steps are not counted)."),
+    answer_regex: Optional[str] = typer.Option(None, envvar="COTSERVE_ANSWER_REGEX", help="Regular expression that extracts the answer from the text after the end marker: group 1, else the whole match (default: all that text, stripped)."),
     prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", envvar="COTSERVE_PREFIX_CACHING", help="Reuse cached full KV blocks of earlier sequences that start with the same tokens (same cache salt); LRU eviction."),
     max_num_seqs: int = typer.Option(64, envvar="COTSERVE_MAX_NUM_SEQS", help="Sequences per batch at most."),
     max_num_batched_tokens: int = typer.Option(2048, envvar="COTSERVE_MAX_NUM_BATCHED_TOKENS", help="Tokens per engine step at most (prefill chunk bound)."),
@@ -87,7 +91,8 @@ def serve_worker(
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len, served_model_name=served_model_name, batch_min_share=batch_min_share, torch_threads=torch_threads,
         metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,
-        redis_url=redis_url, worker_id=worker_id, enable_prefix_caching=prefix_caching,
+        redis_url=redis_url, worker_id=worker_id, enable_prefix_caching=prefix_caching, reasoning_start=reasoning_start,
+        reasoning_end=reasoning_end, reasoning_step=reasoning_step, answer_regex=answer_regex,
         grace_s=grace_s,
     )
     run_service("worker", serve(cfg))
@@ -324,13 +329,19 @@ def generate(
     stream: bool = typer.Option(False, "--stream", help="Print text as it arrives (with --n, each sample's line as it completes)."),
     n: int = typer.Option(1, "--n", help="Samples of the prompt, 1..16: computed once, sampled n times (seed + i for sample i)."),
     cache_salt: str = typer.Option("", help="Share cached prompt blocks only with requests that give the same salt."),
+    max_thinking_tokens: Optional[int] = typer.Option(None, help="Thinking tokens at most; then the forcing text ends the thinking and the model answers."),
+    max_thinking_steps: Optional[int] = typer.Option(None, help="Reasoning steps at most (the worker's --reasoning-step ends a step)."),
+    min_thinking_tokens: Optional[int] = typer.Option(None, help="The end of thinking cannot be sampled before this many thinking tokens."),
+    forcing_text: Optional[str] = typer.Option(None, help="Text appended when a budget ends the thinking (default: the model's end marker)."),
 ) -> None:
     """Generate a completion through the gateway and print it with its timing line."""
-    from cotserve.sdk import Client, CotserveError
+    from cotserve.sdk import Client, CotserveError, Reasoning
 
+    budget = Reasoning(max_thinking_tokens=max_thinking_tokens, max_thinking_steps=max_thinking_steps,
+                       min_thinking_tokens=min_thinking_tokens, forcing_text=forcing_text)
     kwargs = dict(model=model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, sla=sla,
                   timeout_s=timeout_s, api_key=api_key, pre_processor=pre_processor, post_processor=post_processor,
-                  n=n, cache_salt=cache_salt)
+                  n=n, cache_salt=cache_salt, reasoning=budget if budget.is_set else None)
     try:
         with Client(address) as client:
             if stream:
@@ -361,8 +372,9 @@ def generate(
         typer.echo(f"error: {err.code.name}: {err.message}", err=True)
         raise typer.Exit(1) from None
     cached = f" ({usage.cached_prompt_tokens} cached)" if usage.cached_prompt_tokens else ""
+    thinking = f" ({usage.reasoning_tokens} reasoning)" if usage.reasoning_tokens else ""
     newline = "\n" if n == 1 else ""  # after the streamed or printed text
-    typer.echo(f"{newline}[{reason} | {usage.prompt_tokens} prompt{cached} + {usage.completion_tokens} completion tokens | "
+    typer.echo(f"{newline}[{reason} | {usage.prompt_tokens} prompt{cached} + {usage.completion_tokens} completion tokens{thinking} | "
                f"queue {timing.queue_ms:.1f} ms, ttft {timing.ttft_ms:.1f} ms, total {timing.total_ms:.1f} ms]")
 
 

@@ -38,7 +38,12 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
         gen = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr
-        assert gen.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n[stop | 6 prompt + 17 completion tokens | queue ")
+        assert gen.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n[stop | 6 prompt + 17 completion tokens (14 reasoning) | queue ")
+        # up tells the demo worker that "." ends a reasoning step, so step budgets work on the stack
+        steps = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "12+30-7+5+61-20=", "--address", f"127.0.0.1:{port}",
+                                "--max-thinking-steps", "1"], capture_output=True, text=True, timeout=60)
+        assert steps.returncode == 0, steps.stderr
+        assert steps.stdout.startswith("<think>12+30=42.</think> 42\n"), steps.stdout
         # every service exports its spans to the telemetry service `up` started
         check = subprocess.run([sys.executable, "-m", "cotserve.cli", "trace", "check", "--address", f"127.0.0.1:{port}",
                                 "--telemetry", f"127.0.0.1:{telemetry_port}", "--n", "8", "--post-processor", "strip-think"],
@@ -46,7 +51,7 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
         assert check.returncode == 0 and "complete and correctly parented: 8/8 = 100.0%" in check.stdout, check.stdout + check.stderr
         heat = subprocess.run([sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{telemetry_port}"],
                               capture_output=True, text=True, timeout=60)
-        assert heat.returncode == 0 and "n=9" in heat.stdout, heat.stdout + heat.stderr  # 1 generate + 8 checked
+        assert heat.returncode == 0 and "n=10" in heat.stdout, heat.stdout + heat.stderr  # 2 generates + 8 checked
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         for kid in kids:

@@ -76,7 +76,9 @@ def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool
         env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{telemetry_addr}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
                "OTEL_BSP_SCHEDULE_DELAY": "500"}
     worker_addr = f"127.0.0.1:{free_port()}"
-    worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1], *worker_extra] + (["--model", str(model)] if model else [])
+    # the bundled demo model ends each reasoning step with "."; another model's steps are its operator's to name
+    demo = ["--reasoning-step", "."] if model is None and "--model" not in worker_extra else []
+    worker_args = ["serve", "worker", "--port", worker_addr.rsplit(":", 1)[1], *demo, *worker_extra] + (["--model", str(model)] if model else [])
     children.append(Child("worker", worker_addr, python_cli(*worker_args), grpc_ready(worker_addr), env))
     sandbox_addr = f"127.0.0.1:{free_port()}"
     slo_addr = f"127.0.0.1:{free_port()}"

@@ -42,6 +42,12 @@ class ModelLoadError(CotserveError):
     code = "FAILED_PRECONDITION"
 
 
+class FailedPrecondition(CotserveError):
+    """The request is valid, but this deployment cannot serve it as configured (the message names the setting)."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class DeadlineExceeded(CotserveError):
     code = "DEADLINE_EXCEEDED"
 

@@ -46,6 +46,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 16
+MAX_FORCING_TEXT_CHARS = 256
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 _SLA = {
@@ -104,6 +105,38 @@ def sampling_from_pb(
     )
 
 
+
+
+def reasoning_from_pb(ro: common_pb2.ReasoningOptions) -> "ReasoningBudget":
+    """Validate a request's thinking budgets; every field is named in its error."""
+    values = {}
+    for name in ("max_thinking_tokens", "max_thinking_steps", "min_thinking_tokens"):
+        if ro.HasField(name):
+            value = getattr(ro, name)
+            if value < 0:
+                raise InvalidArgument(f"reasoning.{name}: {value} is out of range (>= 0)")
+            values[name] = value
+    low, high = values.get("min_thinking_tokens", 0), values.get("max_thinking_tokens")
+    if high is not None and low > high:
+        raise InvalidArgument(f"reasoning.min_thinking_tokens: {low} is above max_thinking_tokens ({high})")
+    forcing = ro.forcing_text if ro.HasField("forcing_text") else None
+    if forcing is not None and not 1 <= len(forcing) <= MAX_FORCING_TEXT_CHARS:
+        raise InvalidArgument(f"reasoning.forcing_text: {len(forcing)} characters, allowed 1..{MAX_FORCING_TEXT_CHARS}")
+    return ReasoningBudget(values.get("max_thinking_tokens"), values.get("max_thinking_steps"), low, forcing)
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningBudget:
+    """A request's validated thinking budgets (`reasoning_from_pb`). None: no limit."""
+
+    max_thinking_tokens: int | None = None
+    max_thinking_steps: int | None = None
+    min_thinking_tokens: int = 0
+    forcing_text: str | None = None  # appended when a budget ends thinking; None: the model's end marker
+
+    @property
+    def is_set(self) -> bool:
+        return self != ReasoningBudget()
 
 
 def finish_reason_to_pb(reason: str) -> int:

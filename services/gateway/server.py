@@ -16,7 +16,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
-from cotserve.common.sampling import DEFAULT_MAX_NEW_TOKENS, SlaClass, sampling_from_pb, sla_from_pb
+from cotserve.common.sampling import DEFAULT_MAX_NEW_TOKENS, SlaClass, reasoning_from_pb, sampling_from_pb, sla_from_pb
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
@@ -174,9 +174,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         info = next(w.info for w in self.pool.models()[model])
         sampling_from_pb(request.sampling, vocab_size=info.vocab_size, max_model_len=info.max_context_tokens,
                          max_new_tokens_limit=info.max_context_tokens)
-        return model, sla, worker_pb2.GenerateRequest(
+        wreq = worker_pb2.GenerateRequest(
             request_id=uuid.uuid4().hex, prompt_text=request.prompt, sampling=request.sampling, sla_class=request.sla_class,
         )
+        if request.HasField("reasoning"):
+            reasoning_from_pb(request.reasoning)  # the worker checks what its model's format allows
+            wreq.reasoning.CopyFrom(request.reasoning)
+        return model, sla, wreq
 
     async def _relay(self, request, context: grpc.aio.ServicerContext, labels: dict[str, str],
                      tenant: Tenant) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
@@ -295,7 +299,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         })
                     out = gateway_pb2.GenerateStreamResponse(
                         text=chunk.text, token_id=chunk.token_id, finish_reason=chunk.finish_reason, index=chunk.index,
+                        part=chunk.part,
                     )
+                    if chunk.HasField("reasoning_text"):
+                        out.reasoning_text, out.answer_text = chunk.reasoning_text, chunk.answer_text
                     if chunk.HasField("logprob"):
                         out.logprob = chunk.logprob
                     if chunk.finish_reason:
@@ -360,6 +367,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 choice.logprobs.append(chunk.logprob)
             if chunk.finish_reason:
                 choice.finish_reason = chunk.finish_reason
+            if chunk.HasField("reasoning_text"):
+                choice.reasoning_text, choice.answer_text = chunk.reasoning_text, chunk.answer_text
             if chunk.HasField("usage"):
                 resp.usage.CopyFrom(chunk.usage)
                 resp.timing.CopyFrom(chunk.timing)
@@ -369,6 +378,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if resp.choices:  # the first sample also fills the single-completion fields
             first = resp.choices[0]
             resp.text, resp.finish_reason = first.text, first.finish_reason
+            if first.HasField("reasoning_text"):
+                resp.reasoning_text, resp.answer_text = first.reasoning_text, first.answer_text
             resp.token_ids.extend(first.token_ids)
             resp.logprobs.extend(first.logprobs)
         return resp

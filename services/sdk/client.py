@@ -10,14 +10,15 @@ from cotserve.common.v1 import common_pb2
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.sdk.errors import InvalidArgument, from_rpc_error
 from cotserve.sdk.types import (
-    SLA_CLASSES, GenerateResult, ModelInfo, StreamChunk, chunk_from_pb, model_from_pb, result_from_pb,
+    SLA_CLASSES, GenerateResult, ModelInfo, Reasoning, StreamChunk, chunk_from_pb, model_from_pb, result_from_pb,
 )
 
 
 def _request(cls, prompt: str, *, model: str, max_new_tokens: int | None, temperature: float | None,
              top_p: float | None, top_k: int | None, seed: int | None, stop: Sequence[str] | None,
              stop_token_ids: Sequence[int] | None, logprobs: bool, ignore_eos: bool, sla: str | int | None,
-             post_processor: str, pre_processor: str = "", n: int | None = None, cache_salt: str = ""):
+             post_processor: str, pre_processor: str = "", n: int | None = None, cache_salt: str = "",
+             reasoning: Reasoning | None = None):
     if isinstance(sla, str):
         if sla.lower() not in SLA_CLASSES:
             raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
@@ -31,8 +32,11 @@ def _request(cls, prompt: str, *, model: str, max_new_tokens: int | None, temper
                         ("top_k", top_k), ("seed", seed), ("n", n)):
         if value is not None:
             setattr(sp, name, value)
-    return cls(prompt=prompt, model=model, sampling=sp, sla_class=sla_value, post_processor=post_processor,
-               pre_processor=pre_processor, cache_salt=cache_salt)
+    req = cls(prompt=prompt, model=model, sampling=sp, sla_class=sla_value, post_processor=post_processor,
+              pre_processor=pre_processor, cache_salt=cache_salt)
+    if reasoning is not None:
+        req.reasoning.CopyFrom(reasoning.to_pb())
+    return req
 
 
 class _Base:
@@ -56,6 +60,7 @@ class Client(_Base):
     `pre_processor` / `post_processor` name sandbox modules run on the prompt / the completed text.
     `n` draws that many samples of the prompt (1..16; the result's `choices`, the chunks' `index`);
     `cache_salt` narrows who shares the worker's cached prompt blocks with this request.
+    `reasoning=Reasoning(max_thinking_tokens=40)` budgets a reasoning model's thinking.
     gRPC errors are raised as `cotserve.sdk.errors` exceptions that keep the code and message.
     """
 
@@ -68,11 +73,12 @@ class Client(_Base):
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                  stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
                  ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "", pre_processor: str = "",
-                 n: int | None = None, cache_salt: str = "", timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
+                 n: int | None = None, cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
         req = _request(gateway_pb2.GenerateRequest, prompt, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt)
+                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
+                       reasoning=reasoning)
         try:
             return result_from_pb(self._stub.Generate(req, **self._call_opts(timeout_s, api_key)))
         except grpc.RpcError as err:
@@ -82,12 +88,13 @@ class Client(_Base):
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
                ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "", pre_processor: str = "",
-               n: int | None = None, cache_salt: str = "", timeout_s: float | None = None, api_key: str | None = None) -> Iterator[StreamChunk]:
+               n: int | None = None, cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None, api_key: str | None = None) -> Iterator[StreamChunk]:
         """Yield one chunk per token; closing the iterator early cancels the request."""
         req = _request(gateway_pb2.GenerateStreamRequest, prompt, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt)
+                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
+                       reasoning=reasoning)
         call = self._stub.GenerateStream(req, **self._call_opts(timeout_s, api_key))
         try:
             for chunk in call:
@@ -134,12 +141,13 @@ class AsyncClient(_Base):
                        seed: int | None = None, stop: Sequence[str] | None = None,
                        stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
                        sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", n: int | None = None,
-                       cache_salt: str = "", timeout_s: float | None = None,
+                       cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None,
                        api_key: str | None = None) -> GenerateResult:
         req = _request(gateway_pb2.GenerateRequest, prompt, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt)
+                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
+                       reasoning=reasoning)
         try:
             return result_from_pb(await self._stub.Generate(req, **self._call_opts(timeout_s, api_key)))
         except grpc.RpcError as err:
@@ -150,12 +158,13 @@ class AsyncClient(_Base):
                      seed: int | None = None, stop: Sequence[str] | None = None,
                      stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
                      sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", n: int | None = None,
-                     cache_salt: str = "", timeout_s: float | None = None,
+                     cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None,
                      api_key: str | None = None) -> AsyncIterator[StreamChunk]:
         req = _request(gateway_pb2.GenerateStreamRequest, prompt, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt)
+                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
+                       reasoning=reasoning)
         call = self._stub.GenerateStream(req, **self._call_opts(timeout_s, api_key))
         try:
             async for chunk in call:

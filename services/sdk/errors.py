@@ -46,6 +46,10 @@ class PermissionDenied(CotserveError):
     """The key may not do this (SLA class, module)."""
 
 
+class FailedPrecondition(CotserveError):
+    """The deployment cannot serve this as configured (e.g. reasoning budgets on a model without reasoning markers)."""
+
+
 class Unimplemented(CotserveError):
     """The deployment lacks the feature the request asked for."""
 
@@ -59,6 +63,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNIMPLEMENTED: Unimplemented,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
 }
 
 

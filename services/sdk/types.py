@@ -9,6 +9,8 @@ from cotserve.gateway.v1 import gateway_pb2
 
 _FINISH = {common_pb2.FINISH_REASON_UNSPECIFIED: None, common_pb2.FINISH_REASON_STOP: "stop",
            common_pb2.FINISH_REASON_LENGTH: "length"}
+_PARTS = {common_pb2.TEXT_PART_UNSPECIFIED: None, common_pb2.TEXT_PART_REASONING: "reasoning",
+          common_pb2.TEXT_PART_ANSWER: "answer"}
 SLA_CLASSES = {"realtime": common_pb2.SLA_CLASS_REALTIME, "interactive": common_pb2.SLA_CLASS_INTERACTIVE,
                "batch": common_pb2.SLA_CLASS_BATCH}
 
@@ -18,6 +20,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int  # summed over every sample
     cached_prompt_tokens: int = 0  # prompt tokens served from the worker's prefix cache
+    reasoning_tokens: int = 0  # of completion_tokens, those of the reasoning (every sample)
 
 
 @dataclass(slots=True, frozen=True)
@@ -25,6 +28,24 @@ class Timing:
     queue_ms: float
     ttft_ms: float
     total_ms: float
+
+
+@dataclass(slots=True, frozen=True)
+class Reasoning:
+    """Thinking budgets for a reasoning model (None: no limit). The worker must know the model's
+    reasoning markers, else the call fails with FAILED_PRECONDITION."""
+
+    max_thinking_tokens: int | None = None  # then the forcing text ends the thinking and the model answers
+    max_thinking_steps: int | None = None  # steps end with the worker's --reasoning-step
+    min_thinking_tokens: int | None = None  # the end marker cannot be sampled before this many thinking tokens
+    forcing_text: str | None = None  # appended when a budget ends the thinking (default: the end marker)
+
+    @property
+    def is_set(self) -> bool:
+        return self != Reasoning()
+
+    def to_pb(self) -> common_pb2.ReasoningOptions:
+        return common_pb2.ReasoningOptions(**{k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None})
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +57,8 @@ class Choice:
     token_ids: list[int]
     finish_reason: str | None  # "stop" or "length"
     logprobs: list[float] | None = None
+    reasoning_text: str | None = None  # a reasoning model's thinking, without the markers
+    answer_text: str | None = None  # a reasoning model's answer
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,6 +73,8 @@ class GenerateResult:
     timing: Timing
     logprobs: list[float] | None = None
     choices: list[Choice] = field(default_factory=list)
+    reasoning_text: str | None = None  # the first sample's thinking (reasoning models)
+    answer_text: str | None = None  # the first sample's answer (reasoning models)
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,6 +86,9 @@ class StreamChunk:
     usage: Usage | None  # the stream's last chunk only
     timing: Timing | None  # the stream's last chunk only
     index: int = 0  # which sample (0..n-1) the chunk belongs to
+    part: str | None = None  # "reasoning" or "answer" (None: the model has no reasoning markers)
+    reasoning_text: str | None = None  # on each sample's last chunk, for a reasoning model
+    answer_text: str | None = None  # likewise
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,7 +100,11 @@ class ModelInfo:
 
 
 def _usage(u: common_pb2.Usage) -> Usage:
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens)
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, u.reasoning_tokens)
+
+
+def _opt(msg, name: str) -> str | None:
+    return getattr(msg, name) if msg.HasField(name) else None
 
 
 def _timing(t: common_pb2.Timing) -> Timing:
@@ -80,16 +112,17 @@ def _timing(t: common_pb2.Timing) -> Timing:
 
 
 def result_from_pb(r: gateway_pb2.GenerateResponse) -> GenerateResult:
-    choices = [Choice(c.index, c.text, list(c.token_ids), _FINISH[c.finish_reason], list(c.logprobs) if c.logprobs else None)
-               for c in r.choices]
+    choices = [Choice(c.index, c.text, list(c.token_ids), _FINISH[c.finish_reason], list(c.logprobs) if c.logprobs else None,
+                      _opt(c, "reasoning_text"), _opt(c, "answer_text")) for c in r.choices]
     return GenerateResult(r.text, list(r.token_ids), _FINISH[r.finish_reason], _usage(r.usage), _timing(r.timing),
-                          list(r.logprobs) if r.logprobs else None, choices)
+                          list(r.logprobs) if r.logprobs else None, choices, _opt(r, "reasoning_text"), _opt(r, "answer_text"))
 
 
 def chunk_from_pb(c: gateway_pb2.GenerateStreamResponse) -> StreamChunk:
     last = c.HasField("usage")
     return StreamChunk(c.text, c.token_id, c.logprob if c.HasField("logprob") else None, _FINISH[c.finish_reason],
-                       _usage(c.usage) if last else None, _timing(c.timing) if last else None, c.index)
+                       _usage(c.usage) if last else None, _timing(c.timing) if last else None, c.index, _PARTS[c.part],
+                       _opt(c, "reasoning_text"), _opt(c, "answer_text"))
 
 
 def model_from_pb(m: gateway_pb2.ModelEntry) -> ModelInfo:

@@ -23,11 +23,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from cotserve.common.sampling import ReasoningBudget
 from cotserve.worker.block_manager import BlockManager, cache_root
 from cotserve.worker.detokenizer import IncrementalDetokenizer
 from cotserve.worker.model_runner import ModelRunner, resolve_kv_dtype
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.models.moe import RoutingPolicy
+from cotserve.worker.reasoning import ReasoningFormat, ThinkingTracker
 from cotserve.worker.sampler import Sampler
 from cotserve.worker.scheduler import ScheduledBatch, Scheduler
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
@@ -79,6 +81,10 @@ class RequestOutput:
     index: int = 0
     cached_prompt_tokens: int = 0  # on the last output: prompt tokens found in the prefix cache
     is_last: bool = False
+    part: int = 0  # reasoning.Part of the token; 0 for a model without reasoning markers
+    reasoning_text: str | None = None  # on each sample's last output, for a reasoning model
+    answer_text: str | None = None  # likewise
+    reasoning_tokens: int = 0  # on the last output: reasoning tokens of every sample
 
 
 Sink = Callable[[RequestOutput], None]
@@ -115,6 +121,7 @@ class _Request:
     detoks: list[IncrementalDetokenizer]
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     forks: list[Sequence] = field(default_factory=list)  # samples not yet forked from samples[0]
+    trackers: list[ThinkingTracker] = field(default_factory=list)  # per sample, for a reasoning model
     num_unfinished: int = 1
     num_events_sent: int = 0
     first_sent: bool = False
@@ -135,9 +142,11 @@ def _percentile(ordered: list[float], q: float) -> float:
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, reasoning: ReasoningFormat | None = None) -> None:
         self.loaded = loaded
         self.config = config
+        self.reasoning = reasoning  # the model's reasoning markers; None: budgets are refused upstream
+        self._forcing_ids: dict[str, list[int]] = {}
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.batch_min_share, by_class=config.scheduling == "priority",
@@ -165,10 +174,12 @@ class Engine:
 
     # ---- thread-safe API -------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
-               sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "") -> None:
+               sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "",
+               budget: ReasoningBudget = ReasoningBudget()) -> None:
         """Queue a validated request of `params.n` samples. `cache_salt` separates prefix-cache
         users: blocks cached under one salt are never found under another. Raises ValueError when
-        it can never fit the KV pool or the batch."""
+        it can never fit the KV pool or the batch, or when `budget` is set for a model without
+        reasoning markers."""
         seq = Sequence(request_id, list(prompt_ids), params, sla_class, group_size=params.n)
         if not self.scheduler.can_ever_fit(seq):
             raise ValueError(
@@ -178,7 +189,10 @@ class Engine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"sampling.n: {params.n} samples, this worker batches at most {self.config.max_num_seqs} "
                              f"sequences (--max-num-seqs)")
-        self._inbox.put(("add", (seq, sink, cache_salt)))
+        if budget.is_set and self.reasoning is None:
+            raise ValueError("reasoning: this model has no reasoning markers (start the worker with "
+                             "--reasoning-start and --reasoning-end)")
+        self._inbox.put(("add", (seq, sink, cache_salt, budget)))
 
     def set_routing_policy(self, policy: RoutingPolicy) -> None:
         """Queue a routing policy; the engine thread applies it to all layers together between two
@@ -246,7 +260,7 @@ class Engine:
         for listener in tuple(self.policy_listeners):  # a snapshot: listeners may be added meanwhile
             listener(policy.version)
 
-    def _add(self, seq: Sequence, sink: Sink, cache_salt: str = "") -> None:
+    def _add(self, seq: Sequence, sink: Sink, cache_salt: str = "", budget: ReasoningBudget = ReasoningBudget()) -> None:
         if seq.request_id in self._requests:
             sink(RequestOutput(seq.request_id, 0, "", None, error=f"request_id {seq.request_id!r} is already running"))
             return
@@ -257,7 +271,8 @@ class Engine:
         samples = [seq, *forks]
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.loaded.eos_token_ids)
         detoks = [IncrementalDetokenizer(self.loaded.tokenizer, seq.prompt_ids, p.stop) for _ in samples]
-        self._requests[seq.request_id] = _Request(sink, samples, detoks, stop_ids, forks, num_unfinished=len(samples))
+        trackers = [ThinkingTracker(self.reasoning, budget, seq.prompt_ids) for _ in samples] if self.reasoning else []
+        self._requests[seq.request_id] = _Request(sink, samples, detoks, stop_ids, forks, trackers, num_unfinished=len(samples))
         self.scheduler.add(seq)
 
     @staticmethod
@@ -293,7 +308,8 @@ class Engine:
             rows, sampling = self._sampling_rows([i.seq for i in batch.items if i.samples])
             if len(rows) != logits.shape[0]:
                 logits = logits[rows]  # a prompt's samples all draw from its last row
-            result = self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling])
+            result = self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling],
+                                         [self._banned_token(s) for s in sampling])
         except Exception as exc:  # noqa: BLE001 - the engine must keep serving other requests
             log.exception("engine step failed; failing %d requests", len(batch.items))
             for item in batch.items:
@@ -316,6 +332,24 @@ class Engine:
             seqs.extend(group)
         return rows, seqs
 
+    def _banned_token(self, seq: Sequence) -> int | None:
+        """A token `seq` may not sample now (the end marker, before its minimum thinking)."""
+        req = self._requests[seq.request_id]
+        return req.trackers[seq.index].banned_token() if req.trackers else None
+
+    def _force_end_of_thinking(self, seq: Sequence, now: float) -> None:
+        """A thinking budget is spent: append the forcing text as the sample's own tokens (computed
+        in the next step, with the next token sampled after them), within max_new_tokens."""
+        req = self._requests[seq.request_id]
+        text = req.trackers[seq.index].options.forcing_text or self.reasoning.end
+        ids = self._forcing_ids.get(text)
+        if ids is None:
+            ids = self._forcing_ids[text] = self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
+        for token in ids[: seq.params.max_new_tokens - len(seq.output_ids)]:
+            seq.output_ids.append(token)
+            if self._emit(seq, token, None, now):
+                return
+
     def _postprocess(self, batch: ScheduledBatch, sampling: list[Sequence], token_ids: list[int],
                      logprobs: list[float | None]) -> None:
         now = time.monotonic()
@@ -337,13 +371,18 @@ class Engine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 seq.record("first_token")
-            self._emit(seq, token, lp, now)
+            if not self._emit(seq, token, lp, now):
+                trackers = self._requests[seq.request_id].trackers
+                if trackers and trackers[seq.index].must_stop_thinking():
+                    self._force_end_of_thinking(seq, now)
         self._tokens.append((now, generated))
         self._generated_total += generated
 
-    def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float) -> None:
+    def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float) -> bool:
+        """Send one output token of `seq` to its request's sink; True when it finished the sample."""
         req = self._requests[seq.request_id]
         detok = req.detoks[seq.index]
+        tracker = req.trackers[seq.index] if req.trackers else None
         finish: str | None = None
         if token in req.stop_ids:
             finish, text = "stop", ""
@@ -353,20 +392,26 @@ class Engine:
                 finish = "stop"
             elif len(seq.output_ids) >= seq.params.max_new_tokens or len(seq) >= self.config.max_model_len:
                 finish = "length"
+        part = int(tracker.observe(token, text)) if tracker is not None else 0
         first = None if req.first_sent else self._timing(req.samples[0])
         req.first_sent = True
         if finish is None:
-            req.sink(RequestOutput(seq.request_id, token, text, logprob, timing=first, events=req.new_events(), index=seq.index))
-            return
+            req.sink(RequestOutput(seq.request_id, token, text, logprob, timing=first, events=req.new_events(), index=seq.index,
+                                   part=part))
+            return False
         text += detok.flush()
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED if finish == "stop" else SequenceStatus.FINISHED_LENGTH)
         self.sampler.forget(seq.seq_id)
         seq.finish_time = now
         req.num_unfinished -= 1
+        reasoning_text = answer_text = None
+        if tracker is not None:
+            reasoning_text, answer_text = tracker.fmt.split(detok.text, tracker.thinking_at_start)
         if req.num_unfinished:
             req.sink(RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish, timing=first,
-                                   events=req.new_events(), index=seq.index))
-            return
+                                   events=req.new_events(), index=seq.index, part=part, reasoning_text=reasoning_text,
+                                   answer_text=answer_text))
+            return True
         del self._requests[seq.request_id]
         self._finished_total += 1
         head = req.samples[0]
@@ -375,7 +420,10 @@ class Engine:
             seq.request_id, token, text, logprob, finish_reason=finish, prompt_tokens=len(head.prompt_ids),
             completion_tokens=sum(len(s.output_ids) for s in req.samples), timing=self._timing(head, end=now),
             events=req.new_events(), index=seq.index, cached_prompt_tokens=head.num_cached_tokens, is_last=True,
+            part=part, reasoning_text=reasoning_text, answer_text=answer_text,
+            reasoning_tokens=sum(t.num_reasoning_tokens for t in req.trackers),
         ))
+        return True
 
     @staticmethod
     def _timing(seq: Sequence, end: float | None = None) -> Timing:

@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
-from cotserve.common.errors import InvalidArgument
-from cotserve.common.sampling import SamplingParams, SlaClass, finish_reason_to_pb, sampling_from_pb, sla_from_pb
+from cotserve.common.errors import FailedPrecondition, InvalidArgument
+from cotserve.common.sampling import (
+    ReasoningBudget, SamplingParams, SlaClass, finish_reason_to_pb, reasoning_from_pb, sampling_from_pb, sla_from_pb,
+)
+from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.engine import RequestOutput
 from cotserve.worker.v1 import worker_pb2
 
@@ -18,9 +21,11 @@ class GenerateCall:
     params: SamplingParams
     sla_class: SlaClass
     cache_salt: str = ""
+    budget: ReasoningBudget = ReasoningBudget()
 
 
-def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> GenerateCall:
+def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
+                     reasoning: ReasoningFormat | None = None) -> GenerateCall:
     if req.prompt_text and req.prompt_token_ids:
         raise InvalidArgument("prompt_text and prompt_token_ids: set exactly one, not both")
     if req.prompt_text:
@@ -42,11 +47,31 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     params = sampling_from_pb(
         req.sampling, vocab_size=vocab_size, max_model_len=max_model_len, max_new_tokens_limit=max_model_len - len(ids)
     )
-    return GenerateCall(ids, params, sla_from_pb(req.sla_class), req.cache_salt)
+    budget = reasoning_from_pb(req.reasoning) if req.HasField("reasoning") else ReasoningBudget()
+    check_budget(budget, reasoning)
+    return GenerateCall(ids, params, sla_from_pb(req.sla_class), req.cache_salt, budget)
+
+
+def check_budget(budget: ReasoningBudget, fmt: ReasoningFormat | None) -> None:
+    """FAILED_PRECONDITION, naming the worker flag to set, for budgets this model's format cannot honour."""
+    if not budget.is_set:
+        return
+    if fmt is None:
+        raise FailedPrecondition("reasoning: this model has no reasoning markers (its tokenizer has no <think> / </think>); "
+                                 "start the worker with --reasoning-start and --reasoning-end")
+    if budget.max_thinking_steps is not None and fmt.step is None:
+        raise FailedPrecondition("reasoning.max_thinking_steps: the worker counts no steps; start it with --reasoning-step "
+                                 "(the text that ends a reasoning step, e.g. '.' or a newline)")
+    if budget.min_thinking_tokens and len(fmt.end_ids) != 1:
+        raise FailedPrecondition(f"reasoning.min_thinking_tokens: the end marker {fmt.end!r} is {len(fmt.end_ids)} tokens; "
+                                 "only a single-token end marker can be held back")
 
 
 def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
-    msg = worker_pb2.GenerateResponse(token_id=out.token_id, text=out.text, index=out.index)
+    msg = worker_pb2.GenerateResponse(token_id=out.token_id, text=out.text, index=out.index, part=out.part)
+    if out.reasoning_text is not None:
+        msg.reasoning_text = out.reasoning_text
+        msg.answer_text = out.answer_text or ""
     if out.logprob is not None:
         msg.logprob = out.logprob
     if out.finish_reason is not None:
@@ -55,6 +80,7 @@ def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
         msg.usage.prompt_tokens = out.prompt_tokens
         msg.usage.completion_tokens = out.completion_tokens
         msg.usage.cached_prompt_tokens = out.cached_prompt_tokens
+        msg.usage.reasoning_tokens = out.reasoning_tokens
     if out.timing is not None:
         msg.timing.queue_ms = out.timing.queue_ms
         msg.timing.ttft_ms = out.timing.ttft_ms

@@ -43,8 +43,14 @@ class Sampler:
         logits: torch.Tensor,  # [num_seqs, vocab]
         seq_ids: list[int],
         params: list[SamplingParams],
+        banned: list[int | None] | None = None,  # per row: a token it may not sample (or None)
     ) -> SampleResult:
         logits = logits.float()
+        if banned is not None and any(t is not None for t in banned):
+            logits = logits.clone()
+            for row, token in enumerate(banned):
+                if token is not None:
+                    logits[row, token] = float("-inf")
         greedy = logits.argmax(dim=-1).tolist()
         want_logprobs = any(p.logprobs for p in params)
         out_ids: list[int] = []

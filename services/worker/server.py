@@ -26,6 +26,7 @@ from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_block, kv_bytes_per_token, resolve_kv_dtype
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
+from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.requests import generate_from_pb, output_to_pb
 from cotserve.worker.utilization import UtilizationProbe
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -58,6 +59,15 @@ class WorkerConfig:
     """With fp8_e4m3: layers whose cache keeps the model's dtype (the most sensitive ones)."""
     kv_topk_dense_layers: tuple[int, ...] = ()
     """With kv_topk_pages: layers that read every page."""
+    reasoning_start: str | None = None
+    """Text that opens the model's thinking (default: <think> when the tokenizer has it and </think>)."""
+    reasoning_end: str | None = None
+    """Text that closes the model's thinking (default: </think>, with <think>)."""
+    reasoning_step: str | None = None
+    """Text that ends one reasoning step, for max_thinking_steps (none: steps are not counted)."""
+    answer_regex: str | None = None
+    """Regular expression that extracts the answer from the text after the end marker (group 1, else the
+    match; default: that text, stripped)."""
     enable_prefix_caching: bool = True
     """Keep full KV blocks of finished and preempted sequences and reuse them for new sequences with the same
     leading tokens and cache salt (LRU eviction)."""
@@ -247,7 +257,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return self._loaded
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        call = generate_from_pb(request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len)
+        call = generate_from_pb(request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len,
+                                self.engine.reasoning)
         request_id = request.request_id or uuid.uuid4().hex
         if self._mailbox is None:
             self._mailbox = LoopMailbox(asyncio.get_running_loop())
@@ -258,7 +269,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             mailbox.put(outputs, out)
 
         try:
-            self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class, call.cache_salt)
+            self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class, call.cache_salt, call.budget)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         span = trace.get_current_span()  # the gRPC server span, child of the caller's (gateway's) span
@@ -289,6 +300,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     span.set_attributes({"gen_ai.usage.output_tokens": out.completion_tokens,
                                          "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
                                          "cotserve.cached_prompt_tokens": out.cached_prompt_tokens,
+                                         "cotserve.reasoning_tokens": out.reasoning_tokens,
                                          "cotserve.preemptions": phases.preemptions})
                 yield output_to_pb(out)
                 if out.is_last:
@@ -380,10 +392,12 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     try:
         loaded = await asyncio.to_thread(load_model, cfg.model, device=device, dtype=dtype, name=cfg.served_model_name)
         econfig = engine_config(cfg, loaded)
+        reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end, cfg.reasoning_step,
+                                                  cfg.answer_regex)
     except BaseException:
         await server.stop(0)
         raise
-    engine = Engine(loaded, econfig)
+    engine = Engine(loaded, econfig, reasoning)
     try:
         metrics_server = serve_metrics(worker_registry(engine.stats, loaded.name, econfig.num_blocks), cfg.host,
                                        cfg.metrics_port)

@@ -26,7 +26,7 @@ def test_unary_generate_returns_a_typed_result(client):
     r = client.generate("37+48-12=", max_new_tokens=64)
     assert isinstance(r, GenerateResult) and isinstance(r.usage, Usage) and isinstance(r.timing, Timing)
     assert r.text == ANSWER and r.finish_reason == "stop"
-    assert r.usage == Usage(prompt_tokens=6, completion_tokens=len(r.token_ids)) and r.token_ids[-1] == 1
+    assert r.usage == Usage(prompt_tokens=6, completion_tokens=len(r.token_ids), reasoning_tokens=14) and r.token_ids[-1] == 1
     assert 0 <= r.timing.queue_ms <= r.timing.ttft_ms <= r.timing.total_ms
     assert r.logprobs is None
 

@@ -71,6 +71,85 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_new_tokens was reached, or the model's context is full."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _TextPart:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TextPartEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TextPart.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TEXT_PART_UNSPECIFIED: _TextPart.ValueType  # 0
+    """The model has no reasoning markers."""
+    TEXT_PART_REASONING: _TextPart.ValueType  # 1
+    """The thinking, its start and end markers included."""
+    TEXT_PART_ANSWER: _TextPart.ValueType  # 2
+    """Everything outside the thinking."""
+
+class TextPart(_TextPart, metaclass=_TextPartEnumTypeWrapper):
+    """Which part of a reasoning model's response a chunk belongs to."""
+
+TEXT_PART_UNSPECIFIED: TextPart.ValueType  # 0
+"""The model has no reasoning markers."""
+TEXT_PART_REASONING: TextPart.ValueType  # 1
+"""The thinking, its start and end markers included."""
+TEXT_PART_ANSWER: TextPart.ValueType  # 2
+"""Everything outside the thinking."""
+Global___TextPart: _TypeAlias = TextPart  # noqa: Y015
+
+@_typing.final
+class ReasoningOptions(_message.Message):
+    """Budgets on a reasoning model's thinking. The model must have reasoning markers (the tokenizer's
+    <think> / </think>, or the worker's --reasoning-start / --reasoning-end), else FAILED_PRECONDITION.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_THINKING_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_THINKING_STEPS_FIELD_NUMBER: _builtins.int
+    MIN_THINKING_TOKENS_FIELD_NUMBER: _builtins.int
+    FORCING_TEXT_FIELD_NUMBER: _builtins.int
+    max_thinking_tokens: _builtins.int
+    """Thinking tokens at most (between the markers); when reached, the forcing text is appended and the model
+    answers. >= 0.
+    """
+    max_thinking_steps: _builtins.int
+    """Reasoning steps at most (each ends with the worker's --reasoning-step); then as max_thinking_tokens. >= 0."""
+    min_thinking_tokens: _builtins.int
+    """The end marker cannot be sampled before this many thinking tokens. >= 0, at most max_thinking_tokens."""
+    forcing_text: _builtins.str
+    """Text appended when a budget ends the thinking (for example "\\nTime is up.\\n</think>"); default: the end
+    marker. At most 256 characters.
+    """
+    def __init__(
+        self,
+        *,
+        max_thinking_tokens: _builtins.int | None = ...,
+        max_thinking_steps: _builtins.int | None = ...,
+        min_thinking_tokens: _builtins.int | None = ...,
+        forcing_text: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_forcing_text", b"_forcing_text", "_max_thinking_steps", b"_max_thinking_steps", "_max_thinking_tokens", b"_max_thinking_tokens", "_min_thinking_tokens", b"_min_thinking_tokens", "forcing_text", b"forcing_text", "max_thinking_steps", b"max_thinking_steps", "max_thinking_tokens", b"max_thinking_tokens", "min_thinking_tokens", b"min_thinking_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forcing_text", b"_forcing_text", "_max_thinking_steps", b"_max_thinking_steps", "_max_thinking_tokens", b"_max_thinking_tokens", "_min_thinking_tokens", b"_min_thinking_tokens", "forcing_text", b"forcing_text", "max_thinking_steps", b"max_thinking_steps", "max_thinking_tokens", b"max_thinking_tokens", "min_thinking_tokens", b"min_thinking_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__forcing_text: _TypeAlias = _typing.Literal["forcing_text"]  # noqa: Y015
+    _WhichOneofArgType__forcing_text: _TypeAlias = _typing.Literal["_forcing_text", b"_forcing_text"]  # noqa: Y015
+    _WhichOneofReturnType__max_thinking_steps: _TypeAlias = _typing.Literal["max_thinking_steps"]  # noqa: Y015
+    _WhichOneofArgType__max_thinking_steps: _TypeAlias = _typing.Literal["_max_thinking_steps", b"_max_thinking_steps"]  # noqa: Y015
+    _WhichOneofReturnType__max_thinking_tokens: _TypeAlias = _typing.Literal["max_thinking_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_thinking_tokens: _TypeAlias = _typing.Literal["_max_thinking_tokens", b"_max_thinking_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__min_thinking_tokens: _TypeAlias = _typing.Literal["min_thinking_tokens"]  # noqa: Y015
+    _WhichOneofArgType__min_thinking_tokens: _TypeAlias = _typing.Literal["_min_thinking_tokens", b"_min_thinking_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__forcing_text) -> _WhichOneofReturnType__forcing_text | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_thinking_steps) -> _WhichOneofReturnType__max_thinking_steps | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_thinking_tokens) -> _WhichOneofReturnType__max_thinking_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_thinking_tokens) -> _WhichOneofReturnType__min_thinking_tokens | None: ...
+
+Global___ReasoningOptions: _TypeAlias = ReasoningOptions  # noqa: Y015
+
 @_typing.final
 class SamplingParams(_message.Message):
     """How to pick each next token. Unset fields take the documented defaults."""
@@ -167,22 +246,26 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt, special tokens included."""
     completion_tokens: _builtins.int
     """Tokens generated, summed over every sample of the request."""
     cached_prompt_tokens: _builtins.int
     """Prompt tokens whose KV was found in the worker's prefix cache rather than computed (OpenAI's cached_tokens)."""
+    reasoning_tokens: _builtins.int
+    """Of completion_tokens, those of the reasoning (markers and forcing text included), every sample summed."""
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        reasoning_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

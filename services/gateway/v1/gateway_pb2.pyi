@@ -32,6 +32,7 @@ class GenerateStreamRequest(_message.Message):
     POST_PROCESSOR_FIELD_NUMBER: _builtins.int
     PRE_PROCESSOR_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text; must not be empty."""
     model: _builtins.str
@@ -50,6 +51,10 @@ class GenerateStreamRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
 
+    @_builtins.property
+    def reasoning(self) -> _common_pb2.ReasoningOptions:
+        """Thinking budgets (reasoning models only)."""
+
     def __init__(
         self,
         *,
@@ -60,10 +65,11 @@ class GenerateStreamRequest(_message.Message):
         post_processor: _builtins.str = ...,
         pre_processor: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
+        reasoning: _common_pb2.ReasoningOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -84,6 +90,9 @@ class GenerateStreamResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    REASONING_TEXT_FIELD_NUMBER: _builtins.int
+    ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta."""
     token_id: _builtins.int
@@ -94,6 +103,12 @@ class GenerateStreamResponse(_message.Message):
     """Set on the last chunk of each sample."""
     index: _builtins.int
     """Which sample this chunk belongs to, 0..n-1."""
+    part: _common_pb2.TextPart.ValueType
+    """Reasoning or answer (unspecified for a model without reasoning markers)."""
+    reasoning_text: _builtins.str
+    """On each sample's last chunk, for a reasoning model: its thinking, without the markers."""
+    answer_text: _builtins.str
+    """On each sample's last chunk, for a reasoning model: its answer."""
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Token counts, on the last chunk of the stream only (the prompt once, completion tokens of every sample)."""
@@ -112,14 +127,26 @@ class GenerateStreamResponse(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
         index: _builtins.int = ...,
+        part: _common_pb2.TextPart.ValueType = ...,
+        reasoning_text: _builtins.str | None = ...,
+        answer_text: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "logprob", b"logprob", "reasoning_text", b"reasoning_text", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "part", b"part", "reasoning_text", b"reasoning_text", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
+    _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
     _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
     _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_text: _TypeAlias = _typing.Literal["reasoning_text"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_text: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__answer_text) -> _WhichOneofReturnType__answer_text | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_text) -> _WhichOneofReturnType__reasoning_text | None: ...
 
 Global___GenerateStreamResponse: _TypeAlias = GenerateStreamResponse  # noqa: Y015
 
@@ -136,6 +163,7 @@ class GenerateRequest(_message.Message):
     POST_PROCESSOR_FIELD_NUMBER: _builtins.int
     PRE_PROCESSOR_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text; must not be empty."""
     model: _builtins.str
@@ -152,6 +180,10 @@ class GenerateRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
 
+    @_builtins.property
+    def reasoning(self) -> _common_pb2.ReasoningOptions:
+        """Thinking budgets (reasoning models only)."""
+
     def __init__(
         self,
         *,
@@ -162,10 +194,11 @@ class GenerateRequest(_message.Message):
         post_processor: _builtins.str = ...,
         pre_processor: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
+        reasoning: _common_pb2.ReasoningOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -182,12 +215,18 @@ class Choice(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
+    REASONING_TEXT_FIELD_NUMBER: _builtins.int
+    ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Sample index, 0..n-1."""
     text: _builtins.str
     """The generated text."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Why this sample ended."""
+    reasoning_text: _builtins.str
+    """For a reasoning model: this sample's thinking, without the markers."""
+    answer_text: _builtins.str
+    """For a reasoning model: this sample's answer."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The generated token ids."""
@@ -204,12 +243,21 @@ class Choice(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
+        reasoning_text: _builtins.str | None = ...,
+        answer_text: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
+    _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_text: _TypeAlias = _typing.Literal["reasoning_text"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_text: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__answer_text) -> _WhichOneofReturnType__answer_text | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_text) -> _WhichOneofReturnType__reasoning_text | None: ...
 
 Global___Choice: _TypeAlias = Choice  # noqa: Y015
 
@@ -226,10 +274,16 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
+    REASONING_TEXT_FIELD_NUMBER: _builtins.int
+    ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The generated text."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Why generation ended."""
+    reasoning_text: _builtins.str
+    """For a reasoning model: the first sample's thinking, without the markers."""
+    answer_text: _builtins.str
+    """For a reasoning model: the first sample's answer."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The generated token ids."""
@@ -260,12 +314,21 @@ class GenerateResponse(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
         choices: _abc.Iterable[Global___Choice] | None = ...,
+        reasoning_text: _builtins.str | None = ...,
+        answer_text: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
+    _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_text: _TypeAlias = _typing.Literal["reasoning_text"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_text: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__answer_text) -> _WhichOneofReturnType__answer_text | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_text) -> _WhichOneofReturnType__reasoning_text | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cotserve.common.v1 import common_pb2 as cotserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/worker/v1/worker.proto\x12\x12\x63otserve.worker.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\xcf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x05 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xf2\x01\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\rB\n\n\x08_logprob\"\r\n\x0bInfoRequest\"f\n\x0bKvCacheInfo\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_token\x18\x04 \x01(\x04\"\x9a\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x31\n\x08kv_cache\x18\x07 \x01(\x0b\x32\x1f.cotserve.worker.v1.KvCacheInfo\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x13\n\x0bnum_experts\x18\n \x01(\r\x12\x1b\n\x13num_experts_per_tok\x18\x0b \x01(\r\"\x0e\n\x0cStatsRequest\"\xa1\x05\n\rStatsResponse\x12\x18\n\x10num_running_seqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_seqs\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1b\n\x13step_latency_p50_ms\x18\x05 \x01(\x01\x12\x1b\n\x13step_latency_p95_ms\x18\x06 \x01(\x01\x12\x1e\n\x16generated_tokens_per_s\x18\x07 \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x08 \x01(\x04\x12#\n\x1bnum_requests_finished_total\x18\t \x01(\x04\x12\x1f\n\x17num_waiting_urgent_seqs\x18\n \x01(\r\x12\x1a\n\x12moe_policy_version\x18\x0b \x01(\x04\x12\x13\n\x0butilization\x18\x0c \x01(\x01\x12\x1a\n\x12utilization_is_cpu\x18\r \x01(\x08\x12\x19\n\x11memory_used_bytes\x18\x0e \x01(\x04\x12\x15\n\rkv_bytes_used\x18\x0f \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x10 \x01(\x04\x12)\n!prefix_cache_queried_tokens_total\x18\x11 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x12 \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18\x13 \x01(\r\x12$\n\x1cprefix_cache_evictions_total\x18\x14 \x01(\x04\x12$\n\x1cprompt_tokens_computed_total\x18\x15 \x01(\x04\x12\x1b\n\x13kv_blocks_used_peak\x18\x16 \x01(\r\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t2\xd8\x02\n\rWorkerService\x12W\n\x08Generate\x12#.cotserve.worker.v1.GenerateRequest\x1a$.cotserve.worker.v1.GenerateResponse0\x01\x12I\n\x04Info\x12\x1f.cotserve.worker.v1.InfoRequest\x1a .cotserve.worker.v1.InfoResponse\x12L\n\x05Stats\x12 .cotserve.worker.v1.StatsRequest\x1a!.cotserve.worker.v1.StatsResponse\x12U\n\x08Tokenize\x12#.cotserve.worker.v1.TokenizeRequest\x1a$.cotserve.worker.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/worker/v1/worker.proto\x12\x12\x63otserve.worker.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\x88\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x05 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x37\n\treasoning\x18\x07 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\"\xf8\x02\n\x10GenerateResponse\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x04part\x18\x08 \x01(\x0e\x32\x1c.cotserve.common.v1.TextPart\x12\x1b\n\x0ereasoning_text\x18\t \x01(\tH\x01\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\n \x01(\tH\x02\x88\x01\x01\x42\n\n\x08_logprobB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\r\n\x0bInfoRequest\"f\n\x0bKvCacheInfo\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_token\x18\x04 \x01(\x04\"\x9a\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x31\n\x08kv_cache\x18\x07 \x01(\x0b\x32\x1f.cotserve.worker.v1.KvCacheInfo\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x13\n\x0bnum_experts\x18\n \x01(\r\x12\x1b\n\x13num_experts_per_tok\x18\x0b \x01(\r\"\x0e\n\x0cStatsRequest\"\xa1\x05\n\rStatsResponse\x12\x18\n\x10num_running_seqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_seqs\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1b\n\x13step_latency_p50_ms\x18\x05 \x01(\x01\x12\x1b\n\x13step_latency_p95_ms\x18\x06 \x01(\x01\x12\x1e\n\x16generated_tokens_per_s\x18\x07 \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x08 \x01(\x04\x12#\n\x1bnum_requests_finished_total\x18\t \x01(\x04\x12\x1f\n\x17num_waiting_urgent_seqs\x18\n \x01(\r\x12\x1a\n\x12moe_policy_version\x18\x0b \x01(\x04\x12\x13\n\x0butilization\x18\x0c \x01(\x01\x12\x1a\n\x12utilization_is_cpu\x18\r \x01(\x08\x12\x19\n\x11memory_used_bytes\x18\x0e \x01(\x04\x12\x15\n\rkv_bytes_used\x18\x0f \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x10 \x01(\x04\x12)\n!prefix_cache_queried_tokens_total\x18\x11 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x12 \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18\x13 \x01(\r\x12$\n\x1cprefix_cache_evictions_total\x18\x14 \x01(\x04\x12$\n\x1cprompt_tokens_computed_total\x18\x15 \x01(\x04\x12\x1b\n\x13kv_blocks_used_peak\x18\x16 \x01(\r\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t2\xd8\x02\n\rWorkerService\x12W\n\x08Generate\x12#.cotserve.worker.v1.GenerateRequest\x1a$.cotserve.worker.v1.GenerateResponse0\x01\x12I\n\x04Info\x12\x1f.cotserve.worker.v1.InfoRequest\x1a .cotserve.worker.v1.InfoResponse\x12L\n\x05Stats\x12 .cotserve.worker.v1.StatsRequest\x1a!.cotserve.worker.v1.StatsResponse\x12U\n\x08Tokenize\x12#.cotserve.worker.v1.TokenizeRequest\x1a$.cotserve.worker.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cotserve.worker.v1.worker_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=89
-  _globals['_GENERATEREQUEST']._serialized_end=296
-  _globals['_GENERATERESPONSE']._serialized_start=299
-  _globals['_GENERATERESPONSE']._serialized_end=541
-  _globals['_INFOREQUEST']._serialized_start=543
-  _globals['_INFOREQUEST']._serialized_end=556
-  _globals['_KVCACHEINFO']._serialized_start=558
-  _globals['_KVCACHEINFO']._serialized_end=660
-  _globals['_INFORESPONSE']._serialized_start=663
-  _globals['_INFORESPONSE']._serialized_end=945
-  _globals['_STATSREQUEST']._serialized_start=947
-  _globals['_STATSREQUEST']._serialized_end=961
-  _globals['_STATSRESPONSE']._serialized_start=964
-  _globals['_STATSRESPONSE']._serialized_end=1637
-  _globals['_TOKENIZEREQUEST']._serialized_start=1639
-  _globals['_TOKENIZEREQUEST']._serialized_end=1698
-  _globals['_TOKENIZERESPONSE']._serialized_start=1700
-  _globals['_TOKENIZERESPONSE']._serialized_end=1753
-  _globals['_WORKERSERVICE']._serialized_start=1756
-  _globals['_WORKERSERVICE']._serialized_end=2100
+  _globals['_GENERATEREQUEST']._serialized_end=353
+  _globals['_GENERATERESPONSE']._serialized_start=356
+  _globals['_GENERATERESPONSE']._serialized_end=732
+  _globals['_INFOREQUEST']._serialized_start=734
+  _globals['_INFOREQUEST']._serialized_end=747
+  _globals['_KVCACHEINFO']._serialized_start=749
+  _globals['_KVCACHEINFO']._serialized_end=851
+  _globals['_INFORESPONSE']._serialized_start=854
+  _globals['_INFORESPONSE']._serialized_end=1136
+  _globals['_STATSREQUEST']._serialized_start=1138
+  _globals['_STATSREQUEST']._serialized_end=1152
+  _globals['_STATSRESPONSE']._serialized_start=1155
+  _globals['_STATSRESPONSE']._serialized_end=1828
+  _globals['_TOKENIZEREQUEST']._serialized_start=1830
+  _globals['_TOKENIZEREQUEST']._serialized_end=1889
+  _globals['_TOKENIZERESPONSE']._serialized_start=1891
+  _globals['_TOKENIZERESPONSE']._serialized_end=1944
+  _globals['_WORKERSERVICE']._serialized_start=1947
+  _globals['_WORKERSERVICE']._serialized_end=2291
 # @@protoc_insertion_point(module_scope)

@@ -31,6 +31,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     SLA_CLASS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and traces; the worker makes one up when empty."""
     prompt_text: _builtins.str
@@ -49,6 +50,10 @@ class GenerateRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
 
+    @_builtins.property
+    def reasoning(self) -> _common_pb2.ReasoningOptions:
+        """Thinking budgets (reasoning models only)."""
+
     def __init__(
         self,
         *,
@@ -58,10 +63,11 @@ class GenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         sla_class: _common_pb2.SlaClass.ValueType = ...,
         cache_salt: _builtins.str = ...,
+        reasoning: _common_pb2.ReasoningOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -82,6 +88,9 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    REASONING_TEXT_FIELD_NUMBER: _builtins.int
+    ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     """The generated token."""
     text: _builtins.str
@@ -92,6 +101,12 @@ class GenerateResponse(_message.Message):
     """Set on the last chunk of each sample."""
     index: _builtins.int
     """Which sample this token belongs to, 0..n-1."""
+    part: _common_pb2.TextPart.ValueType
+    """Reasoning or answer (unspecified for a model without reasoning markers)."""
+    reasoning_text: _builtins.str
+    """On each sample's last chunk, for a reasoning model: its thinking, without the markers."""
+    answer_text: _builtins.str
+    """On each sample's last chunk, for a reasoning model: its answer, through the worker's answer extractor."""
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Token counts, on the last chunk of the stream only (the prompt once, completion tokens of every sample)."""
@@ -110,14 +125,26 @@ class GenerateResponse(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
         index: _builtins.int = ...,
+        part: _common_pb2.TextPart.ValueType = ...,
+        reasoning_text: _builtins.str | None = ...,
+        answer_text: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "logprob", b"logprob", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "logprob", b"logprob", "reasoning_text", b"reasoning_text", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprob", b"_logprob", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "part", b"part", "reasoning_text", b"reasoning_text", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
+    _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
     _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
     _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
+    _WhichOneofReturnType__reasoning_text: _TypeAlias = _typing.Literal["reasoning_text"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_text: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__answer_text) -> _WhichOneofReturnType__answer_text | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_text) -> _WhichOneofReturnType__reasoning_text | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 

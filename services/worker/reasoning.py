@@ -1,0 +1,146 @@
+"""Reasoning format and thinking budgets. No torch, no grpc.
+
+A reasoning model writes its thinking between a start and an end marker (`<think>` ... `</think>`
+by default, when the tokenizer has them) and then its answer. `ReasoningFormat` is that format
+for one model: the markers as token ids, a step delimiter (to count reasoning steps) and an
+answer extractor. `ThinkingTracker` follows one sample as it is generated: which part each token
+belongs to, how many thinking tokens and steps it has written, and when a budget says thinking
+must end now; the engine then appends the forcing text (by default the end marker) as tokens of
+the sample's own, so the model answers from there. Everything is configured by strings and
+token ids: nothing here knows the demo model's format.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from cotserve.common.sampling import ReasoningBudget
+
+DEFAULT_START, DEFAULT_END = "<think>", "</think>"
+
+
+class Part(enum.IntEnum):
+    """Which part of a response a token belongs to (the markers belong to the reasoning)."""
+
+    REASONING = 1
+    ANSWER = 2
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningFormat:
+    """How one model marks its reasoning. `end_ids` must be a single token for
+    `min_thinking_tokens` (the end marker is then banned until the minimum is reached)."""
+
+    start: str
+    end: str
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    step: str | None = None  # reasoning steps end with this text (for max_thinking_steps)
+    answer_regex: re.Pattern[str] | None = None  # group 1 (or the whole match) of the text after the end marker
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, start: str | None = None, end: str | None = None,
+                      step: str | None = None, answer_regex: str | None = None) -> "ReasoningFormat | None":
+        """The format from flags, or the tokenizer's `<think>` / `</think>` tokens when it has both; None
+        when the model has no reasoning markers. Raises ValueError naming the bad flag."""
+        if (start is None) != (end is None):
+            raise ValueError("reasoning_start / reasoning_end: give both markers or neither")
+        if start is None:
+            if tokenizer.token_to_id(DEFAULT_START) is None or tokenizer.token_to_id(DEFAULT_END) is None:
+                if step is not None or answer_regex is not None:
+                    raise ValueError("reasoning_step / answer_regex: the tokenizer has no <think> / </think> tokens; "
+                                     "give --reasoning-start and --reasoning-end")
+                return None
+            start, end = DEFAULT_START, DEFAULT_END
+        if not start or not end:
+            raise ValueError("reasoning_start / reasoning_end: markers must not be empty")
+        if step == "":
+            raise ValueError("reasoning_step: must not be empty")
+        try:
+            pattern = re.compile(answer_regex) if answer_regex is not None else None
+        except re.error as exc:
+            raise ValueError(f"answer_regex: {answer_regex!r} is not a regular expression: {exc}") from None
+        return cls(start, end, tuple(tokenizer.encode(start, add_special_tokens=False).ids),
+                   tuple(tokenizer.encode(end, add_special_tokens=False).ids), step, pattern)
+
+    def split(self, text: str, thinking_at_start: bool = False) -> tuple[str, str]:
+        """A sample's whole output text as (reasoning, answer): the reasoning between the markers
+        (stripped; up to the end of the text when thinking never ended) and the answer after the
+        end marker, through the answer extractor. Text with no marker is all answer."""
+        start = 0
+        if not thinking_at_start:
+            i = text.find(self.start)
+            if i == -1:
+                return "", self._answer(text)
+            start = i + len(self.start)
+        j = text.find(self.end, start)
+        if j == -1:
+            return text[start:].strip(), ""
+        return text[start:j].strip(), self._answer(text[j + len(self.end):])
+
+    def _answer(self, text: str) -> str:
+        if self.answer_regex is None:
+            return text.strip()
+        m = self.answer_regex.search(text)
+        if m is None:
+            return ""
+        return (m.group(1) if m.groups() else m.group(0)).strip()
+
+
+class ThinkingTracker:
+    """One sample's progress through its reasoning, fed every output token and its text."""
+
+    def __init__(self, fmt: ReasoningFormat, options: ReasoningBudget, prompt_ids: list[int]) -> None:
+        self.fmt = fmt
+        self.options = options
+        n = len(fmt.start_ids)
+        self.thinking_at_start = n > 0 and tuple(prompt_ids[-n:]) == fmt.start_ids  # the template opened it
+        self.is_thinking = self.thinking_at_start
+        self.has_thought = self.thinking_at_start
+        self.num_reasoning_tokens = 0  # markers included
+        self.num_thinking_tokens = 0  # between the markers
+        self.num_steps = 0
+        self._recent: list[int] = []  # last output ids, to find multi-token markers
+        self._thinking_text = ""
+
+    def observe(self, token_id: int, text: str) -> Part:
+        """Account one output token (and the text it completed); returns the part it belongs to."""
+        fmt = self.fmt
+        self._recent = (self._recent + [token_id])[-max(len(fmt.start_ids), len(fmt.end_ids)):]
+        if not self.has_thought and self._ends_with(fmt.start_ids):
+            self.is_thinking = self.has_thought = True
+            self.num_reasoning_tokens += 1
+            return Part.REASONING
+        if self.is_thinking:
+            self.num_reasoning_tokens += 1
+            if self._ends_with(fmt.end_ids):
+                self.is_thinking = False
+                return Part.REASONING
+            self.num_thinking_tokens += 1
+            if fmt.step is not None and text:
+                before = self._thinking_text.count(fmt.step)
+                self._thinking_text += text
+                self.num_steps += self._thinking_text.count(fmt.step) - before
+            return Part.REASONING
+        return Part.ANSWER  # before thinking starts, and after it ends
+
+    def _ends_with(self, ids: tuple[int, ...]) -> bool:
+        return bool(ids) and tuple(self._recent[-len(ids):]) == ids
+
+    def must_stop_thinking(self) -> bool:
+        """A budget is spent while the sample still thinks: force the end now."""
+        o = self.options
+        if not self.is_thinking:
+            return False
+        return (o.max_thinking_tokens is not None and self.num_thinking_tokens >= o.max_thinking_tokens) or (
+            o.max_thinking_steps is not None and self.num_steps >= o.max_thinking_steps)
+
+    def banned_token(self) -> int | None:
+        """The end marker's token while `min_thinking_tokens` is not reached (it may not be sampled)."""
+        if self.is_thinking and self.num_thinking_tokens < self.options.min_thinking_tokens and len(self.fmt.end_ids) == 1:
+            return self.fmt.end_ids[0]
+        return None
