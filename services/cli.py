@@ -333,47 +333,81 @@ def generate(
     max_thinking_steps: Optional[int] = typer.Option(None, help="Reasoning steps at most (the worker's --reasoning-step ends a step)."),
     min_thinking_tokens: Optional[int] = typer.Option(None, help="The end of thinking cannot be sampled before this many thinking tokens."),
     forcing_text: Optional[str] = typer.Option(None, help="Text appended when a budget ends the thinking (default: the model's end marker)."),
+    early_exit: bool = typer.Option(False, "--early-exit", help="Stop thinking once probes agree on the answer (every reasoning step unless --probe-every-tokens)."),
+    probe_every_steps: Optional[int] = typer.Option(None, help="With --early-exit: probe after every this many reasoning steps (default 1)."),
+    probe_every_tokens: Optional[int] = typer.Option(None, help="With --early-exit: probe after every this many thinking tokens instead of steps."),
+    agree: Optional[int] = typer.Option(None, help="With --early-exit: probes in a row that must agree, 1..16 (default 2)."),
+    min_confidence: Optional[float] = typer.Option(None, help="With --early-exit: the agreeing probes' mean token probability must reach this, (0, 1]."),
+    self_consistency: Optional[int] = typer.Option(None, help="Vote over up to this many samples (1..64), stopping once the vote is settled; needs --temperature > 0."),
+    min_samples: Optional[int] = typer.Option(None, help="With --self-consistency: samples per round and before any stop (default min(3, max))."),
+    vote_rule: str = typer.Option("window", help="With --self-consistency: window (identical answers in a row) or posterior (the leader stays the majority)."),
+    confidence_weighted: bool = typer.Option(False, "--confidence-weighted", help="With --self-consistency: weight votes by each sample's mean token probability."),
 ) -> None:
     """Generate a completion through the gateway and print it with its timing line."""
-    from cotserve.sdk import Client, CotserveError, Reasoning
+    from cotserve.sdk import Client, CotserveError, EarlyExit, Reasoning, SelfConsistency
 
+    if (probe_every_steps is not None or probe_every_tokens is not None or agree is not None or min_confidence is not None) and not early_exit:
+        typer.echo("error: --probe-every-steps, --probe-every-tokens, --agree and --min-confidence need --early-exit", err=True)
+        raise typer.Exit(2)
+    if (min_samples is not None or confidence_weighted or vote_rule != "window") and self_consistency is None:
+        typer.echo("error: --min-samples, --vote-rule and --confidence-weighted need --self-consistency", err=True)
+        raise typer.Exit(2)
+    if vote_rule not in ("window", "posterior"):
+        typer.echo(f"error: --vote-rule: {vote_rule!r} is not window or posterior", err=True)
+        raise typer.Exit(2)
+    exit_opts = None
+    if early_exit:
+        exit_opts = EarlyExit(probe_every_tokens=probe_every_tokens,
+                              probe_every_steps=probe_every_steps if probe_every_steps is not None or probe_every_tokens is not None else 1,
+                              agree=agree, min_confidence=min_confidence)
+    vote_opts = None
+    if self_consistency is not None:
+        vote_opts = SelfConsistency(self_consistency, min_samples=min_samples, rule=vote_rule, confidence_weighted=confidence_weighted)
     budget = Reasoning(max_thinking_tokens=max_thinking_tokens, max_thinking_steps=max_thinking_steps,
-                       min_thinking_tokens=min_thinking_tokens, forcing_text=forcing_text)
+                       min_thinking_tokens=min_thinking_tokens, forcing_text=forcing_text, early_exit=exit_opts,
+                       self_consistency=vote_opts)
     kwargs = dict(model=model, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, sla=sla,
                   timeout_s=timeout_s, api_key=api_key, pre_processor=pre_processor, post_processor=post_processor,
                   n=n, cache_salt=cache_salt, reasoning=budget if budget.is_set else None)
+    single = n == 1 and self_consistency is None  # one sample: its text alone; else a line per sample
+    vote = None
     try:
         with Client(address) as client:
             if stream:
                 texts: dict[int, list[str]] = {}
                 reasons: dict[int, str | None] = {}
                 for chunk in client.stream(prompt, **kwargs):
-                    if n == 1:
+                    if single:
                         sys.stdout.write(chunk.text)
                         sys.stdout.flush()
                     texts.setdefault(chunk.index, []).append(chunk.text)
                     if chunk.finish_reason:
                         reasons[chunk.index] = chunk.finish_reason
-                        if n > 1:
+                        if not single:
                             typer.echo(f"[{chunk.index}] {''.join(texts[chunk.index])} ({chunk.finish_reason})")
                     if chunk.usage is not None:  # the stream's last chunk
-                        usage, timing = chunk.usage, chunk.timing
+                        usage, timing, vote = chunk.usage, chunk.timing, chunk.self_consistency
                 reason = ", ".join(str(reasons[i]) for i in sorted(reasons))
             else:
                 result = client.generate(prompt, **kwargs)
-                if n == 1:
+                if single:
                     sys.stdout.write(result.text)
                 else:
                     for c in result.choices:
                         typer.echo(f"[{c.index}] {c.text} ({c.finish_reason})")
                 reason = ", ".join(str(c.finish_reason) for c in result.choices)
-                usage, timing = result.usage, result.timing
+                usage, timing, vote = result.usage, result.timing, result.self_consistency
     except CotserveError as err:
         typer.echo(f"error: {err.code.name}: {err.message}", err=True)
         raise typer.Exit(1) from None
     cached = f" ({usage.cached_prompt_tokens} cached)" if usage.cached_prompt_tokens else ""
     thinking = f" ({usage.reasoning_tokens} reasoning)" if usage.reasoning_tokens else ""
-    newline = "\n" if n == 1 else ""  # after the streamed or printed text
+    thinking += f" + {usage.probe_tokens} probe tokens" if usage.probe_tokens else ""
+    newline = "\n" if single else ""  # after the streamed or printed text
+    if vote is not None:
+        table = ", ".join(f"{v.answer or '(none)'} x{v.count}" for v in vote.votes)
+        typer.echo(f"vote: {vote.answer} ({table}; {vote.samples_used} samples used, {vote.samples_cancelled} cancelled, "
+                   f"stopped by {vote.stop_reason})")
     typer.echo(f"{newline}[{reason} | {usage.prompt_tokens} prompt{cached} + {usage.completion_tokens} completion tokens{thinking} | "
                f"queue {timing.queue_ms:.1f} ms, ttft {timing.ttft_ms:.1f} ms, total {timing.total_ms:.1f} ms]")
 
@@ -381,13 +415,14 @@ def generate(
 @demo_app.command("train")
 def demo_train(
     out: Path = typer.Option(..., help="Folder to write the checkpoint to."),
-    steps: int = typer.Option(4000, help="Optimizer steps."),
+    task: str = typer.Option("demo", help="demo (the bundled demo model) or testbed (the reasoning testbed)."),
+    steps: Optional[int] = typer.Option(None, help="Optimizer steps (default 3000; 2400 for the testbed)."),
     seed: int = typer.Option(0, help="Seed for weights and data."),
 ) -> None:
-    """Train the demo arithmetic model (about 15 minutes on 2 CPU cores)."""
+    """Train the demo arithmetic model or the reasoning testbed (15-25 minutes on 2 CPU cores)."""
     from cotserve.worker.demo.train import main as train_main
 
-    train_main(["--out", str(out), "--steps", str(steps), "--seed", str(seed)])
+    train_main(["--out", str(out), "--task", task, "--seed", str(seed), *(["--steps", str(steps)] if steps is not None else [])])
 
 
 @demo_app.command("eval")

@@ -48,7 +48,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 16
 MAX_FORCING_TEXT_CHARS = 256
 
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+           "cancelled": common_pb2.FINISH_REASON_CANCELLED}
 _SLA = {
     common_pb2.SLA_CLASS_UNSPECIFIED: SlaClass.INTERACTIVE,
     common_pb2.SLA_CLASS_REALTIME: SlaClass.REALTIME,
@@ -107,8 +108,14 @@ def sampling_from_pb(
 
 
 
-def reasoning_from_pb(ro: common_pb2.ReasoningOptions) -> "ReasoningBudget":
-    """Validate a request's thinking budgets; every field is named in its error."""
+MAX_AGREE = 16
+MAX_PROBE_TOKENS = 64
+DEFAULT_PROBE_TOKENS = 16
+MAX_VOTE_SAMPLES = 64
+
+
+def reasoning_from_pb(ro: common_pb2.ReasoningOptions) -> "ReasoningParams":
+    """Validate a request's reasoning options; every field is named in its error."""
     values = {}
     for name in ("max_thinking_tokens", "max_thinking_steps", "min_thinking_tokens"):
         if ro.HasField(name):
@@ -122,21 +129,106 @@ def reasoning_from_pb(ro: common_pb2.ReasoningOptions) -> "ReasoningBudget":
     forcing = ro.forcing_text if ro.HasField("forcing_text") else None
     if forcing is not None and not 1 <= len(forcing) <= MAX_FORCING_TEXT_CHARS:
         raise InvalidArgument(f"reasoning.forcing_text: {len(forcing)} characters, allowed 1..{MAX_FORCING_TEXT_CHARS}")
-    return ReasoningBudget(values.get("max_thinking_tokens"), values.get("max_thinking_steps"), low, forcing)
+    early = _early_exit_from_pb(ro.early_exit) if ro.HasField("early_exit") else None
+    vote = _self_consistency_from_pb(ro.self_consistency) if ro.HasField("self_consistency") else None
+    return ReasoningParams(values.get("max_thinking_tokens"), values.get("max_thinking_steps"), low, forcing, early, vote)
+
+
+def check_self_consistency(reasoning: "ReasoningParams", params: SamplingParams) -> None:
+    """Self-consistency draws its own samples (n stays 1) and needs a temperature to differ by."""
+    if reasoning.self_consistency is None:
+        return
+    if params.n != 1:
+        raise InvalidArgument(f"sampling.n: {params.n} with reasoning.self_consistency, which draws its own samples; "
+                              "leave n unset (or 1)")
+    if params.is_greedy:
+        raise InvalidArgument("sampling.temperature: reasoning.self_consistency needs temperature > 0 (greedy samples "
+                              "would all be the same)")
+
+
+def _early_exit_from_pb(ee: common_pb2.EarlyExit) -> "EarlyExitParams":
+    tokens = ee.probe_every_tokens if ee.HasField("probe_every_tokens") else None
+    steps = ee.probe_every_steps if ee.HasField("probe_every_steps") else None
+    if (tokens is None) == (steps is None):
+        raise InvalidArgument("reasoning.early_exit: give exactly one of probe_every_tokens and probe_every_steps")
+    for name, value in (("probe_every_tokens", tokens), ("probe_every_steps", steps)):
+        if value is not None and value < 1:
+            raise InvalidArgument(f"reasoning.early_exit.{name}: {value} is out of range (>= 1)")
+    agree = ee.agree if ee.HasField("agree") else 2
+    if not 1 <= agree <= MAX_AGREE:
+        raise InvalidArgument(f"reasoning.early_exit.agree: {agree} is out of range (1..{MAX_AGREE})")
+    conf = ee.min_confidence if ee.HasField("min_confidence") else None
+    if conf is not None and not (0.0 < conf <= 1.0):
+        raise InvalidArgument(f"reasoning.early_exit.min_confidence: {conf:g} is out of range ((0, 1])")
+    probe_max = ee.probe_max_tokens if ee.HasField("probe_max_tokens") else DEFAULT_PROBE_TOKENS
+    if not 1 <= probe_max <= MAX_PROBE_TOKENS:
+        raise InvalidArgument(f"reasoning.early_exit.probe_max_tokens: {probe_max} is out of range (1..{MAX_PROBE_TOKENS})")
+    return EarlyExitParams(tokens, steps, agree, conf, probe_max)
+
+
+_RULES = {common_pb2.SELF_CONSISTENCY_RULE_UNSPECIFIED: "window", common_pb2.SELF_CONSISTENCY_RULE_WINDOW: "window",
+          common_pb2.SELF_CONSISTENCY_RULE_POSTERIOR: "posterior"}
+
+
+def _self_consistency_from_pb(sc: common_pb2.SelfConsistency) -> "SelfConsistencyParams":
+    high = sc.max_samples
+    if not 1 <= high <= MAX_VOTE_SAMPLES:
+        raise InvalidArgument(f"reasoning.self_consistency.max_samples: {high} is out of range (1..{MAX_VOTE_SAMPLES})")
+    low = sc.min_samples if sc.HasField("min_samples") else min(3, high)
+    if not 1 <= low <= high:
+        raise InvalidArgument(f"reasoning.self_consistency.min_samples: {low} is out of range (1..max_samples = {high})")
+    if sc.rule not in _RULES:
+        raise InvalidArgument(f"reasoning.self_consistency.rule: unknown value {sc.rule}")
+    window = sc.window if sc.HasField("window") else low
+    if not 1 <= window <= high:
+        raise InvalidArgument(f"reasoning.self_consistency.window: {window} is out of range (1..max_samples = {high})")
+    threshold = sc.threshold if sc.HasField("threshold") else 0.95
+    if not 0.5 <= threshold < 1.0:
+        raise InvalidArgument(f"reasoning.self_consistency.threshold: {threshold:g} is out of range ([0.5, 1))")
+    drop = sc.drop_fraction if sc.HasField("drop_fraction") else 0.0
+    if not 0.0 <= drop <= 0.9:
+        raise InvalidArgument(f"reasoning.self_consistency.drop_fraction: {drop:g} is out of range ([0, 0.9])")
+    return SelfConsistencyParams(high, low, _RULES[sc.rule], window, float(threshold), sc.confidence_weighted, float(drop))
 
 
 @dataclass(slots=True, frozen=True)
-class ReasoningBudget:
-    """A request's validated thinking budgets (`reasoning_from_pb`). None: no limit."""
+class EarlyExitParams:
+    """Validated early-exit options (see common.proto's EarlyExit)."""
+
+    probe_every_tokens: int | None = None
+    probe_every_steps: int | None = None
+    agree: int = 2
+    min_confidence: float | None = None
+    probe_max_tokens: int = DEFAULT_PROBE_TOKENS
+
+
+@dataclass(slots=True, frozen=True)
+class SelfConsistencyParams:
+    """Validated adaptive self-consistency options (see common.proto's SelfConsistency)."""
+
+    max_samples: int
+    min_samples: int = 3
+    rule: str = "window"  # "window" (ESC) or "posterior" (Adaptive-Consistency)
+    window: int = 3
+    threshold: float = 0.95
+    confidence_weighted: bool = False
+    drop_fraction: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class ReasoningParams:
+    """A request's validated reasoning options (`reasoning_from_pb`). None: no limit / off."""
 
     max_thinking_tokens: int | None = None
     max_thinking_steps: int | None = None
     min_thinking_tokens: int = 0
     forcing_text: str | None = None  # appended when a budget ends thinking; None: the model's end marker
+    early_exit: EarlyExitParams | None = None
+    self_consistency: SelfConsistencyParams | None = None
 
     @property
     def is_set(self) -> bool:
-        return self != ReasoningBudget()
+        return self != ReasoningParams()
 
 
 def finish_reason_to_pb(reason: str) -> int:

@@ -16,7 +16,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
-from cotserve.common.sampling import DEFAULT_MAX_NEW_TOKENS, SlaClass, reasoning_from_pb, sampling_from_pb, sla_from_pb
+from cotserve.common.sampling import (
+    DEFAULT_MAX_NEW_TOKENS, SlaClass, check_self_consistency, reasoning_from_pb, sampling_from_pb, sla_from_pb,
+)
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
@@ -34,7 +36,8 @@ from cotserve.worker.v1 import worker_pb2
 log = logging.getLogger("cotserve.gateway")
 PREFIX_CACHE_SCOPES = ("tenant", "global")
 MAX_CACHE_SALT_CHARS = 256
-_FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+_FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+                 common_pb2.FINISH_REASON_CANCELLED: "cancelled"}
 
 
 @dataclass(slots=True)
@@ -172,13 +175,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
         info = next(w.info for w in self.pool.models()[model])
-        sampling_from_pb(request.sampling, vocab_size=info.vocab_size, max_model_len=info.max_context_tokens,
-                         max_new_tokens_limit=info.max_context_tokens)
+        params = sampling_from_pb(request.sampling, vocab_size=info.vocab_size, max_model_len=info.max_context_tokens,
+                                  max_new_tokens_limit=info.max_context_tokens)
         wreq = worker_pb2.GenerateRequest(
             request_id=uuid.uuid4().hex, prompt_text=request.prompt, sampling=request.sampling, sla_class=request.sla_class,
         )
         if request.HasField("reasoning"):
-            reasoning_from_pb(request.reasoning)  # the worker checks what its model's format allows
+            reasoning = reasoning_from_pb(request.reasoning)  # the worker checks what its model's format allows
+            check_self_consistency(reasoning, params)
             wreq.reasoning.CopyFrom(request.reasoning)
         return model, sla, wreq
 
@@ -196,7 +200,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if self.quota is not None and tenant.has_limits:
             sp = wreq.sampling
             max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
-            grant = await self.quota.admit(tenant, token_reservation(wreq.prompt_text, max_new * (sp.n or 1)))
+            samples = wreq.reasoning.self_consistency.max_samples if wreq.reasoning.HasField("self_consistency") else (sp.n or 1)
+            grant = await self.quota.admit(tenant, token_reservation(wreq.prompt_text, max_new * samples))
         generated, used_tokens = 0, None
         completion: dict[int, list[str]] = {}  # per sample
         try:
@@ -307,6 +312,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                         out.logprob = chunk.logprob
                     if chunk.finish_reason:
                         reasons[chunk.index] = _FINISH_NAMES.get(chunk.finish_reason, "unknown")
+                    if chunk.HasField("self_consistency"):
+                        out.self_consistency.CopyFrom(chunk.self_consistency)
+                        span.set_attributes({"cotserve.vote.samples_used": chunk.self_consistency.samples_used,
+                                             "cotserve.vote.samples_cancelled": chunk.self_consistency.samples_cancelled,
+                                             "cotserve.vote.stop_reason": chunk.self_consistency.stop_reason})
                     if chunk.HasField("usage"):  # the stream's last chunk
                         m.e2e.labels(model, sla.name).observe(now - start)
                         out.usage.CopyFrom(chunk.usage)
@@ -326,6 +336,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                             "gen_ai.usage.input_tokens": chunk.usage.prompt_tokens,
                             "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
                             "cotserve.cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
+                            "cotserve.reasoning_tokens": chunk.usage.reasoning_tokens,
+                            "cotserve.probe_tokens": chunk.usage.probe_tokens,
                             "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
                         })
                     yield out
@@ -362,13 +374,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             if choice is None:
                 choice = choices[chunk.index] = gateway_pb2.Choice(index=chunk.index)
             texts.setdefault(chunk.index, []).append(chunk.text)
-            choice.token_ids.append(chunk.token_id)
+            if chunk.finish_reason != common_pb2.FINISH_REASON_CANCELLED:  # a cancelled sample's last chunk has no token
+                choice.token_ids.append(chunk.token_id)
             if chunk.HasField("logprob"):
                 choice.logprobs.append(chunk.logprob)
             if chunk.finish_reason:
                 choice.finish_reason = chunk.finish_reason
             if chunk.HasField("reasoning_text"):
                 choice.reasoning_text, choice.answer_text = chunk.reasoning_text, chunk.answer_text
+            if chunk.HasField("self_consistency"):
+                resp.self_consistency.CopyFrom(chunk.self_consistency)
             if chunk.HasField("usage"):
                 resp.usage.CopyFrom(chunk.usage)
                 resp.timing.CopyFrom(chunk.timing)
@@ -380,6 +395,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             resp.text, resp.finish_reason = first.text, first.finish_reason
             if first.HasField("reasoning_text"):
                 resp.reasoning_text, resp.answer_text = first.reasoning_text, first.answer_text
+            if resp.HasField("self_consistency"):
+                resp.answer_text = resp.self_consistency.answer
             resp.token_ids.extend(first.token_ids)
             resp.logprobs.extend(first.logprobs)
         return resp

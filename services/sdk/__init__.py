@@ -5,10 +5,12 @@ from cotserve.sdk.errors import (
     CotserveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated,
     Unavailable, Unimplemented,
 )
-from cotserve.sdk.types import Choice, GenerateResult, ModelInfo, Reasoning, StreamChunk, Timing, Usage
+from cotserve.sdk.types import (
+    Choice, EarlyExit, GenerateResult, ModelInfo, Reasoning, SelfConsistency, SelfConsistencyResult, StreamChunk, Timing, Usage, Vote,
+)
 
 __all__ = [
-    "AsyncClient", "Choice", "Client", "CotserveError", "DeadlineExceeded", "FailedPrecondition", "GenerateResult", "InvalidArgument", "ModelInfo",
-    "NotFound", "PermissionDenied", "Reasoning", "ResourceExhausted", "StreamChunk", "Timing", "Unauthenticated", "Unavailable",
-    "Unimplemented", "Usage",
+    "AsyncClient", "Choice", "Client", "CotserveError", "DeadlineExceeded", "EarlyExit", "FailedPrecondition", "GenerateResult",
+    "InvalidArgument", "ModelInfo", "NotFound", "PermissionDenied", "Reasoning", "ResourceExhausted", "SelfConsistency",
+    "SelfConsistencyResult", "StreamChunk", "Timing", "Unauthenticated", "Unavailable", "Unimplemented", "Usage", "Vote",
 ]

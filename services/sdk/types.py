@@ -8,7 +8,8 @@ from cotserve.common.v1 import common_pb2
 from cotserve.gateway.v1 import gateway_pb2
 
 _FINISH = {common_pb2.FINISH_REASON_UNSPECIFIED: None, common_pb2.FINISH_REASON_STOP: "stop",
-           common_pb2.FINISH_REASON_LENGTH: "length"}
+           common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+_RULES = {"window": common_pb2.SELF_CONSISTENCY_RULE_WINDOW, "posterior": common_pb2.SELF_CONSISTENCY_RULE_POSTERIOR}
 _PARTS = {common_pb2.TEXT_PART_UNSPECIFIED: None, common_pb2.TEXT_PART_REASONING: "reasoning",
           common_pb2.TEXT_PART_ANSWER: "answer"}
 SLA_CLASSES = {"realtime": common_pb2.SLA_CLASS_REALTIME, "interactive": common_pb2.SLA_CLASS_INTERACTIVE,
@@ -21,6 +22,7 @@ class Usage:
     completion_tokens: int  # summed over every sample
     cached_prompt_tokens: int = 0  # prompt tokens served from the worker's prefix cache
     reasoning_tokens: int = 0  # of completion_tokens, those of the reasoning (every sample)
+    probe_tokens: int = 0  # computed by early-exit probes (not part of completion_tokens)
 
 
 @dataclass(slots=True, frozen=True)
@@ -30,22 +32,86 @@ class Timing:
     total_ms: float
 
 
+def _set_fields(cls_pb, obj, **overrides):
+    values = {k: getattr(obj, k) for k in obj.__slots__ if getattr(obj, k) is not None}
+    values.update(overrides)
+    return cls_pb(**values)
+
+
+@dataclass(slots=True, frozen=True)
+class EarlyExit:
+    """Stop thinking once the answer has converged: probe every `probe_every_tokens` thinking tokens or
+    every `probe_every_steps` reasoning steps (exactly one), stop when `agree` probes in a row give the
+    same answer (with a mean token probability of at least `min_confidence`, when set)."""
+
+    probe_every_tokens: int | None = None
+    probe_every_steps: int | None = None
+    agree: int | None = None  # default 2
+    min_confidence: float | None = None
+    probe_max_tokens: int | None = None  # default 16
+
+    def to_pb(self) -> common_pb2.EarlyExit:
+        return _set_fields(common_pb2.EarlyExit, self)
+
+
+@dataclass(slots=True, frozen=True)
+class SelfConsistency:
+    """Adaptive self-consistency: up to `max_samples` samples in rounds of `min_samples`, stopped once the
+    vote is settled by `rule` ("window": `window` identical answers in a row; "posterior": the leader
+    stays the majority with probability `threshold`). Needs a temperature > 0."""
+
+    max_samples: int
+    min_samples: int | None = None  # default min(3, max_samples)
+    rule: str = "window"
+    window: int | None = None  # default min_samples
+    threshold: float | None = None  # default 0.95
+    confidence_weighted: bool = False
+    drop_fraction: float | None = None  # default 0
+
+    def to_pb(self) -> common_pb2.SelfConsistency:
+        if self.rule not in _RULES:
+            raise ValueError(f"rule: {self.rule!r} is not one of {sorted(_RULES)}")
+        return _set_fields(common_pb2.SelfConsistency, self, rule=_RULES[self.rule])
+
+
 @dataclass(slots=True, frozen=True)
 class Reasoning:
-    """Thinking budgets for a reasoning model (None: no limit). The worker must know the model's
+    """Reasoning controls for a reasoning model (None: no limit / off). The worker must know the model's
     reasoning markers, else the call fails with FAILED_PRECONDITION."""
 
     max_thinking_tokens: int | None = None  # then the forcing text ends the thinking and the model answers
     max_thinking_steps: int | None = None  # steps end with the worker's --reasoning-step
     min_thinking_tokens: int | None = None  # the end marker cannot be sampled before this many thinking tokens
     forcing_text: str | None = None  # appended when a budget ends the thinking (default: the end marker)
+    early_exit: EarlyExit | None = None
+    self_consistency: SelfConsistency | None = None
 
     @property
     def is_set(self) -> bool:
         return self != Reasoning()
 
     def to_pb(self) -> common_pb2.ReasoningOptions:
-        return common_pb2.ReasoningOptions(**{k: getattr(self, k) for k in self.__slots__ if getattr(self, k) is not None})
+        nested = {k: getattr(self, k).to_pb() for k in ("early_exit", "self_consistency") if getattr(self, k) is not None}
+        return _set_fields(common_pb2.ReasoningOptions, self, **nested)
+
+
+@dataclass(slots=True, frozen=True)
+class Vote:
+    answer: str
+    count: int
+    weight: float
+
+
+@dataclass(slots=True, frozen=True)
+class SelfConsistencyResult:
+    """How a self-consistency vote ended."""
+
+    answer: str
+    votes: list[Vote]  # heaviest first
+    samples_used: int
+    samples_cancelled: int
+    sample_tokens: list[int]  # completion tokens of each sample, by index
+    stop_reason: str  # "window", "posterior" or "max_samples"
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,7 +140,8 @@ class GenerateResult:
     logprobs: list[float] | None = None
     choices: list[Choice] = field(default_factory=list)
     reasoning_text: str | None = None  # the first sample's thinking (reasoning models)
-    answer_text: str | None = None  # the first sample's answer (reasoning models)
+    answer_text: str | None = None  # the first sample's answer (reasoning models); the voted one with self-consistency
+    self_consistency: SelfConsistencyResult | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +156,7 @@ class StreamChunk:
     part: str | None = None  # "reasoning" or "answer" (None: the model has no reasoning markers)
     reasoning_text: str | None = None  # on each sample's last chunk, for a reasoning model
     answer_text: str | None = None  # likewise
+    self_consistency: SelfConsistencyResult | None = None  # the stream's last chunk, with self-consistency
 
 
 @dataclass(slots=True, frozen=True)
@@ -100,7 +168,15 @@ class ModelInfo:
 
 
 def _usage(u: common_pb2.Usage) -> Usage:
-    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, u.reasoning_tokens)
+    return Usage(u.prompt_tokens, u.completion_tokens, u.cached_prompt_tokens, u.reasoning_tokens, u.probe_tokens)
+
+
+def _vote(msg) -> SelfConsistencyResult | None:
+    if not msg.HasField("self_consistency"):
+        return None
+    v = msg.self_consistency
+    return SelfConsistencyResult(v.answer, [Vote(e.answer, e.count, e.weight) for e in v.votes], v.samples_used,
+                                 v.samples_cancelled, list(v.sample_tokens), v.stop_reason)
 
 
 def _opt(msg, name: str) -> str | None:
@@ -115,14 +191,15 @@ def result_from_pb(r: gateway_pb2.GenerateResponse) -> GenerateResult:
     choices = [Choice(c.index, c.text, list(c.token_ids), _FINISH[c.finish_reason], list(c.logprobs) if c.logprobs else None,
                       _opt(c, "reasoning_text"), _opt(c, "answer_text")) for c in r.choices]
     return GenerateResult(r.text, list(r.token_ids), _FINISH[r.finish_reason], _usage(r.usage), _timing(r.timing),
-                          list(r.logprobs) if r.logprobs else None, choices, _opt(r, "reasoning_text"), _opt(r, "answer_text"))
+                          list(r.logprobs) if r.logprobs else None, choices, _opt(r, "reasoning_text"), _opt(r, "answer_text"),
+                          _vote(r))
 
 
 def chunk_from_pb(c: gateway_pb2.GenerateStreamResponse) -> StreamChunk:
     last = c.HasField("usage")
     return StreamChunk(c.text, c.token_id, c.logprob if c.HasField("logprob") else None, _FINISH[c.finish_reason],
                        _usage(c.usage) if last else None, _timing(c.timing) if last else None, c.index, _PARTS[c.part],
-                       _opt(c, "reasoning_text"), _opt(c, "answer_text"))
+                       _opt(c, "reasoning_text"), _opt(c, "answer_text"), _vote(c))
 
 
 def model_from_pb(m: gateway_pb2.ModelEntry) -> ModelInfo:

@@ -23,13 +23,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cotserve.common.sampling import ReasoningBudget
+from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.block_manager import BlockManager, cache_root
 from cotserve.worker.detokenizer import IncrementalDetokenizer
 from cotserve.worker.model_runner import ModelRunner, resolve_kv_dtype
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.models.moe import RoutingPolicy
-from cotserve.worker.reasoning import ReasoningFormat, ThinkingTracker
+from cotserve.worker.reasoning import Ballot, ReasoningFormat, ThinkingTracker, VoteEntry, VoteState, confidence, tally
 from cotserve.worker.sampler import Sampler
 from cotserve.worker.scheduler import ScheduledBatch, Scheduler
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
@@ -85,6 +85,23 @@ class RequestOutput:
     reasoning_text: str | None = None  # on each sample's last output, for a reasoning model
     answer_text: str | None = None  # likewise
     reasoning_tokens: int = 0  # on the last output: reasoning tokens of every sample
+    probe_tokens: int = 0  # on the last output: tokens early-exit probes computed
+    vote: "VoteResult | None" = None  # on the last output, with self-consistency
+
+
+@dataclass(slots=True, frozen=True)
+class VoteResult:
+    """How a request's self-consistency vote ended."""
+
+    answer: str
+    votes: tuple[VoteEntry, ...]
+    samples_used: int
+    samples_cancelled: int
+    sample_tokens: tuple[int, ...]
+    stop_reason: str
+
+
+NO_TOKEN = -1  # token_id of a cancelled sample's last output: it carries no token
 
 
 Sink = Callable[[RequestOutput], None]
@@ -110,6 +127,12 @@ class EngineStats:
     prefix_cache_evictions: int = 0
     num_prompt_tokens_computed_total: int = 0
     kv_blocks_used_peak: int = 0
+    num_reasoning_tokens_total: int = 0
+    num_probe_tokens_total: int = 0
+    num_early_exits_total: int = 0
+    num_thinking_tokens_saved_total: int = 0  # estimated: see Engine._note_thinking
+    num_vote_samples_used_total: int = 0
+    num_vote_samples_saved_total: int = 0  # max_samples minus samples used, over finished votes
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +145,10 @@ class _Request:
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     forks: list[Sequence] = field(default_factory=list)  # samples not yet forked from samples[0]
     trackers: list[ThinkingTracker] = field(default_factory=list)  # per sample, for a reasoning model
+    reasoning: ReasoningParams = ReasoningParams()
+    probes: list[Sequence] = field(default_factory=list)  # early-exit probes in flight
+    vote: VoteState | None = None  # adaptive self-consistency
+    num_probe_tokens: int = 0
     num_unfinished: int = 1
     num_events_sent: int = 0
     first_sent: bool = False
@@ -166,6 +193,13 @@ class Engine:
         self._tokens: deque[tuple[float, int]] = deque()
         self._finished_total = 0
         self._generated_total = 0
+        self._reasoning_tokens_total = 0
+        self._probe_tokens_total = 0
+        self._early_exits_total = 0
+        self._thinking_saved_total = 0
+        self._natural_thinking = (0, 0)  # (samples, thinking tokens) of samples that ended thinking on their own
+        self._vote_used_total = 0
+        self._vote_saved_total = 0
         self.policy_version = 0
         self.policy_listeners: list[Callable[[int], None]] = []  # called on the engine thread after each apply
         self._stats = EngineStats(kv_blocks_free=config.num_blocks)
@@ -175,12 +209,14 @@ class Engine:
     # ---- thread-safe API -------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "",
-               budget: ReasoningBudget = ReasoningBudget()) -> None:
+               budget: ReasoningParams = ReasoningParams()) -> None:
         """Queue a validated request of `params.n` samples. `cache_salt` separates prefix-cache
         users: blocks cached under one salt are never found under another. Raises ValueError when
         it can never fit the KV pool or the batch, or when `budget` is set for a model without
         reasoning markers."""
-        seq = Sequence(request_id, list(prompt_ids), params, sla_class, group_size=params.n)
+        vote = budget.self_consistency
+        group = vote.min_samples if vote is not None else params.n
+        seq = Sequence(request_id, list(prompt_ids), params, sla_class, group_size=group)
         if not self.scheduler.can_ever_fit(seq):
             raise ValueError(
                 f"prompt_tokens + max_new_tokens = {seq.max_len} exceeds the KV cache "
@@ -189,6 +225,9 @@ class Engine:
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"sampling.n: {params.n} samples, this worker batches at most {self.config.max_num_seqs} "
                              f"sequences (--max-num-seqs)")
+        if vote is not None and vote.min_samples > self.config.max_num_seqs:
+            raise ValueError(f"reasoning.self_consistency.min_samples: {vote.min_samples} samples run together, this "
+                             f"worker batches at most {self.config.max_num_seqs} sequences (--max-num-seqs)")
         if budget.is_set and self.reasoning is None:
             raise ValueError("reasoning: this model has no reasoning markers (start the worker with "
                              "--reasoning-start and --reasoning-end)")
@@ -260,20 +299,39 @@ class Engine:
         for listener in tuple(self.policy_listeners):  # a snapshot: listeners may be added meanwhile
             listener(policy.version)
 
-    def _add(self, seq: Sequence, sink: Sink, cache_salt: str = "", budget: ReasoningBudget = ReasoningBudget()) -> None:
+    def _add(self, seq: Sequence, sink: Sink, cache_salt: str = "", budget: ReasoningParams = ReasoningParams()) -> None:
         if seq.request_id in self._requests:
             sink(RequestOutput(seq.request_id, 0, "", None, error=f"request_id {seq.request_id!r} is already running"))
             return
         p = seq.params
         seq.cache_root = cache_root(self._cache_identity, self.policy_version, cache_salt)
-        forks = [Sequence(seq.request_id, seq.prompt_ids, self._sample_params(p, i), seq.sla_class, index=i,
-                          arrival_time=seq.arrival_time) for i in range(1, p.n)]
-        samples = [seq, *forks]
         stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.loaded.eos_token_ids)
-        detoks = [IncrementalDetokenizer(self.loaded.tokenizer, seq.prompt_ids, p.stop) for _ in samples]
-        trackers = [ThinkingTracker(self.reasoning, budget, seq.prompt_ids) for _ in samples] if self.reasoning else []
-        self._requests[seq.request_id] = _Request(sink, samples, detoks, stop_ids, forks, trackers, num_unfinished=len(samples))
-        self.scheduler.add(seq)
+        vote = VoteState(budget.self_consistency) if budget.self_consistency is not None else None
+        req = _Request(sink, [], [], stop_ids, reasoning=budget, vote=vote, num_unfinished=0)
+        self._requests[seq.request_id] = req
+        self._start_samples(req, seq, seq.group_size)
+
+    def _start_samples(self, req: _Request, head: Sequence, k: int) -> None:
+        """Start `k` samples of the request: `head` (or, for a later self-consistency round, a new
+        sequence of the same prompt, admitted from the prefix cache) and the k - 1 that fork from it
+        once its prompt is computed."""
+        first = len(req.samples)
+        if first:
+            head = Sequence(head.request_id, head.prompt_ids, self._sample_params(head.params, first), head.sla_class,
+                            index=first, arrival_time=head.arrival_time, cache_root=head.cache_root)
+        head.group_size = k
+        forks = [Sequence(head.request_id, head.prompt_ids, self._sample_params(head.params, i), head.sla_class, index=i,
+                          arrival_time=head.arrival_time, cache_root=head.cache_root) for i in range(first + 1, first + k)]
+        for s in (head, *forks):
+            req.samples.append(s)
+            req.detoks.append(IncrementalDetokenizer(self.loaded.tokenizer, s.prompt_ids, s.params.stop))
+            if self.reasoning is not None:
+                req.trackers.append(ThinkingTracker(self.reasoning, req.reasoning, s.prompt_ids))
+        req.forks = forks
+        req.num_unfinished += k
+        if req.vote is not None:
+            req.vote.started += k
+        self.scheduler.add(head)
 
     @staticmethod
     def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -288,6 +346,7 @@ class Engine:
             for seq in req.samples:
                 self.scheduler.abort(seq)
                 self.sampler.forget(seq.seq_id)
+            self._drop_probes(req)
             self._finished_total += 1
             self._publish_stats()
 
@@ -309,7 +368,8 @@ class Engine:
             if len(rows) != logits.shape[0]:
                 logits = logits[rows]  # a prompt's samples all draw from its last row
             result = self.sampler.sample(logits, [s.seq_id for s in sampling], [s.params for s in sampling],
-                                         [self._banned_token(s) for s in sampling])
+                                         [self._banned_token(s) for s in sampling],
+                                         [self._wants_logprob(s) for s in sampling])
         except Exception as exc:  # noqa: BLE001 - the engine must keep serving other requests
             log.exception("engine step failed; failing %d requests", len(batch.items))
             for item in batch.items:
@@ -335,16 +395,97 @@ class Engine:
     def _banned_token(self, seq: Sequence) -> int | None:
         """A token `seq` may not sample now (the end marker, before its minimum thinking)."""
         req = self._requests[seq.request_id]
-        return req.trackers[seq.index].banned_token() if req.trackers else None
+        return req.trackers[seq.index].banned_token() if req.trackers and not seq.is_probe else None
+
+    def _wants_logprob(self, seq: Sequence) -> bool:
+        """The client asked for logprobs, or a probe or a self-consistency vote needs the confidence."""
+        return seq.params.logprobs or seq.is_probe or self._requests[seq.request_id].vote is not None
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self._forcing_ids.get(text)
+        if ids is None:
+            ids = self._forcing_ids[text] = self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    # ---- early exit --------------------------------------------------------------------------
+    def _launch_probe(self, req: _Request, seq: Sequence) -> None:
+        """Fork an early-exit probe of `seq` at this point: it shares `seq`'s KV pages (copy-on-write),
+        gets the end marker and decodes greedily, in the same batches as everything else. Skipped when
+        no seat or block is free now (the next probe point tries again)."""
+        ee = req.reasoning.early_exit
+        end_ids = self._encode(self.reasoning.end)
+        if len(seq) + len(end_ids) + 1 >= self.config.max_model_len:
+            return
+        probe = Sequence(seq.request_id, seq.all_token_ids + end_ids, SamplingParams(max_new_tokens=ee.probe_max_tokens),
+                         seq.sla_class, index=seq.index, arrival_time=seq.arrival_time, cache_root=seq.cache_root,
+                         probe_of=seq, num_forced_tokens=len(end_ids))
+        if self.scheduler.fork_probe(seq, probe):
+            req.probes.append(probe)
+
+    def _end_probe(self, req: _Request, probe: Sequence, status: SequenceStatus) -> None:
+        """Retire a probe and count the tokens it computed (its forced end marker and decoded tokens)."""
+        shared = len(probe.prompt_ids) - probe.num_forced_tokens - 1  # the parent's computed tokens when it forked
+        n = max(0, probe.num_computed_tokens - shared)
+        req.num_probe_tokens += n
+        self._probe_tokens_total += n
+        if status == SequenceStatus.FINISHED_ABORTED:
+            self.scheduler.abort(probe)
+        else:
+            self.scheduler.finish(probe, status)
+        self.sampler.forget(probe.seq_id)
+        req.probes.remove(probe)
+
+    def _drop_probes(self, req: _Request, parent: Sequence | None = None) -> None:
+        """Cancel the probes in flight of `parent` (of every sample when None): they can no longer matter."""
+        for probe in [p for p in req.probes if parent is None or p.probe_of is parent]:
+            self._end_probe(req, probe, SequenceStatus.FINISHED_ABORTED)
+
+    def _probe_token(self, probe: Sequence, token: int, logprob: float | None, now: float) -> None:
+        req = self._requests[probe.request_id]
+        probe.output_ids.append(token)
+        if logprob is not None:
+            probe.output_logprobs.append(logprob)
+        if not (token in req.stop_ids or len(probe.output_ids) >= probe.params.max_new_tokens
+                or len(probe) >= self.config.max_model_len):
+            return
+        self._end_probe(req, probe, SequenceStatus.FINISHED_STOPPED)
+        parent = probe.probe_of
+        tracker = req.trackers[parent.index]
+        if parent.is_finished or not tracker.is_thinking:
+            return
+        answer_ids = [t for t in probe.output_ids if t not in req.stop_ids]
+        answer = self.reasoning.answer(self.loaded.tokenizer.decode(answer_ids))
+        tracker.probe_answers.append((answer, confidence(probe.output_logprobs)))
+        if tracker.converged() is None:
+            return
+        # converged: the sample stops thinking and answers with what its probe decoded
+        tracker.exited_early = True  # _emit counts the thinking it saved when the end marker goes out
+        self._early_exits_total += 1
+        self._drop_probes(req, parent)
+        tokens = self._encode(self.reasoning.end) + answer_ids
+        tokens = tokens[: max(1, parent.params.max_new_tokens - len(parent.output_ids))]
+        for i, t in enumerate(tokens):
+            parent.output_ids.append(t)
+            if self._emit(parent, t, None, now, finish="stop" if i == len(tokens) - 1 else None):
+                return
+
+    def _note_thinking(self, tracker: ThinkingTracker) -> None:
+        """Thinking tokens saved by early exit are estimated against the mean thinking length of the
+        samples that ended their thinking on their own, on this worker so far."""
+        n, total = self._natural_thinking
+        if tracker.exited_early:
+            if n:
+                self._thinking_saved_total += max(0, round(total / n) - tracker.num_thinking_tokens)
+        elif not tracker.forced_end:
+            self._natural_thinking = (n + 1, total + tracker.num_thinking_tokens)
 
     def _force_end_of_thinking(self, seq: Sequence, now: float) -> None:
         """A thinking budget is spent: append the forcing text as the sample's own tokens (computed
         in the next step, with the next token sampled after them), within max_new_tokens."""
         req = self._requests[seq.request_id]
-        text = req.trackers[seq.index].options.forcing_text or self.reasoning.end
-        ids = self._forcing_ids.get(text)
-        if ids is None:
-            ids = self._forcing_ids[text] = self.loaded.tokenizer.encode(text, add_special_tokens=False).ids
+        self._drop_probes(req, seq)
+        req.trackers[seq.index].forced_end = True
+        ids = self._encode(req.trackers[seq.index].options.forcing_text or self.reasoning.end)
         for token in ids[: seq.params.max_new_tokens - len(seq.output_ids)]:
             seq.output_ids.append(token)
             if self._emit(seq, token, None, now):
@@ -354,6 +495,8 @@ class Engine:
                      logprobs: list[float | None]) -> None:
         now = time.monotonic()
         for item in batch.items:
+            if item.seq.is_probe:
+                continue
             start, prompt_len = item.seq.num_computed_tokens, len(item.seq.prompt_ids)
             self._prompt_tokens_computed += max(0, min(start + item.num_tokens, prompt_len) - start)
         self.scheduler.advance(batch)
@@ -364,6 +507,11 @@ class Engine:
                 req.forks = []
         generated = 0
         for seq, token, lp in zip(sampling, token_ids, logprobs):
+            if seq.is_finished:  # cancelled earlier in this loop (a settled vote, an early exit)
+                continue
+            if seq.is_probe:
+                self._probe_token(seq, token, lp, now)
+                continue
             generated += 1
             seq.output_ids.append(token)
             if lp is not None:
@@ -371,28 +519,39 @@ class Engine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 seq.record("first_token")
-            if not self._emit(seq, token, lp, now):
-                trackers = self._requests[seq.request_id].trackers
-                if trackers and trackers[seq.index].must_stop_thinking():
-                    self._force_end_of_thinking(seq, now)
+            if self._emit(seq, token, lp if seq.params.logprobs else None, now):
+                continue
+            req = self._requests[seq.request_id]
+            if not req.trackers:
+                continue
+            tracker = req.trackers[seq.index]
+            if tracker.must_stop_thinking():
+                self._force_end_of_thinking(seq, now)
+            elif tracker.take_probe_due():
+                self._launch_probe(req, seq)
+            elif not tracker.is_thinking and req.probes:
+                self._drop_probes(req, seq)
         self._tokens.append((now, generated))
         self._generated_total += generated
 
-    def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float) -> bool:
-        """Send one output token of `seq` to its request's sink; True when it finished the sample."""
+    def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float, finish: str | None = None) -> bool:
+        """Send one output token of `seq` to its request's sink; True when it finished the sample
+        (`finish` ends it on this token whatever it is)."""
         req = self._requests[seq.request_id]
         detok = req.detoks[seq.index]
         tracker = req.trackers[seq.index] if req.trackers else None
-        finish: str | None = None
         if token in req.stop_ids:
             finish, text = "stop", ""
         else:
             text = detok.add_token(token)
             if detok.stopped_by_string:
                 finish = "stop"
-            elif len(seq.output_ids) >= seq.params.max_new_tokens or len(seq) >= self.config.max_model_len:
+            elif finish is None and (len(seq.output_ids) >= seq.params.max_new_tokens or len(seq) >= self.config.max_model_len):
                 finish = "length"
+        was_thinking = tracker is not None and tracker.is_thinking
         part = int(tracker.observe(token, text)) if tracker is not None else 0
+        if was_thinking and not tracker.is_thinking:
+            self._note_thinking(tracker)
         first = None if req.first_sent else self._timing(req.samples[0])
         req.first_sent = True
         if finish is None:
@@ -402,28 +561,73 @@ class Engine:
         text += detok.flush()
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED if finish == "stop" else SequenceStatus.FINISHED_LENGTH)
         self.sampler.forget(seq.seq_id)
+        self._drop_probes(req, seq)
         seq.finish_time = now
         req.num_unfinished -= 1
         reasoning_text = answer_text = None
         if tracker is not None:
             reasoning_text, answer_text = tracker.fmt.split(detok.text, tracker.thinking_at_start)
+        outs = [RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish, timing=first,
+                              events=req.new_events(), index=seq.index, part=part, reasoning_text=reasoning_text,
+                              answer_text=answer_text)]
+        if req.vote is not None:
+            outs += self._vote(req, Ballot(answer_text or "", confidence(seq.output_logprobs)))
         if req.num_unfinished:
-            req.sink(RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish, timing=first,
-                                   events=req.new_events(), index=seq.index, part=part, reasoning_text=reasoning_text,
-                                   answer_text=answer_text))
+            for out in outs:
+                req.sink(out)
             return True
         del self._requests[seq.request_id]
         self._finished_total += 1
         head = req.samples[0]
         head.record("finished")
-        req.sink(RequestOutput(
-            seq.request_id, token, text, logprob, finish_reason=finish, prompt_tokens=len(head.prompt_ids),
-            completion_tokens=sum(len(s.output_ids) for s in req.samples), timing=self._timing(head, end=now),
-            events=req.new_events(), index=seq.index, cached_prompt_tokens=head.num_cached_tokens, is_last=True,
-            part=part, reasoning_text=reasoning_text, answer_text=answer_text,
-            reasoning_tokens=sum(t.num_reasoning_tokens for t in req.trackers),
-        ))
+        reasoning_tokens = sum(t.num_reasoning_tokens for t in req.trackers)
+        self._reasoning_tokens_total += reasoning_tokens
+        outs[-1] = dataclasses.replace(
+            outs[-1], prompt_tokens=len(head.prompt_ids), completion_tokens=sum(len(s.output_ids) for s in req.samples),
+            timing=self._timing(head, end=now), events=outs[-1].events + req.new_events(),
+            cached_prompt_tokens=head.num_cached_tokens, is_last=True, reasoning_tokens=reasoning_tokens,
+            probe_tokens=req.num_probe_tokens, vote=self._vote_result(req) if req.vote is not None else None)
+        for out in outs:
+            req.sink(out)
         return True
+
+    # ---- adaptive self-consistency -----------------------------------------------------------
+    def _vote(self, req: _Request, ballot: Ballot) -> list[RequestOutput]:
+        """Count a finished sample's ballot. Once the vote is settled the unfinished samples are
+        cancelled (their pages freed) and their last outputs returned; when a round ends unsettled
+        the next one starts."""
+        vote = req.vote
+        vote.ballots.append(ballot)
+        reason = vote.settled()
+        if reason is None and req.num_unfinished == 0:
+            if vote.started < vote.params.max_samples:
+                self._start_samples(req, req.samples[0], min(vote.params.min_samples, vote.params.max_samples - vote.started))
+                return []
+            reason = "max_samples"
+        if reason is None:
+            return []
+        vote.stop_reason = reason
+        cancelled = []
+        for s in req.samples:
+            if s.is_finished:
+                continue
+            self.scheduler.abort(s)
+            self.sampler.forget(s.seq_id)
+            self._drop_probes(req, s)
+            req.num_unfinished -= 1
+            vote.cancelled += 1
+            cancelled.append(RequestOutput(s.request_id, NO_TOKEN, req.detoks[s.index].flush(), None,
+                                           finish_reason="cancelled", index=s.index))
+        req.forks = []
+        return cancelled
+
+    def _vote_result(self, req: _Request) -> VoteResult:
+        vote = req.vote
+        used = len(vote.ballots)
+        self._vote_used_total += used
+        self._vote_saved_total += max(0, vote.params.max_samples - used)
+        return VoteResult(vote.answer(), tuple(tally(vote.ballots, vote.params)), used, vote.cancelled,
+                          tuple(len(s.output_ids) for s in req.samples), vote.stop_reason)
 
     @staticmethod
     def _timing(seq: Sequence, end: float | None = None) -> Timing:
@@ -436,7 +640,7 @@ class Engine:
     def _fail(self, seq: Sequence, message: str) -> None:
         """Fail `seq`'s whole request: every sample ends and frees its blocks."""
         req = self._requests.pop(seq.request_id, None)
-        for s in req.samples if req is not None else [seq]:
+        for s in [*req.samples, *req.probes] if req is not None else [seq]:
             if not s.is_finished:
                 self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
             self.sampler.forget(s.seq_id)
@@ -467,4 +671,7 @@ class Engine:
             prefix_cache_queried_tokens=bm.num_queried_tokens, prefix_cache_hit_tokens=bm.num_hit_tokens,
             prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=bm.num_evictions,
             num_prompt_tokens_computed_total=self._prompt_tokens_computed, kv_blocks_used_peak=self._kv_blocks_peak,
+            num_reasoning_tokens_total=self._reasoning_tokens_total, num_probe_tokens_total=self._probe_tokens_total,
+            num_early_exits_total=self._early_exits_total, num_thinking_tokens_saved_total=self._thinking_saved_total,
+            num_vote_samples_used_total=self._vote_used_total, num_vote_samples_saved_total=self._vote_saved_total,
         )

@@ -43,6 +43,14 @@ def worker_registry(stats: Callable[[], EngineStats], model: str, total_blocks: 
             gauge("cotserve_worker_prefix_cache_blocks", "KV blocks registered in the prefix cache (held or evictable).", s.prefix_cache_blocks),
             counter("cotserve_worker_prefix_cache_evictions", "Cached KV blocks evicted for new contents.", s.prefix_cache_evictions),
             counter("cotserve_worker_prompt_tokens_computed", "Prompt tokens computed by the model (cache hits excluded).", s.num_prompt_tokens_computed_total),
+            counter("cotserve_worker_reasoning_tokens", "Reasoning tokens of finished requests.", s.num_reasoning_tokens_total),
+            counter("cotserve_worker_probe_tokens", "Tokens computed by early-exit probes.", s.num_probe_tokens_total),
+            counter("cotserve_worker_early_exits", "Samples whose thinking an early exit ended.", s.num_early_exits_total),
+            counter("cotserve_worker_thinking_tokens_saved", "Thinking tokens early exits saved (estimated against the mean "
+                    "thinking length of samples that ended on their own).", s.num_thinking_tokens_saved_total),
+            counter("cotserve_worker_vote_samples_used", "Samples that voted in self-consistency votes.", s.num_vote_samples_used_total),
+            counter("cotserve_worker_vote_samples_saved", "Samples self-consistency votes did not need (max_samples - used).",
+                    s.num_vote_samples_saved_total),
         ]
 
     registry.register(CallbackCollector(collect))

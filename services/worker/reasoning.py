@@ -13,12 +13,13 @@ token ids: nothing here knows the demo model's format.
 from __future__ import annotations
 
 import enum
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from cotserve.common.sampling import ReasoningBudget
+from cotserve.common.sampling import ReasoningParams, SelfConsistencyParams
 
 DEFAULT_START, DEFAULT_END = "<think>", "</think>"
 
@@ -82,6 +83,10 @@ class ReasoningFormat:
             return text[start:].strip(), ""
         return text[start:j].strip(), self._answer(text[j + len(self.end):])
 
+    def answer(self, text: str) -> str:
+        """The answer in `text` (what follows the end marker), through the answer extractor."""
+        return self._answer(text)
+
     def _answer(self, text: str) -> str:
         if self.answer_regex is None:
             return text.strip()
@@ -94,7 +99,7 @@ class ReasoningFormat:
 class ThinkingTracker:
     """One sample's progress through its reasoning, fed every output token and its text."""
 
-    def __init__(self, fmt: ReasoningFormat, options: ReasoningBudget, prompt_ids: list[int]) -> None:
+    def __init__(self, fmt: ReasoningFormat, options: ReasoningParams, prompt_ids: list[int]) -> None:
         self.fmt = fmt
         self.options = options
         n = len(fmt.start_ids)
@@ -106,6 +111,10 @@ class ThinkingTracker:
         self.num_steps = 0
         self._recent: list[int] = []  # last output ids, to find multi-token markers
         self._thinking_text = ""
+        self._probe_due = False
+        self.probe_answers: list[tuple[str, float]] = []  # early-exit probes' (answer, mean token probability), as they finish
+        self.exited_early = False  # an early-exit probe's answer ended the thinking
+        self.forced_end = False  # a budget ended the thinking
 
     def observe(self, token_id: int, text: str) -> Part:
         """Account one output token (and the text it completed); returns the part it belongs to."""
@@ -121,15 +130,41 @@ class ThinkingTracker:
                 self.is_thinking = False
                 return Part.REASONING
             self.num_thinking_tokens += 1
+            ended_steps = 0
             if fmt.step is not None and text:
                 before = self._thinking_text.count(fmt.step)
                 self._thinking_text += text
-                self.num_steps += self._thinking_text.count(fmt.step) - before
+                ended_steps = self._thinking_text.count(fmt.step) - before
+                self.num_steps += ended_steps
+            ee = self.options.early_exit
+            if ee is not None:
+                if ee.probe_every_tokens is not None:
+                    self._probe_due = self.num_thinking_tokens % ee.probe_every_tokens == 0
+                else:
+                    self._probe_due = ended_steps > 0 and self.num_steps % ee.probe_every_steps < ended_steps
             return Part.REASONING
         return Part.ANSWER  # before thinking starts, and after it ends
 
     def _ends_with(self, ids: tuple[int, ...]) -> bool:
         return bool(ids) and tuple(self._recent[-len(ids):]) == ids
+
+    def take_probe_due(self) -> bool:
+        """Whether the token just observed is an early-exit probe point (once per point)."""
+        due, self._probe_due = self._probe_due and self.is_thinking, False
+        return due
+
+    def converged(self) -> str | None:
+        """The answer, once the last `agree` probes gave the same non-empty one (with enough confidence)."""
+        ee = self.options.early_exit
+        if ee is None or len(self.probe_answers) < ee.agree:
+            return None
+        last = self.probe_answers[-ee.agree:]
+        answer = last[0][0]
+        if not answer or any(a != answer for a, _ in last):
+            return None
+        if ee.min_confidence is not None and sum(c for _, c in last) / len(last) < ee.min_confidence:
+            return None
+        return answer
 
     def must_stop_thinking(self) -> bool:
         """A budget is spent while the sample still thinks: force the end now."""
@@ -144,3 +179,98 @@ class ThinkingTracker:
         if self.is_thinking and self.num_thinking_tokens < self.options.min_thinking_tokens and len(self.fmt.end_ids) == 1:
             return self.fmt.end_ids[0]
         return None
+
+
+# ---- adaptive self-consistency ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class VoteEntry:
+    answer: str
+    count: int = 0
+    weight: float = 0.0
+
+
+@dataclass(slots=True)
+class Ballot:
+    """One finished sample's vote: its answer and confidence (geometric mean token probability)."""
+
+    answer: str
+    confidence: float
+
+
+def confidence(logprobs: list[float]) -> float:
+    """A sample's confidence: the geometric mean of its sampled tokens' probabilities (1.0 with none)."""
+    return math.exp(sum(logprobs) / len(logprobs)) if logprobs else 1.0
+
+
+def tally(ballots: list[Ballot], params: SelfConsistencyParams) -> list[VoteEntry]:
+    """The vote table, heaviest first (ties: the answer that came first). With `drop_fraction` the
+    lowest-confidence share of the ballots is left out; with `confidence_weighted` each vote weighs its
+    sample's confidence, else 1."""
+    kept = ballots
+    drop = int(len(ballots) * params.drop_fraction)
+    if drop:
+        kept = sorted(ballots, key=lambda b: b.confidence)[drop:]
+        kept = [b for b in ballots if any(b is k for k in kept)]  # keep arrival order for ties
+    table: dict[str, VoteEntry] = {}
+    for b in kept:
+        e = table.setdefault(b.answer, VoteEntry(b.answer))
+        e.count += 1
+        e.weight += b.confidence if params.confidence_weighted else 1.0
+    order = {a: i for i, a in enumerate(table)}
+    # an empty answer (no answer extracted) never leads while any sample answered
+    return sorted(table.values(), key=lambda e: (e.answer == "", -e.weight, order[e.answer]))
+
+
+def leader_stays_probability(a: float, b: float, remaining: int) -> float:
+    """P(the leader, with vote weight `a`, still leads the runner-up (weight `b`) after `remaining` more
+    votes), with the leader's share of their votes ~ Beta(a + 1, b + 1) and every remaining vote going to
+    one of the two (the conservative case): the Beta-binomial tail, computed exactly."""
+    if remaining <= 0:
+        return 1.0 if a > b else 0.0
+    alpha, beta = a + 1.0, b + 1.0
+    log_beta_ab = math.lgamma(alpha) + math.lgamma(beta) - math.lgamma(alpha + beta)
+    total = 0.0
+    for x in range(remaining + 1):  # x more votes for the leader
+        if a + x > b + (remaining - x):
+            log_choose = math.lgamma(remaining + 1) - math.lgamma(x + 1) - math.lgamma(remaining - x + 1)
+            log_b = math.lgamma(x + alpha) + math.lgamma(remaining - x + beta) - math.lgamma(remaining + alpha + beta)
+            total += math.exp(log_choose + log_b - log_beta_ab)
+    return min(1.0, total)
+
+
+@dataclass(slots=True)
+class VoteState:
+    """One request's adaptive self-consistency: ballots in the order samples finished."""
+
+    params: SelfConsistencyParams
+    ballots: list[Ballot] = field(default_factory=list)
+    started: int = 0
+    cancelled: int = 0
+    stop_reason: str = ""
+
+    def settled(self) -> str | None:
+        """Why the vote is settled now ("window", "posterior", "max_samples"), or None to go on."""
+        p, n = self.params, len(self.ballots)
+        if n >= p.max_samples:
+            return "max_samples"
+        if n < p.min_samples:
+            return None
+        if p.rule == "window":
+            last = self.ballots[-p.window:]
+            if len(last) == p.window and last[0].answer and all(b.answer == last[0].answer for b in last):
+                return "window"
+            return None
+        table = tally(self.ballots, p)
+        if not table or not table[0].answer:
+            return None
+        a = table[0].weight
+        b = table[1].weight if len(table) > 1 else 0.0
+        if leader_stays_probability(a, b, p.max_samples - n) >= p.threshold:
+            return "posterior"
+        return None
+
+    def answer(self) -> str:
+        table = tally(self.ballots, self.params)
+        return table[0].answer if table else ""

@@ -8,10 +8,11 @@ from tokenizers import Tokenizer
 
 from cotserve.common.errors import FailedPrecondition, InvalidArgument
 from cotserve.common.sampling import (
-    ReasoningBudget, SamplingParams, SlaClass, finish_reason_to_pb, reasoning_from_pb, sampling_from_pb, sla_from_pb,
+    ReasoningParams, SamplingParams, SlaClass, check_self_consistency, finish_reason_to_pb, reasoning_from_pb, sampling_from_pb, sla_from_pb,
 )
 from cotserve.worker.reasoning import ReasoningFormat
-from cotserve.worker.engine import RequestOutput
+from cotserve.common.v1 import common_pb2
+from cotserve.worker.engine import RequestOutput, VoteResult
 from cotserve.worker.v1 import worker_pb2
 
 
@@ -21,7 +22,7 @@ class GenerateCall:
     params: SamplingParams
     sla_class: SlaClass
     cache_salt: str = ""
-    budget: ReasoningBudget = ReasoningBudget()
+    budget: ReasoningParams = ReasoningParams()
 
 
 def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
@@ -47,12 +48,13 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     params = sampling_from_pb(
         req.sampling, vocab_size=vocab_size, max_model_len=max_model_len, max_new_tokens_limit=max_model_len - len(ids)
     )
-    budget = reasoning_from_pb(req.reasoning) if req.HasField("reasoning") else ReasoningBudget()
+    budget = reasoning_from_pb(req.reasoning) if req.HasField("reasoning") else ReasoningParams()
+    check_self_consistency(budget, params)
     check_budget(budget, reasoning)
     return GenerateCall(ids, params, sla_from_pb(req.sla_class), req.cache_salt, budget)
 
 
-def check_budget(budget: ReasoningBudget, fmt: ReasoningFormat | None) -> None:
+def check_budget(budget: ReasoningParams, fmt: ReasoningFormat | None) -> None:
     """FAILED_PRECONDITION, naming the worker flag to set, for budgets this model's format cannot honour."""
     if not budget.is_set:
         return
@@ -65,10 +67,14 @@ def check_budget(budget: ReasoningBudget, fmt: ReasoningFormat | None) -> None:
     if budget.min_thinking_tokens and len(fmt.end_ids) != 1:
         raise FailedPrecondition(f"reasoning.min_thinking_tokens: the end marker {fmt.end!r} is {len(fmt.end_ids)} tokens; "
                                  "only a single-token end marker can be held back")
+    ee = budget.early_exit
+    if ee is not None and ee.probe_every_steps is not None and fmt.step is None:
+        raise FailedPrecondition("reasoning.early_exit.probe_every_steps: the worker counts no steps; start it with "
+                                 "--reasoning-step (the text that ends a reasoning step, e.g. '.' or a newline)")
 
 
 def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
-    msg = worker_pb2.GenerateResponse(token_id=out.token_id, text=out.text, index=out.index, part=out.part)
+    msg = worker_pb2.GenerateResponse(token_id=max(0, out.token_id), text=out.text, index=out.index, part=out.part)
     if out.reasoning_text is not None:
         msg.reasoning_text = out.reasoning_text
         msg.answer_text = out.answer_text or ""
@@ -81,9 +87,21 @@ def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
         msg.usage.completion_tokens = out.completion_tokens
         msg.usage.cached_prompt_tokens = out.cached_prompt_tokens
         msg.usage.reasoning_tokens = out.reasoning_tokens
+        msg.usage.probe_tokens = out.probe_tokens
+    if out.vote is not None:
+        vote_to_pb(out.vote, msg.self_consistency)
     if out.timing is not None:
         msg.timing.queue_ms = out.timing.queue_ms
         msg.timing.ttft_ms = out.timing.ttft_ms
         msg.timing.total_ms = out.timing.total_ms
         msg.timing.kv_used_fraction_at_admission = out.timing.kv_used_fraction_at_admission
     return msg
+
+
+def vote_to_pb(vote: VoteResult, msg: common_pb2.SelfConsistencyResult) -> None:
+    msg.answer = vote.answer
+    msg.votes.extend(common_pb2.VoteEntry(answer=e.answer, count=e.count, weight=e.weight) for e in vote.votes)
+    msg.samples_used = vote.samples_used
+    msg.samples_cancelled = vote.samples_cancelled
+    msg.sample_tokens.extend(vote.sample_tokens)
+    msg.stop_reason = vote.stop_reason

@@ -44,6 +44,7 @@ class Sampler:
         seq_ids: list[int],
         params: list[SamplingParams],
         banned: list[int | None] | None = None,  # per row: a token it may not sample (or None)
+        want_logprobs: list[bool] | None = None,  # per row: the sampled token's logprob is needed (default: params.logprobs)
     ) -> SampleResult:
         logits = logits.float()
         if banned is not None and any(t is not None for t in banned):
@@ -52,7 +53,7 @@ class Sampler:
                 if token is not None:
                     logits[row, token] = float("-inf")
         greedy = logits.argmax(dim=-1).tolist()
-        want_logprobs = any(p.logprobs for p in params)
+        wants = want_logprobs if want_logprobs is not None else [p.logprobs for p in params]
         out_ids: list[int] = []
         out_lp: list[float | None] = []
         for row, (seq_id, p) in enumerate(zip(seq_ids, params)):
@@ -64,7 +65,7 @@ class Sampler:
                 probs = torch.softmax(scaled, dim=-1).cpu()
                 token = int(torch.multinomial(probs, 1, generator=self._generator(seq_id, p)))
             out_ids.append(token)
-            if want_logprobs and p.logprobs:
+            if wants[row]:
                 out_lp.append(float(torch.log_softmax(scaled, dim=-1)[token]))
             else:
                 out_lp.append(None)

@@ -193,6 +193,17 @@ class Scheduler:
             self.running.append(child)
         parent.group_size = 1
 
+    def fork_probe(self, parent: Sequence, probe: Sequence) -> bool:
+        """An early-exit `probe` of `parent` joins the running batch sharing `parent`'s computed blocks
+        (copy-on-write); False, changing nothing, when no batch seat or free block is left for it now."""
+        if len(self.running) >= self.max_num_seqs or self.block_manager.num_free_blocks < 2:
+            return False
+        self.block_manager.fork(parent, probe)
+        probe.status = SequenceStatus.RUNNING
+        probe.first_scheduled_time = parent.first_scheduled_time
+        self.running.append(probe)
+        return True
+
     def _victims(self, seq: Sequence, scheduled: set[int], allow_self: bool) -> list[Sequence]:
         key = self.key(seq)
         return [r for r in self.running

@@ -62,6 +62,12 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # hash of each full block of its tokens, computed lazily
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    probe_of: "Sequence | None" = None  # an early-exit probe: the sample it forked from (never in the output)
+    num_forced_tokens: int = 0  # a probe: the end-marker tokens it was given
+
+    @property
+    def is_probe(self) -> bool:
+        return self.probe_of is not None
 
     def record(self, name: str) -> None:
         self.events.append((name, time.time_ns()))

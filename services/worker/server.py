@@ -301,7 +301,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                          "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
                                          "cotserve.cached_prompt_tokens": out.cached_prompt_tokens,
                                          "cotserve.reasoning_tokens": out.reasoning_tokens,
+                                         "cotserve.probe_tokens": out.probe_tokens,
                                          "cotserve.preemptions": phases.preemptions})
+                    if out.vote is not None:
+                        span.set_attributes({"cotserve.vote.samples_used": out.vote.samples_used,
+                                             "cotserve.vote.samples_cancelled": out.vote.samples_cancelled,
+                                             "cotserve.vote.stop_reason": out.vote.stop_reason})
                 yield output_to_pb(out)
                 if out.is_last:
                     finished = True
@@ -340,6 +345,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             prefix_cache_queried_tokens_total=s.prefix_cache_queried_tokens, prefix_cache_hit_tokens_total=s.prefix_cache_hit_tokens,
             prefix_cache_blocks=s.prefix_cache_blocks, prefix_cache_evictions_total=s.prefix_cache_evictions,
             prompt_tokens_computed_total=s.num_prompt_tokens_computed_total, kv_blocks_used_peak=s.kv_blocks_used_peak,
+            reasoning_tokens_total=s.num_reasoning_tokens_total, probe_tokens_total=s.num_probe_tokens_total,
+            early_exits_total=s.num_early_exits_total, thinking_tokens_saved_total=s.num_thinking_tokens_saved_total,
+            vote_samples_used_total=s.num_vote_samples_used_total, vote_samples_saved_total=s.num_vote_samples_saved_total,
         )
 
     async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from cotserve.sdk import Client, FailedPrecondition, InvalidArgument, Reasoning
+from cotserve.sdk import Client, EarlyExit, FailedPrecondition, InvalidArgument, Reasoning, SelfConsistency
 
 
 @pytest.fixture
@@ -57,3 +57,72 @@ def test_cli_budget(demo_gateway):
     assert out.returncode == 0, out.stderr
     text, timing = out.stdout.strip().splitlines()
     assert text == "<think>12+30=42</think> 42" and "(7 reasoning)" in timing
+
+
+def test_early_exit_through_the_gateway(client):
+    r = client.generate("12+30-7+5+61-20=", max_new_tokens=64,
+                        reasoning=Reasoning(early_exit=EarlyExit(probe_every_tokens=2, agree=2)))
+    # the demo model's probes agree inside the third step (see tests/worker/test_early_exit_and_votes.py)
+    assert (r.text, r.answer_text, r.finish_reason) == ("<think>12+30=42. 42-7=35. 35+5=</think> 35", "35", "stop")
+    assert r.usage.reasoning_tokens == 19 and r.usage.completion_tokens == len(r.token_ids) == 21
+    assert r.usage.probe_tokens > 0
+
+
+def test_adaptive_self_consistency_through_the_gateway(client):
+    vote_opts = Reasoning(self_consistency=SelfConsistency(16, min_samples=3, rule="posterior"))
+    r = client.generate("12+30-7+5+61-20=", max_new_tokens=64, temperature=1.5, seed=4, reasoning=vote_opts)
+    v = r.self_consistency
+    assert (v.answer, v.samples_used, v.samples_cancelled, v.stop_reason) == ("81", 4, 2, "posterior")
+    assert [(e.answer, e.count, e.weight) for e in v.votes] == [("81", 4, 4.0)]
+    assert r.answer_text == "81" and len(r.choices) == 6
+    assert [c.finish_reason for c in r.choices] == ["stop"] * 4 + ["cancelled"] * 2
+    assert all(c.answer_text == "81" for c in r.choices[:4])
+    assert list(v.sample_tokens) == [len(c.token_ids) for c in r.choices[:4]] + list(v.sample_tokens[4:])
+    assert r.usage.completion_tokens == sum(v.sample_tokens)
+    chunks = list(client.stream("12+30-7+5+61-20=", max_new_tokens=64, temperature=1.5, seed=4, reasoning=vote_opts))
+    assert chunks[-1].self_consistency == v and chunks[-1].usage is not None
+    assert sorted(c.index for c in chunks if c.finish_reason == "cancelled") == [4, 5]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(reasoning=Reasoning(self_consistency=SelfConsistency(8))),
+     "sampling.temperature: reasoning.self_consistency needs temperature > 0 (greedy samples would all be the same)"),
+    (dict(temperature=1.0, n=2, reasoning=Reasoning(self_consistency=SelfConsistency(8))),
+     "sampling.n: 2 with reasoning.self_consistency, which draws its own samples; leave n unset (or 1)"),
+    (dict(temperature=1.0, reasoning=Reasoning(self_consistency=SelfConsistency(65))),
+     "reasoning.self_consistency.max_samples: 65 is out of range (1..64)"),
+    (dict(temperature=1.0, reasoning=Reasoning(self_consistency=SelfConsistency(4, min_samples=5))),
+     "reasoning.self_consistency.min_samples: 5 is out of range (1..max_samples = 4)"),
+    (dict(reasoning=Reasoning(early_exit=EarlyExit(probe_every_tokens=0))),
+     "reasoning.early_exit.probe_every_tokens: 0 is out of range (>= 1)"),
+    (dict(reasoning=Reasoning(early_exit=EarlyExit(probe_every_tokens=4, agree=0))),
+     "reasoning.early_exit.agree: 0 is out of range (1..16)"),
+])
+def test_bad_reasoning_options_name_the_field(client, kwargs, message):
+    with pytest.raises(InvalidArgument) as err:
+        client.generate("1+1=", **kwargs)
+    assert err.value.message == message
+
+
+def test_step_probes_on_a_worker_that_counts_no_steps_name_the_flag(client):
+    with pytest.raises(FailedPrecondition, match="reasoning.early_exit.probe_every_steps: the worker counts no steps"):
+        client.generate("1+1=", reasoning=Reasoning(early_exit=EarlyExit(probe_every_steps=1)))
+
+
+def test_cli_early_exit_and_self_consistency(demo_gateway):
+    cli = [sys.executable, "-m", "cotserve.cli", "generate", "12+30-7+5+61-20=", "--address", demo_gateway]
+    out = subprocess.run([*cli, "--early-exit", "--probe-every-tokens", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    text, timing = out.stdout.strip().splitlines()
+    assert text == "<think>12+30=42. 42-7=35. 35+5=</think> 35" and "(19 reasoning) + " in timing and " probe tokens |" in timing
+    out = subprocess.run([*cli, "--self-consistency", "16", "--vote-rule", "posterior", "--temperature", "1.5", "--seed", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[:4] == [f"[{i}] <think>12+30=42. 42-7=35. 35+5=40. 40+61=101. 101-20=81.</think> 81 (stop)" for i in range(4)]
+    # the cancelled samples show what they had written (their last token never came)
+    assert [line.split(" ", 1)[0] for line in lines[4:6]] == ["[4]", "[5]"]
+    assert all(line.startswith(f"{line[:3]} <think>12+30=42.") and line.endswith(" (cancelled)") for line in lines[4:6])
+    assert lines[6] == "vote: 81 (81 x4; 4 samples used, 2 cancelled, stopped by posterior)"
+    bad = subprocess.run([*cli, "--agree", "2"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "need --early-exit" in bad.stderr

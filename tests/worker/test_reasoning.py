@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cotserve.common.errors import FailedPrecondition
-from cotserve.common.sampling import ReasoningBudget
+from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import Part, ReasoningFormat, ThinkingTracker
@@ -53,7 +53,7 @@ def test_bad_format_flags_are_named(demo, kwargs, message):
 
 def test_tracker_labels_parts_and_counts_tokens_and_steps(demo, fmt):
     tok = demo.tokenizer
-    tracker = ThinkingTracker(fmt, ReasoningBudget(), tok.encode("37+48-12=").ids)
+    tracker = ThinkingTracker(fmt, ReasoningParams(), tok.encode("37+48-12=").ids)
     ids = tok.encode(ANSWER, add_special_tokens=False).ids
     parts = [tracker.observe(t, tok.decode([t])) for t in ids]
     end = ids.index(1450)
@@ -63,7 +63,7 @@ def test_tracker_labels_parts_and_counts_tokens_and_steps(demo, fmt):
 
 
 def test_a_prompt_that_opens_the_thinking_starts_in_it(demo, fmt):
-    tracker = ThinkingTracker(fmt, ReasoningBudget(max_thinking_tokens=2), demo.tokenizer.encode("1+1=<think>").ids)
+    tracker = ThinkingTracker(fmt, ReasoningParams(max_thinking_tokens=2), demo.tokenizer.encode("1+1=<think>").ids)
     assert tracker.thinking_at_start and tracker.is_thinking
     tracker.observe(5, "a")
     assert not tracker.must_stop_thinking()
@@ -72,17 +72,17 @@ def test_a_prompt_that_opens_the_thinking_starts_in_it(demo, fmt):
 
 
 def test_budgets_the_format_cannot_honour_are_failed_precondition(demo, fmt):
-    check_budget(ReasoningBudget(), None)  # no budget: fine on any model
+    check_budget(ReasoningParams(), None)  # no budget: fine on any model
     with pytest.raises(FailedPrecondition, match="--reasoning-start and --reasoning-end"):
-        check_budget(ReasoningBudget(max_thinking_tokens=5), None)
+        check_budget(ReasoningParams(max_thinking_tokens=5), None)
     with pytest.raises(FailedPrecondition, match="reasoning.max_thinking_steps: .* --reasoning-step"):
-        check_budget(ReasoningBudget(max_thinking_steps=2), ReasoningFormat.for_tokenizer(demo.tokenizer))
+        check_budget(ReasoningParams(max_thinking_steps=2), ReasoningFormat.for_tokenizer(demo.tokenizer))
     two_token_end = ReasoningFormat.for_tokenizer(demo.tokenizer, start="<think>", end="[end]")
     with pytest.raises(FailedPrecondition, match="reasoning.min_thinking_tokens: the end marker '\\[end\\]' is"):
-        check_budget(ReasoningBudget(min_thinking_tokens=3), two_token_end)
+        check_budget(ReasoningParams(min_thinking_tokens=3), two_token_end)
 
 
-def run(demo, fmt, prompt: str, budget: ReasoningBudget, max_new_tokens: int = 64) -> list[RequestOutput]:
+def run(demo, fmt, prompt: str, budget: ReasoningParams, max_new_tokens: int = 64) -> list[RequestOutput]:
     engine = Engine(demo, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
                                        max_model_len=demo.config.max_context), fmt)
     outs: list[RequestOutput] = []
@@ -102,7 +102,7 @@ def thinking_ids(outs: list[RequestOutput]) -> list[int]:
 
 
 def test_unbudgeted_output_is_unchanged_and_split(demo, fmt):
-    outs = run(demo, fmt, "37+48-12=", ReasoningBudget())
+    outs = run(demo, fmt, "37+48-12=", ReasoningParams())
     assert "".join(o.text for o in outs) == ANSWER
     last = outs[-1]
     assert (last.reasoning_text, last.answer_text) == ("37+48=85. 85-12=73.", "73")
@@ -119,9 +119,9 @@ DEMO_KEEPS_COMPUTING = {1, 2, 8}
 @pytest.mark.parametrize("budget", range(12))
 def test_max_thinking_tokens_is_exact_and_the_forced_end_is_followed_by_an_answer(demo, fmt, budget):
     prompt = "12+30-7+5+61-20="  # thinks for 24 tokens unbudgeted
-    free = thinking_ids(run(demo, fmt, prompt, ReasoningBudget()))
+    free = thinking_ids(run(demo, fmt, prompt, ReasoningParams()))
     assert len(free) > 11
-    outs = run(demo, fmt, prompt, ReasoningBudget(max_thinking_tokens=budget))
+    outs = run(demo, fmt, prompt, ReasoningParams(max_thinking_tokens=budget))
     assert thinking_ids(outs) == free[:budget]  # the same thinking, cut exactly at the budget
     ids = [o.token_id for o in outs]
     end = ids.index(1450)
@@ -133,20 +133,20 @@ def test_max_thinking_tokens_is_exact_and_the_forced_end_is_followed_by_an_answe
 
 
 def test_max_thinking_steps_stops_after_that_many_steps(demo, fmt):
-    outs = run(demo, fmt, "12+30-7+5+61-20=", ReasoningBudget(max_thinking_steps=2))
+    outs = run(demo, fmt, "12+30-7+5+61-20=", ReasoningParams(max_thinking_steps=2))
     assert outs[-1].reasoning_text == "12+30=42. 42-7=35."
     assert re.fullmatch(r"-?\d+", outs[-1].answer_text)
 
 
 def test_min_thinking_tokens_holds_the_end_marker_back(demo, fmt):
-    free = thinking_ids(run(demo, fmt, "37+48-12=", ReasoningBudget()))
-    outs = run(demo, fmt, "37+48-12=", ReasoningBudget(min_thinking_tokens=len(free) + 5), max_new_tokens=120)
+    free = thinking_ids(run(demo, fmt, "37+48-12=", ReasoningParams()))
+    outs = run(demo, fmt, "37+48-12=", ReasoningParams(min_thinking_tokens=len(free) + 5), max_new_tokens=120)
     held = [o.token_id for o in outs]
     assert 1450 not in held[: held.index(1449) + 1 + len(free) + 5]  # no end marker before the minimum
 
 
 def test_a_custom_forcing_text_is_what_the_model_reads(demo, fmt):
-    outs = run(demo, fmt, "12+30-7+5+61-20=", ReasoningBudget(max_thinking_tokens=3, forcing_text=" Time is up.</think>"))
+    outs = run(demo, fmt, "12+30-7+5+61-20=", ReasoningParams(max_thinking_tokens=3, forcing_text=" Time is up.</think>"))
     text = "".join(o.text for o in outs)
     assert text.startswith("<think>12+30 Time is up.</think>")  # three thinking tokens: 12 + 30
     assert outs[-1].reasoning_text == "12+30 Time is up."

@@ -24,25 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/common/v1/common.proto\x12\x12\x63otserve.common.v1\"\xea\x01\n\x10ReasoningOptions\x12 \n\x13max_thinking_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1f\n\x12max_thinking_steps\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12 \n\x13min_thinking_tokens\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x19\n\x0c\x66orcing_text\x18\x04 \x01(\tH\x03\x88\x01\x01\x42\x16\n\x14_max_thinking_tokensB\x15\n\x13_max_thinking_stepsB\x16\n\x14_min_thinking_tokensB\x0f\n\r_forcing_text\"\xa4\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0e\n\x01n\x18\n \x01(\rH\x05\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_n\"q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"d\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12%\n\x1dkv_used_fraction_at_admission\x18\x04 \x01(\x01*m\n\x08SlaClass\x12\x19\n\x15SLA_CLASS_UNSPECIFIED\x10\x00\x12\x16\n\x12SLA_CLASS_REALTIME\x10\x01\x12\x19\n\x15SLA_CLASS_INTERACTIVE\x10\x02\x12\x13\n\x0fSLA_CLASS_BATCH\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*T\n\x08TextPart\x12\x19\n\x15TEXT_PART_UNSPECIFIED\x10\x00\x12\x17\n\x13TEXT_PART_REASONING\x10\x01\x12\x14\n\x10TEXT_PART_ANSWER\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/common/v1/common.proto\x12\x12\x63otserve.common.v1\"\xdc\x02\n\x10ReasoningOptions\x12 \n\x13max_thinking_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1f\n\x12max_thinking_steps\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12 \n\x13min_thinking_tokens\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x19\n\x0c\x66orcing_text\x18\x04 \x01(\tH\x03\x88\x01\x01\x12\x31\n\nearly_exit\x18\x05 \x01(\x0b\x32\x1d.cotserve.common.v1.EarlyExit\x12=\n\x10self_consistency\x18\x06 \x01(\x0b\x32#.cotserve.common.v1.SelfConsistencyB\x16\n\x14_max_thinking_tokensB\x15\n\x13_max_thinking_stepsB\x16\n\x14_min_thinking_tokensB\x0f\n\r_forcing_text\"\xfb\x01\n\tEarlyExit\x12\x1f\n\x12probe_every_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x1e\n\x11probe_every_steps\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05\x61gree\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1b\n\x0emin_confidence\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10probe_max_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x42\x15\n\x13_probe_every_tokensB\x14\n\x12_probe_every_stepsB\x08\n\x06_agreeB\x11\n\x0f_min_confidenceB\x13\n\x11_probe_max_tokens\"\x98\x02\n\x0fSelfConsistency\x12\x13\n\x0bmax_samples\x18\x01 \x01(\r\x12\x18\n\x0bmin_samples\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x35\n\x04rule\x18\x03 \x01(\x0e\x32\'.cotserve.common.v1.SelfConsistencyRule\x12\x13\n\x06window\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x16\n\tthreshold\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x13\x63onfidence_weighted\x18\x06 \x01(\x08\x12\x1a\n\rdrop_fraction\x18\x07 \x01(\x02H\x03\x88\x01\x01\x42\x0e\n\x0c_min_samplesB\t\n\x07_windowB\x0c\n\n_thresholdB\x10\n\x0e_drop_fraction\":\n\tVoteEntry\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06weight\x18\x03 \x01(\x01\"\xb2\x01\n\x15SelfConsistencyResult\x12\x0e\n\x06\x61nswer\x18\x01 \x01(\t\x12,\n\x05votes\x18\x02 \x03(\x0b\x32\x1d.cotserve.common.v1.VoteEntry\x12\x14\n\x0csamples_used\x18\x03 \x01(\r\x12\x19\n\x11samples_cancelled\x18\x04 \x01(\r\x12\x15\n\rsample_tokens\x18\x05 \x03(\r\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"\xa4\x02\n\x0eSamplingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x0e\n\x01n\x18\n \x01(\rH\x05\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_n\"\x87\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\x12\x14\n\x0cprobe_tokens\x18\x05 \x01(\r\"d\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\x12%\n\x1dkv_used_fraction_at_admission\x18\x04 \x01(\x01*m\n\x08SlaClass\x12\x19\n\x15SLA_CLASS_UNSPECIFIED\x10\x00\x12\x16\n\x12SLA_CLASS_REALTIME\x10\x01\x12\x19\n\x15SLA_CLASS_INTERACTIVE\x10\x02\x12\x13\n\x0fSLA_CLASS_BATCH\x10\x03*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03*T\n\x08TextPart\x12\x19\n\x15TEXT_PART_UNSPECIFIED\x10\x00\x12\x17\n\x13TEXT_PART_REASONING\x10\x01\x12\x14\n\x10TEXT_PART_ANSWER\x10\x02*\x83\x01\n\x13SelfConsistencyRule\x12%\n!SELF_CONSISTENCY_RULE_UNSPECIFIED\x10\x00\x12 \n\x1cSELF_CONSISTENCY_RULE_WINDOW\x10\x01\x12#\n\x1fSELF_CONSISTENCY_RULE_POSTERIOR\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cotserve.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SLACLASS']._serialized_start=804
-  _globals['_SLACLASS']._serialized_end=913
-  _globals['_FINISHREASON']._serialized_start=915
-  _globals['_FINISHREASON']._serialized_end=1010
-  _globals['_TEXTPART']._serialized_start=1012
-  _globals['_TEXTPART']._serialized_end=1096
+  _globals['_SLACLASS']._serialized_start=1719
+  _globals['_SLACLASS']._serialized_end=1828
+  _globals['_FINISHREASON']._serialized_start=1830
+  _globals['_FINISHREASON']._serialized_end=1954
+  _globals['_TEXTPART']._serialized_start=1956
+  _globals['_TEXTPART']._serialized_end=2040
+  _globals['_SELFCONSISTENCYRULE']._serialized_start=2043
+  _globals['_SELFCONSISTENCYRULE']._serialized_end=2174
   _globals['_REASONINGOPTIONS']._serialized_start=56
-  _globals['_REASONINGOPTIONS']._serialized_end=290
-  _globals['_SAMPLINGPARAMS']._serialized_start=293
-  _globals['_SAMPLINGPARAMS']._serialized_end=585
-  _globals['_USAGE']._serialized_start=587
-  _globals['_USAGE']._serialized_end=700
-  _globals['_TIMING']._serialized_start=702
-  _globals['_TIMING']._serialized_end=802
+  _globals['_REASONINGOPTIONS']._serialized_end=404
+  _globals['_EARLYEXIT']._serialized_start=407
+  _globals['_EARLYEXIT']._serialized_end=658
+  _globals['_SELFCONSISTENCY']._serialized_start=661
+  _globals['_SELFCONSISTENCY']._serialized_end=941
+  _globals['_VOTEENTRY']._serialized_start=943
+  _globals['_VOTEENTRY']._serialized_end=1001
+  _globals['_SELFCONSISTENCYRESULT']._serialized_start=1004
+  _globals['_SELFCONSISTENCYRESULT']._serialized_end=1182
+  _globals['_SAMPLINGPARAMS']._serialized_start=1185
+  _globals['_SAMPLINGPARAMS']._serialized_end=1477
+  _globals['_USAGE']._serialized_start=1480
+  _globals['_USAGE']._serialized_end=1615
+  _globals['_TIMING']._serialized_start=1617
+  _globals['_TIMING']._serialized_end=1717
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """An end-of-sequence token, a stop token id or a stop string was produced."""
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 2
     """max_new_tokens was reached, or the model's context is full."""
+    FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 3
+    """A self-consistency vote was settled before this sample finished; it was stopped and its pages freed."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why generation ended."""
@@ -69,6 +71,8 @@ FINISH_REASON_STOP: FinishReason.ValueType  # 1
 """An end-of-sequence token, a stop token id or a stop string was produced."""
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_new_tokens was reached, or the model's context is full."""
+FINISH_REASON_CANCELLED: FinishReason.ValueType  # 3
+"""A self-consistency vote was settled before this sample finished; it was stopped and its pages freed."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _TextPart:
@@ -95,6 +99,34 @@ TEXT_PART_ANSWER: TextPart.ValueType  # 2
 """Everything outside the thinking."""
 Global___TextPart: _TypeAlias = TextPart  # noqa: Y015
 
+class _SelfConsistencyRule:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SelfConsistencyRuleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SelfConsistencyRule.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SELF_CONSISTENCY_RULE_UNSPECIFIED: _SelfConsistencyRule.ValueType  # 0
+    """Not set: SELF_CONSISTENCY_RULE_WINDOW."""
+    SELF_CONSISTENCY_RULE_WINDOW: _SelfConsistencyRule.ValueType  # 1
+    """ESC: the last `window` answers are identical."""
+    SELF_CONSISTENCY_RULE_POSTERIOR: _SelfConsistencyRule.ValueType  # 2
+    """Adaptive-Consistency: the probability (Beta posterior over the leader and the runner-up) that the
+    leader stays the majority once max_samples have voted reaches `threshold`.
+    """
+
+class SelfConsistencyRule(_SelfConsistencyRule, metaclass=_SelfConsistencyRuleEnumTypeWrapper):
+    """How adaptive self-consistency decides the vote is settled."""
+
+SELF_CONSISTENCY_RULE_UNSPECIFIED: SelfConsistencyRule.ValueType  # 0
+"""Not set: SELF_CONSISTENCY_RULE_WINDOW."""
+SELF_CONSISTENCY_RULE_WINDOW: SelfConsistencyRule.ValueType  # 1
+"""ESC: the last `window` answers are identical."""
+SELF_CONSISTENCY_RULE_POSTERIOR: SelfConsistencyRule.ValueType  # 2
+"""Adaptive-Consistency: the probability (Beta posterior over the leader and the runner-up) that the
+leader stays the majority once max_samples have voted reaches `threshold`.
+"""
+Global___SelfConsistencyRule: _TypeAlias = SelfConsistencyRule  # noqa: Y015
+
 @_typing.final
 class ReasoningOptions(_message.Message):
     """Budgets on a reasoning model's thinking. The model must have reasoning markers (the tokenizer's
@@ -107,6 +139,8 @@ class ReasoningOptions(_message.Message):
     MAX_THINKING_STEPS_FIELD_NUMBER: _builtins.int
     MIN_THINKING_TOKENS_FIELD_NUMBER: _builtins.int
     FORCING_TEXT_FIELD_NUMBER: _builtins.int
+    EARLY_EXIT_FIELD_NUMBER: _builtins.int
+    SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
     max_thinking_tokens: _builtins.int
     """Thinking tokens at most (between the markers); when reached, the forcing text is appended and the model
     answers. >= 0.
@@ -119,6 +153,14 @@ class ReasoningOptions(_message.Message):
     """Text appended when a budget ends the thinking (for example "\\nTime is up.\\n</think>"); default: the end
     marker. At most 256 characters.
     """
+    @_builtins.property
+    def early_exit(self) -> Global___EarlyExit:
+        """Stop thinking once the answer has converged."""
+
+    @_builtins.property
+    def self_consistency(self) -> Global___SelfConsistency:
+        """Vote over samples and stop once the vote is settled."""
+
     def __init__(
         self,
         *,
@@ -126,10 +168,12 @@ class ReasoningOptions(_message.Message):
         max_thinking_steps: _builtins.int | None = ...,
         min_thinking_tokens: _builtins.int | None = ...,
         forcing_text: _builtins.str | None = ...,
+        early_exit: Global___EarlyExit | None = ...,
+        self_consistency: Global___SelfConsistency | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_forcing_text", b"_forcing_text", "_max_thinking_steps", b"_max_thinking_steps", "_max_thinking_tokens", b"_max_thinking_tokens", "_min_thinking_tokens", b"_min_thinking_tokens", "forcing_text", b"forcing_text", "max_thinking_steps", b"max_thinking_steps", "max_thinking_tokens", b"max_thinking_tokens", "min_thinking_tokens", b"min_thinking_tokens"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_forcing_text", b"_forcing_text", "_max_thinking_steps", b"_max_thinking_steps", "_max_thinking_tokens", b"_max_thinking_tokens", "_min_thinking_tokens", b"_min_thinking_tokens", "early_exit", b"early_exit", "forcing_text", b"forcing_text", "max_thinking_steps", b"max_thinking_steps", "max_thinking_tokens", b"max_thinking_tokens", "min_thinking_tokens", b"min_thinking_tokens", "self_consistency", b"self_consistency"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forcing_text", b"_forcing_text", "_max_thinking_steps", b"_max_thinking_steps", "_max_thinking_tokens", b"_max_thinking_tokens", "_min_thinking_tokens", b"_min_thinking_tokens", "forcing_text", b"forcing_text", "max_thinking_steps", b"max_thinking_steps", "max_thinking_tokens", b"max_thinking_tokens", "min_thinking_tokens", b"min_thinking_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_forcing_text", b"_forcing_text", "_max_thinking_steps", b"_max_thinking_steps", "_max_thinking_tokens", b"_max_thinking_tokens", "_min_thinking_tokens", b"_min_thinking_tokens", "early_exit", b"early_exit", "forcing_text", b"forcing_text", "max_thinking_steps", b"max_thinking_steps", "max_thinking_tokens", b"max_thinking_tokens", "min_thinking_tokens", b"min_thinking_tokens", "self_consistency", b"self_consistency"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__forcing_text: _TypeAlias = _typing.Literal["forcing_text"]  # noqa: Y015
     _WhichOneofArgType__forcing_text: _TypeAlias = _typing.Literal["_forcing_text", b"_forcing_text"]  # noqa: Y015
@@ -149,6 +193,211 @@ class ReasoningOptions(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_thinking_tokens) -> _WhichOneofReturnType__min_thinking_tokens | None: ...
 
 Global___ReasoningOptions: _TypeAlias = ReasoningOptions  # noqa: Y015
+
+@_typing.final
+class EarlyExit(_message.Message):
+    """Early exit on answer convergence. At each probe point the sample forks (its KV pages shared,
+    copy-on-write): the fork gets the end marker and decodes a few greedy tokens in the same batches as
+    everything else, and its answer is extracted. When the last `agree` probes give the same answer (and
+    their mean token probability reaches min_confidence, when set), thinking stops and the sample
+    answers with it. Probe tokens are real compute, counted in Usage.probe_tokens; probes never appear in
+    the output. Give exactly one of probe_every_tokens and probe_every_steps.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROBE_EVERY_TOKENS_FIELD_NUMBER: _builtins.int
+    PROBE_EVERY_STEPS_FIELD_NUMBER: _builtins.int
+    AGREE_FIELD_NUMBER: _builtins.int
+    MIN_CONFIDENCE_FIELD_NUMBER: _builtins.int
+    PROBE_MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    probe_every_tokens: _builtins.int
+    """Probe after every this many thinking tokens, >= 1."""
+    probe_every_steps: _builtins.int
+    """Probe at the end of every this many reasoning steps (the worker's --reasoning-step), >= 1."""
+    agree: _builtins.int
+    """Probes in a row that must give the same answer, 1..16, default 2."""
+    min_confidence: _builtins.float
+    """The agreeing probes' mean token probability must reach this, (0, 1]; default: not checked."""
+    probe_max_tokens: _builtins.int
+    """Tokens a probe decodes after the end marker at most, 1..64, default 16."""
+    def __init__(
+        self,
+        *,
+        probe_every_tokens: _builtins.int | None = ...,
+        probe_every_steps: _builtins.int | None = ...,
+        agree: _builtins.int | None = ...,
+        min_confidence: _builtins.float | None = ...,
+        probe_max_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_agree", b"_agree", "_min_confidence", b"_min_confidence", "_probe_every_steps", b"_probe_every_steps", "_probe_every_tokens", b"_probe_every_tokens", "_probe_max_tokens", b"_probe_max_tokens", "agree", b"agree", "min_confidence", b"min_confidence", "probe_every_steps", b"probe_every_steps", "probe_every_tokens", b"probe_every_tokens", "probe_max_tokens", b"probe_max_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_agree", b"_agree", "_min_confidence", b"_min_confidence", "_probe_every_steps", b"_probe_every_steps", "_probe_every_tokens", b"_probe_every_tokens", "_probe_max_tokens", b"_probe_max_tokens", "agree", b"agree", "min_confidence", b"min_confidence", "probe_every_steps", b"probe_every_steps", "probe_every_tokens", b"probe_every_tokens", "probe_max_tokens", b"probe_max_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__agree: _TypeAlias = _typing.Literal["agree"]  # noqa: Y015
+    _WhichOneofArgType__agree: _TypeAlias = _typing.Literal["_agree", b"_agree"]  # noqa: Y015
+    _WhichOneofReturnType__min_confidence: _TypeAlias = _typing.Literal["min_confidence"]  # noqa: Y015
+    _WhichOneofArgType__min_confidence: _TypeAlias = _typing.Literal["_min_confidence", b"_min_confidence"]  # noqa: Y015
+    _WhichOneofReturnType__probe_every_steps: _TypeAlias = _typing.Literal["probe_every_steps"]  # noqa: Y015
+    _WhichOneofArgType__probe_every_steps: _TypeAlias = _typing.Literal["_probe_every_steps", b"_probe_every_steps"]  # noqa: Y015
+    _WhichOneofReturnType__probe_every_tokens: _TypeAlias = _typing.Literal["probe_every_tokens"]  # noqa: Y015
+    _WhichOneofArgType__probe_every_tokens: _TypeAlias = _typing.Literal["_probe_every_tokens", b"_probe_every_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__probe_max_tokens: _TypeAlias = _typing.Literal["probe_max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__probe_max_tokens: _TypeAlias = _typing.Literal["_probe_max_tokens", b"_probe_max_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__agree) -> _WhichOneofReturnType__agree | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_confidence) -> _WhichOneofReturnType__min_confidence | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__probe_every_steps) -> _WhichOneofReturnType__probe_every_steps | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__probe_every_tokens) -> _WhichOneofReturnType__probe_every_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__probe_max_tokens) -> _WhichOneofReturnType__probe_max_tokens | None: ...
+
+Global___EarlyExit: _TypeAlias = EarlyExit  # noqa: Y015
+
+@_typing.final
+class SelfConsistency(_message.Message):
+    """Adaptive self-consistency: samples of the prompt (sharing its KV pages) run in rounds of min_samples at
+    a time; after each finished sample the rule is checked, and once the vote is settled the unfinished
+    samples are cancelled and their pages freed. Needs sampling.n unset or 1 and a temperature > 0.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_SAMPLES_FIELD_NUMBER: _builtins.int
+    MIN_SAMPLES_FIELD_NUMBER: _builtins.int
+    RULE_FIELD_NUMBER: _builtins.int
+    WINDOW_FIELD_NUMBER: _builtins.int
+    THRESHOLD_FIELD_NUMBER: _builtins.int
+    CONFIDENCE_WEIGHTED_FIELD_NUMBER: _builtins.int
+    DROP_FRACTION_FIELD_NUMBER: _builtins.int
+    max_samples: _builtins.int
+    """Samples at most, 1..64."""
+    min_samples: _builtins.int
+    """Samples started together in each round, and voted before any stop: 1..max_samples, default
+    min(3, max_samples).
+    """
+    rule: Global___SelfConsistencyRule.ValueType
+    """Default SELF_CONSISTENCY_RULE_WINDOW."""
+    window: _builtins.int
+    """WINDOW: identical answers in a row that settle the vote, 1..max_samples, default min_samples."""
+    threshold: _builtins.float
+    """POSTERIOR: the probability that settles the vote, [0.5, 1), default 0.95."""
+    confidence_weighted: _builtins.bool
+    """Weight each vote by its sample's confidence (the geometric mean of its token probabilities)."""
+    drop_fraction: _builtins.float
+    """Before counting, drop this fraction of the lowest-confidence finished samples, [0, 0.9], default 0."""
+    def __init__(
+        self,
+        *,
+        max_samples: _builtins.int = ...,
+        min_samples: _builtins.int | None = ...,
+        rule: Global___SelfConsistencyRule.ValueType = ...,
+        window: _builtins.int | None = ...,
+        threshold: _builtins.float | None = ...,
+        confidence_weighted: _builtins.bool = ...,
+        drop_fraction: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_drop_fraction", b"_drop_fraction", "_min_samples", b"_min_samples", "_threshold", b"_threshold", "_window", b"_window", "drop_fraction", b"drop_fraction", "min_samples", b"min_samples", "threshold", b"threshold", "window", b"window"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_drop_fraction", b"_drop_fraction", "_min_samples", b"_min_samples", "_threshold", b"_threshold", "_window", b"_window", "confidence_weighted", b"confidence_weighted", "drop_fraction", b"drop_fraction", "max_samples", b"max_samples", "min_samples", b"min_samples", "rule", b"rule", "threshold", b"threshold", "window", b"window"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__drop_fraction: _TypeAlias = _typing.Literal["drop_fraction"]  # noqa: Y015
+    _WhichOneofArgType__drop_fraction: _TypeAlias = _typing.Literal["_drop_fraction", b"_drop_fraction"]  # noqa: Y015
+    _WhichOneofReturnType__min_samples: _TypeAlias = _typing.Literal["min_samples"]  # noqa: Y015
+    _WhichOneofArgType__min_samples: _TypeAlias = _typing.Literal["_min_samples", b"_min_samples"]  # noqa: Y015
+    _WhichOneofReturnType__threshold: _TypeAlias = _typing.Literal["threshold"]  # noqa: Y015
+    _WhichOneofArgType__threshold: _TypeAlias = _typing.Literal["_threshold", b"_threshold"]  # noqa: Y015
+    _WhichOneofReturnType__window: _TypeAlias = _typing.Literal["window"]  # noqa: Y015
+    _WhichOneofArgType__window: _TypeAlias = _typing.Literal["_window", b"_window"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__drop_fraction) -> _WhichOneofReturnType__drop_fraction | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_samples) -> _WhichOneofReturnType__min_samples | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__threshold) -> _WhichOneofReturnType__threshold | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__window) -> _WhichOneofReturnType__window | None: ...
+
+Global___SelfConsistency: _TypeAlias = SelfConsistency  # noqa: Y015
+
+@_typing.final
+class VoteEntry(_message.Message):
+    """One answer's share of a self-consistency vote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWER_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    answer: _builtins.str
+    """The extracted answer ("" for samples that gave none)."""
+    count: _builtins.int
+    """Samples that gave it (after drop_fraction)."""
+    weight: _builtins.float
+    """Their summed weight (the count, unless confidence_weighted)."""
+    def __init__(
+        self,
+        *,
+        answer: _builtins.str = ...,
+        count: _builtins.int = ...,
+        weight: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "count", b"count", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___VoteEntry: _TypeAlias = VoteEntry  # noqa: Y015
+
+@_typing.final
+class SelfConsistencyResult(_message.Message):
+    """How a self-consistency vote ended."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWER_FIELD_NUMBER: _builtins.int
+    VOTES_FIELD_NUMBER: _builtins.int
+    SAMPLES_USED_FIELD_NUMBER: _builtins.int
+    SAMPLES_CANCELLED_FIELD_NUMBER: _builtins.int
+    SAMPLE_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_REASON_FIELD_NUMBER: _builtins.int
+    answer: _builtins.str
+    """The voted answer."""
+    samples_used: _builtins.int
+    """Samples that finished and voted."""
+    samples_cancelled: _builtins.int
+    """Samples stopped unfinished when the vote was settled."""
+    stop_reason: _builtins.str
+    """Why it stopped: "window", "posterior" or "max_samples"."""
+    @_builtins.property
+    def votes(self) -> _containers.RepeatedCompositeFieldContainer[Global___VoteEntry]:
+        """Every answer's votes, the heaviest first."""
+
+    @_builtins.property
+    def sample_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Completion tokens of each sample, by sample index (cancelled ones included)."""
+
+    def __init__(
+        self,
+        *,
+        answer: _builtins.str = ...,
+        votes: _abc.Iterable[Global___VoteEntry] | None = ...,
+        samples_used: _builtins.int = ...,
+        samples_cancelled: _builtins.int = ...,
+        sample_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        stop_reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "sample_tokens", b"sample_tokens", "samples_cancelled", b"samples_cancelled", "samples_used", b"samples_used", "stop_reason", b"stop_reason", "votes", b"votes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SelfConsistencyResult: _TypeAlias = SelfConsistencyResult  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
@@ -247,6 +496,7 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     REASONING_TOKENS_FIELD_NUMBER: _builtins.int
+    PROBE_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt, special tokens included."""
     completion_tokens: _builtins.int
@@ -255,6 +505,8 @@ class Usage(_message.Message):
     """Prompt tokens whose KV was found in the worker's prefix cache rather than computed (OpenAI's cached_tokens)."""
     reasoning_tokens: _builtins.int
     """Of completion_tokens, those of the reasoning (markers and forcing text included), every sample summed."""
+    probe_tokens: _builtins.int
+    """Tokens computed by early-exit probes (their end marker and answer), not part of completion_tokens."""
     def __init__(
         self,
         *,
@@ -262,10 +514,11 @@ class Usage(_message.Message):
         completion_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
         reasoning_tokens: _builtins.int = ...,
+        probe_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "probe_tokens", b"probe_tokens", "prompt_tokens", b"prompt_tokens", "reasoning_tokens", b"reasoning_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -93,6 +93,7 @@ class GenerateStreamResponse(_message.Message):
     PART_FIELD_NUMBER: _builtins.int
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
+    SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta."""
     token_id: _builtins.int
@@ -117,6 +118,10 @@ class GenerateStreamResponse(_message.Message):
     def timing(self) -> _common_pb2.Timing:
         """Timing, on the last chunk of the stream."""
 
+    @_builtins.property
+    def self_consistency(self) -> _common_pb2.SelfConsistencyResult:
+        """With reasoning.self_consistency, on the last chunk of the stream: the vote."""
+
     def __init__(
         self,
         *,
@@ -130,10 +135,11 @@ class GenerateStreamResponse(_message.Message):
         part: _common_pb2.TextPart.ValueType = ...,
         reasoning_text: _builtins.str | None = ...,
         answer_text: _builtins.str | None = ...,
+        self_consistency: _common_pb2.SelfConsistencyResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "logprob", b"logprob", "reasoning_text", b"reasoning_text", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "logprob", b"logprob", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "part", b"part", "reasoning_text", b"reasoning_text", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
@@ -276,6 +282,7 @@ class GenerateResponse(_message.Message):
     CHOICES_FIELD_NUMBER: _builtins.int
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
+    SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """The generated text."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -304,6 +311,10 @@ class GenerateResponse(_message.Message):
     def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Choice]:
         """Every sample, in index order (one when n is 1)."""
 
+    @_builtins.property
+    def self_consistency(self) -> _common_pb2.SelfConsistencyResult:
+        """With reasoning.self_consistency: the vote (its answer is the response's answer)."""
+
     def __init__(
         self,
         *,
@@ -316,10 +327,11 @@ class GenerateResponse(_message.Message):
         choices: _abc.Iterable[Global___Choice] | None = ...,
         reasoning_text: _builtins.str | None = ...,
         answer_text: _builtins.str | None = ...,
+        self_consistency: _common_pb2.SelfConsistencyResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015

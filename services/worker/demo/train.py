@@ -1,6 +1,11 @@
 """Train the bundled demo model: a tiny Llama that does arithmetic as a chain of thought.
 
     python -m cotserve.worker.demo.train --out services/worker/demo/model
+    python -m cotserve.worker.demo.train --task testbed --out services/worker/demo/testbed
+
+`--task testbed` trains the reasoning testbed instead (see `arithmetic.py`): 3 to 8 operands, a
+backward check before the end of thinking, chains that slip at a fixed rate, and chains cut short
+by a forced end marker.
 
 Seeded and reproducible on the CPU (same seed, same thread count: same weights). Writes a normal
 Hugging Face folder: config.json (LlamaForCausalLM), model.safetensors, tokenizer.json,
@@ -20,7 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from cotserve.worker.demo.arithmetic import Problem, parse_answer, problems, random_problem
+from cotserve.worker.demo.arithmetic import (FORCED_RATE, TESTBED_MAX_OPERANDS, TESTBED_MIN_OPERANDS, Problem, parse_answer, problems, random_problem,
+                                             testbed_completion, testbed_problem, testbed_problems)
 from cotserve.worker.demo.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, build_tokenizer, number_tokens
 from cotserve.worker.models.attention import DenseCausalAttention
 from cotserve.worker.models.config import ModelConfig
@@ -57,16 +63,27 @@ def hf_config() -> dict:
     }
 
 
-def encode_example(tok, p: Problem) -> tuple[list[int], list[int]]:
+def encode_example(tok, p: Problem, completion_text: str | None = None) -> tuple[list[int], list[int]]:
     """Token ids of prompt + completion + EOS, and the loss mask (1 on completion tokens)."""
     prompt = tok.encode(p.prompt).ids  # starts with BOS
-    completion = tok.encode(p.completion, add_special_tokens=False).ids + [tok.token_to_id(EOS)]
+    text = p.completion if completion_text is None else completion_text
+    completion = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id(EOS)]
     return prompt + completion, [0] * len(prompt) + [1] * len(completion)
 
 
-def make_batch(tok, rng: random.Random, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def testbed_example(tok, rng: random.Random, operands: int) -> tuple[list[int], list[int]]:
+    p = testbed_problem(rng, operands)
+    cut = rng.random() if rng.random() < FORCED_RATE else None
+    return encode_example(tok, p, testbed_completion(p, rng, cut))
+
+
+def make_batch(tok, rng: random.Random, batch_size: int, task: str = "demo") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pad = tok.token_to_id(PAD)
-    rows = [encode_example(tok, random_problem(rng)) for _ in range(batch_size)]
+    if task == "testbed":  # one operand count per batch: rows of similar length, little padding
+        operands = rng.randint(TESTBED_MIN_OPERANDS, TESTBED_MAX_OPERANDS)
+        rows = [testbed_example(tok, rng, operands) for _ in range(batch_size)]
+    else:
+        rows = [encode_example(tok, random_problem(rng)) for _ in range(batch_size)]
     length = max(len(ids) for ids, _ in rows)
     ids = torch.full((batch_size, length), pad, dtype=torch.long)
     mask = torch.zeros((batch_size, length), dtype=torch.float32)
@@ -103,7 +120,7 @@ def forward_dense(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy_accuracy(model: LlamaForCausalLM, tok, probs: list[Problem], max_new: int = 72) -> float:
+def greedy_accuracy(model: LlamaForCausalLM, tok, probs: list[Problem], max_new: int = 128) -> float:
     """Exact-answer accuracy with batched greedy decoding (no cache: the model is tiny)."""
     model.eval()
     eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
@@ -147,14 +164,20 @@ def save_checkpoint(model: LlamaForCausalLM, tok, out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint to")
-    ap.add_argument("--steps", type=int, default=3000, help="optimizer steps (default 3000)")
-    ap.add_argument("--batch-size", type=int, default=64, help="problems per step (default 64)")
+    ap.add_argument("--task", choices=("demo", "testbed"), default="demo",
+                    help="demo: the bundled demo model; testbed: the reasoning testbed (default demo)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000; 2400 for the testbed)")
+    ap.add_argument("--batch-size", type=int, default=None, help="problems per step (default 64; 48 for the testbed)")
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     ap.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     ap.add_argument("--eval-every", type=int, default=500, help="steps between accuracy checks (default 500)")
     ap.add_argument("--eval-problems", type=int, default=200, help="held-out problems per accuracy check (default 200)")
     args = ap.parse_args(argv)
+    if args.steps is None:
+        args.steps = 2400 if args.task == "testbed" else 3000
+    if args.batch_size is None:
+        args.batch_size = 48 if args.task == "testbed" else 64
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -179,15 +202,15 @@ def main(argv: list[str] | None = None) -> None:
         frac = (step - warmup) / max(1, args.steps - warmup)
         return args.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    held_out = problems(EVAL_SEED, max(1, args.eval_problems))
+    held_out = (testbed_problems if args.task == "testbed" else problems)(EVAL_SEED, max(1, args.eval_problems))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"training demo model: {n_params / 1e6:.2f}M parameters, {args.steps} steps x {args.batch_size}", flush=True)
+    print(f"training {args.task} model: {n_params / 1e6:.2f}M parameters, {args.steps} steps x {args.batch_size}", flush=True)
     start = time.monotonic()
     smooth = None
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        inputs, targets, mask = make_batch(tok, rng, args.batch_size)
+        inputs, targets, mask = make_batch(tok, rng, args.batch_size, args.task)
         logits = forward_dense(model, inputs)
         loss_tok = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
         loss = (loss_tok * mask).sum() / mask.sum()

@@ -91,6 +91,7 @@ class GenerateResponse(_message.Message):
     PART_FIELD_NUMBER: _builtins.int
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
+    SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
     """The generated token."""
     text: _builtins.str
@@ -115,6 +116,10 @@ class GenerateResponse(_message.Message):
     def timing(self) -> _common_pb2.Timing:
         """Timing, on the last chunk of the stream (queue_ms and ttft_ms are also set on the first chunk)."""
 
+    @_builtins.property
+    def self_consistency(self) -> _common_pb2.SelfConsistencyResult:
+        """With reasoning.self_consistency, on the last chunk of the stream: the vote."""
+
     def __init__(
         self,
         *,
@@ -128,10 +133,11 @@ class GenerateResponse(_message.Message):
         part: _common_pb2.TextPart.ValueType = ...,
         reasoning_text: _builtins.str | None = ...,
         answer_text: _builtins.str | None = ...,
+        self_consistency: _common_pb2.SelfConsistencyResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "logprob", b"logprob", "reasoning_text", b"reasoning_text", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "logprob", b"logprob", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "part", b"part", "reasoning_text", b"reasoning_text", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
@@ -308,6 +314,12 @@ class StatsResponse(_message.Message):
     PREFIX_CACHE_EVICTIONS_TOTAL_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_COMPUTED_TOTAL_FIELD_NUMBER: _builtins.int
     KV_BLOCKS_USED_PEAK_FIELD_NUMBER: _builtins.int
+    REASONING_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    PROBE_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    EARLY_EXITS_TOTAL_FIELD_NUMBER: _builtins.int
+    THINKING_TOKENS_SAVED_TOTAL_FIELD_NUMBER: _builtins.int
+    VOTE_SAMPLES_USED_TOTAL_FIELD_NUMBER: _builtins.int
+    VOTE_SAMPLES_SAVED_TOTAL_FIELD_NUMBER: _builtins.int
     num_running_seqs: _builtins.int
     """Sequences in the running batch."""
     num_waiting_seqs: _builtins.int
@@ -352,6 +364,20 @@ class StatsResponse(_message.Message):
     """Prompt tokens computed by the model (prefix-cache hits excluded, recomputation after preemption included), since start."""
     kv_blocks_used_peak: _builtins.int
     """Most KV blocks held by sequences at once, since start."""
+    reasoning_tokens_total: _builtins.int
+    """Reasoning tokens of finished requests (markers and forcing text included), since start."""
+    probe_tokens_total: _builtins.int
+    """Tokens computed by early-exit probes, since start."""
+    early_exits_total: _builtins.int
+    """Samples whose thinking an early exit ended, since start."""
+    thinking_tokens_saved_total: _builtins.int
+    """Thinking tokens early exits saved, estimated against the mean thinking length of samples that ended
+    their thinking on their own on this worker, since start.
+    """
+    vote_samples_used_total: _builtins.int
+    """Samples that finished and voted in self-consistency votes, since start."""
+    vote_samples_saved_total: _builtins.int
+    """Samples self-consistency votes did not need (max_samples minus samples used), since start."""
     def __init__(
         self,
         *,
@@ -377,10 +403,16 @@ class StatsResponse(_message.Message):
         prefix_cache_evictions_total: _builtins.int = ...,
         prompt_tokens_computed_total: _builtins.int = ...,
         kv_blocks_used_peak: _builtins.int = ...,
+        reasoning_tokens_total: _builtins.int = ...,
+        probe_tokens_total: _builtins.int = ...,
+        early_exits_total: _builtins.int = ...,
+        thinking_tokens_saved_total: _builtins.int = ...,
+        vote_samples_used_total: _builtins.int = ...,
+        vote_samples_saved_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_blocks_used_peak", b"kv_blocks_used_peak", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_evictions_total", b"prefix_cache_evictions_total", "prefix_cache_hit_tokens_total", b"prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total", b"prefix_cache_queried_tokens_total", "prompt_tokens_computed_total", b"prompt_tokens_computed_total", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["early_exits_total", b"early_exits_total", "generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_blocks_used_peak", b"kv_blocks_used_peak", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_evictions_total", b"prefix_cache_evictions_total", "prefix_cache_hit_tokens_total", b"prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total", b"prefix_cache_queried_tokens_total", "probe_tokens_total", b"probe_tokens_total", "prompt_tokens_computed_total", b"prompt_tokens_computed_total", "reasoning_tokens_total", b"reasoning_tokens_total", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "thinking_tokens_saved_total", b"thinking_tokens_saved_total", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "vote_samples_saved_total", b"vote_samples_saved_total", "vote_samples_used_total", b"vote_samples_used_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
