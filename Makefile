@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install install-dev up test browser protos lint-protos demo-model wasm-modules clean
+.PHONY: install install-dev up test browser protos lint-protos demo-model testbed-model wasm-modules clean
 
 # Keep an installed torch; otherwise take 2.13.0 (on the project's CPU machines pip finds the
 # CPU build on disk). The project's own bound (torch>=2.4) is then already satisfied.
@@ -41,6 +41,10 @@ lint-protos:
 ## Retrain the bundled demo model (about 15 minutes on 2 CPU cores).
 demo-model:
 	$(PYTHON) -m cotserve.worker.demo.train --out services/worker/demo/model
+
+## Retrain the reasoning testbed from the demo model (about 12 minutes on 2 CPU cores).
+testbed-model:
+	$(PYTHON) -m cotserve.worker.demo.train --task testbed --out services/worker/demo/testbed
 
 ## Rebuild the shipped WASI modules (needs Debian's clang, lld, wasi-libc, libclang-rt-dev-wasm32).
 wasm-modules:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tomllib
 
+import pytest
+
 from tests.conftest import ROOT
 
 
@@ -17,10 +19,11 @@ def test_every_package_is_listed_in_pyproject():
     assert found - listed == set()
 
 
-def test_demo_model_is_package_data_and_small():
+@pytest.mark.parametrize("name", ["model", "testbed"])
+def test_demo_models_are_package_data_and_small(name):
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "demo/model/*" in cfg["package-data"]["cotserve.worker"]
-    folder = ROOT / "services" / "worker" / "demo" / "model"
+    assert f"demo/{name}/*" in cfg["package-data"]["cotserve.worker"]
+    folder = ROOT / "services" / "worker" / "demo" / name
     total = sum(f.stat().st_size for f in folder.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in folder.iterdir()}
-    assert total <= 8 * 1024 * 1024, f"demo model is {total} bytes, over 8 MB"
+    assert total <= 8 * 1024 * 1024, f"demo/{name} is {total} bytes, over 8 MB"

@@ -477,3 +477,54 @@ def bench_prefix(
                       f"{folder.name}: n={samples} wall time {group.seconds / base.seconds:.2f}x of {samples} requests (goal <= 0.6x)"))
     for ok, text in goals:
         console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")
+
+
+@bench_app.command("reasoning")
+def bench_reasoning(
+    model: Optional[Path] = typer.Option(None, "--model", help="Reasoning checkpoint (default: the bundled testbed, services/worker/demo/testbed)."),
+    problems: int = typer.Option(500, min=1, help="Seeded testbed problems every method answers."),
+    concurrency: int = typer.Option(16, min=1, help="Problems in flight at once."),
+    samples: int = typer.Option(8, min=2, max=16, help="Samples of the maj@N baseline, and the most adaptive self-consistency may draw."),
+    temperature: float = typer.Option(1.0, min=0.01, max=2.0, help="Sampling temperature of the sampled methods."),
+    seed: int = typer.Option(0, help="Seed of the sampled methods (problem i draws from seed + 1000 i)."),
+) -> None:
+    """Cost per correct answer: greedy, maj@N, budgets, early exit, adaptive self-consistency (+ early exit)."""
+    from rich.table import Table
+
+    from cotserve.bench.reasoning import TESTBED, Stack, problem_set, run_all
+
+    console = wide_console()
+    log = lambda m: console.print(m, style="dim")  # noqa: E731
+    folder = model or TESTBED
+    todo = problem_set(problems)
+    with Stack(folder, max(64, concurrency * samples), log) as st:
+        results = asyncio.run(run_all(st.gateway, todo, samples, temperature, concurrency, seed, log))
+    by = {r.name: r for r in results}
+    base, greedy = results[1], by["greedy"]
+    table = Table(title=f"{folder.name}: {problems} problems, concurrency {concurrency}, temperature {temperature:g} for sampled methods")
+    for col in ("method", "accuracy", "tokens / problem", "thinking / problem", "probe / problem", "samples / problem",
+                "tokens / correct", "vs maj@N", "correct / s", "vs maj@N "):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r.name, f"{r.accuracy:.1%}", f"{r.tokens_per_problem:.1f}", f"{r.thinking_tokens / r.problems:.1f}",
+                      f"{r.probe_tokens / r.problems:.1f}", f"{r.samples / r.problems:.2f}", f"{r.tokens_per_correct:.1f}",
+                      f"{r.tokens_per_correct / base.tokens_per_correct:.2f}x", f"{r.correct_per_s:.2f}",
+                      f"{r.correct_per_s / base.correct_per_s:.2f}x")
+    console.print(table)
+    console.print(f"per-sample accuracy of {base.name}: {base.samples_correct / base.samples:.1%}")
+    both, ee = results[-1], by["early exit"]
+    saved = 1 - both.tokens_per_correct / base.tokens_per_correct
+    ee_saved = 1 - ee.thinking_tokens / greedy.thinking_tokens
+    goals = [
+        (saved >= 0.57 and base.accuracy - both.accuracy <= 0.01 + 1e-9,
+         f"adaptive SC + early exit: {saved:.0%} fewer tokens per correct answer than {base.name} (goal >= 57%), "
+         f"accuracy {both.accuracy:.1%} vs {base.accuracy:.1%} (goal: within 1 point)"),
+        (ee_saved >= 0.30 and greedy.accuracy - ee.accuracy <= 0.01 + 1e-9,
+         f"early exit: {ee_saved:.0%} fewer thinking tokens than greedy (goal >= 30%), accuracy {ee.accuracy:.1%} vs "
+         f"{greedy.accuracy:.1%} (goal: at most 1 point lower)"),
+        (both.correct_per_s >= 2 * base.correct_per_s,
+         f"adaptive SC + early exit: {both.correct_per_s / base.correct_per_s:.2f}x the correct answers per second of "
+         f"{base.name} (goal >= 2x)"),
+    ]
+    for ok, text in goals:
+        console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")

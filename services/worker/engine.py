@@ -29,7 +29,9 @@ from cotserve.worker.detokenizer import IncrementalDetokenizer
 from cotserve.worker.model_runner import ModelRunner, resolve_kv_dtype
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.models.moe import RoutingPolicy
-from cotserve.worker.reasoning import Ballot, ReasoningFormat, ThinkingTracker, VoteEntry, VoteState, confidence, tally
+from cotserve.worker.reasoning import (
+    Ballot, ReasoningFormat, ThinkingTracker, VoteEntry, VoteState, confidence, mean_probability, tally,
+)
 from cotserve.worker.sampler import Sampler
 from cotserve.worker.scheduler import ScheduledBatch, Scheduler
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
@@ -316,11 +318,12 @@ class Engine:
         sequence of the same prompt, admitted from the prefix cache) and the k - 1 that fork from it
         once its prompt is computed."""
         first = len(req.samples)
+        base = head.params  # the request's own: sample i draws from its seed + i
         if first:
-            head = Sequence(head.request_id, head.prompt_ids, self._sample_params(head.params, first), head.sla_class,
+            head = Sequence(head.request_id, head.prompt_ids, self._sample_params(base, first), head.sla_class,
                             index=first, arrival_time=head.arrival_time, cache_root=head.cache_root)
         head.group_size = k
-        forks = [Sequence(head.request_id, head.prompt_ids, self._sample_params(head.params, i), head.sla_class, index=i,
+        forks = [Sequence(head.request_id, head.prompt_ids, self._sample_params(base, i), head.sla_class, index=i,
                           arrival_time=head.arrival_time, cache_root=head.cache_root) for i in range(first + 1, first + k)]
         for s in (head, *forks):
             req.samples.append(s)
@@ -354,6 +357,9 @@ class Engine:
         """One iteration for the whole batch. A failure fails that batch's requests, not the engine."""
         start = time.monotonic()
         batch = self.scheduler.schedule()
+        for victim in batch.preempted:
+            if victim.is_probe and victim.request_id in self._requests:  # a probe is not worth recomputing: drop it
+                self._end_probe(self._requests[victim.request_id], victim, SequenceStatus.FINISHED_ABORTED)
         if not batch:
             time.sleep(0.001)  # nothing fits right now (cannot persist: running work frees blocks)
             self._publish_stats()
@@ -409,14 +415,15 @@ class Engine:
 
     # ---- early exit --------------------------------------------------------------------------
     def _launch_probe(self, req: _Request, seq: Sequence) -> None:
-        """Fork an early-exit probe of `seq` at this point: it shares `seq`'s KV pages (copy-on-write),
-        gets the end marker and decodes greedily, in the same batches as everything else. Skipped when
-        no seat or block is free now (the next probe point tries again)."""
+        """Fork an early-exit probe of `seq` at the probe point, one step after it, once the point's
+        token is computed: the probe shares every computed page (copy-on-write), gets the end marker
+        and decodes greedily, in the same batches as everything else; it computes nothing `seq` has.
+        Skipped when no seat or block is free now (the next probe point tries again)."""
         ee = req.reasoning.early_exit
         end_ids = self._encode(self.reasoning.end)
-        if len(seq) + len(end_ids) + 1 >= self.config.max_model_len:
+        if seq.num_computed_tokens != len(seq) - 1 or len(seq) + len(end_ids) >= self.config.max_model_len:
             return
-        probe = Sequence(seq.request_id, seq.all_token_ids + end_ids, SamplingParams(max_new_tokens=ee.probe_max_tokens),
+        probe = Sequence(seq.request_id, seq.all_token_ids[:-1] + end_ids, SamplingParams(max_new_tokens=ee.probe_max_tokens),
                          seq.sla_class, index=seq.index, arrival_time=seq.arrival_time, cache_root=seq.cache_root,
                          probe_of=seq, num_forced_tokens=len(end_ids))
         if self.scheduler.fork_probe(seq, probe):
@@ -424,7 +431,7 @@ class Engine:
 
     def _end_probe(self, req: _Request, probe: Sequence, status: SequenceStatus) -> None:
         """Retire a probe and count the tokens it computed (its forced end marker and decoded tokens)."""
-        shared = len(probe.prompt_ids) - probe.num_forced_tokens - 1  # the parent's computed tokens when it forked
+        shared = len(probe.prompt_ids) - probe.num_forced_tokens  # the parent's computed tokens when it forked
         n = max(0, probe.num_computed_tokens - shared)
         req.num_probe_tokens += n
         self._probe_tokens_total += n
@@ -455,7 +462,7 @@ class Engine:
             return
         answer_ids = [t for t in probe.output_ids if t not in req.stop_ids]
         answer = self.reasoning.answer(self.loaded.tokenizer.decode(answer_ids))
-        tracker.probe_answers.append((answer, confidence(probe.output_logprobs)))
+        tracker.probe_answers.append((answer, mean_probability(probe.output_logprobs)))
         if tracker.converged() is None:
             return
         # converged: the sample stops thinking and answers with what its probe decoded
@@ -527,9 +534,11 @@ class Engine:
             tracker = req.trackers[seq.index]
             if tracker.must_stop_thinking():
                 self._force_end_of_thinking(seq, now)
-            elif tracker.take_probe_due():
-                self._launch_probe(req, seq)
-            elif not tracker.is_thinking and req.probes:
+                continue
+            if tracker.probe_pending and tracker.is_thinking:
+                self._launch_probe(req, seq)  # the probe point's token was computed in this step
+            tracker.probe_pending = tracker.take_probe_due()
+            if not tracker.is_thinking and req.probes:
                 self._drop_probes(req, seq)
         self._tokens.append((now, generated))
         self._generated_total += generated

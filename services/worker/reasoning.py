@@ -112,7 +112,8 @@ class ThinkingTracker:
         self._recent: list[int] = []  # last output ids, to find multi-token markers
         self._thinking_text = ""
         self._probe_due = False
-        self.probe_answers: list[tuple[str, float]] = []  # early-exit probes' (answer, mean token probability), as they finish
+        self.probe_pending = False  # a probe point passed; its probe forks once the point's token is computed
+        self.probe_answers: list[tuple[str, float]] = []  # early-exit probes' (answer, mean token probability) as they finish
         self.exited_early = False  # an early-exit probe's answer ended the thinking
         self.forced_end = False  # a budget ended the thinking
 
@@ -197,6 +198,11 @@ class Ballot:
 
     answer: str
     confidence: float
+
+
+def mean_probability(logprobs: list[float]) -> float:
+    """An early-exit probe's confidence: the mean probability of the tokens it decoded (1.0 with none)."""
+    return sum(math.exp(lp) for lp in logprobs) / len(logprobs) if logprobs else 1.0
 
 
 def confidence(logprobs: list[float]) -> float:

@@ -88,3 +88,13 @@ def test_kv_bench_runs_every_cache_under_one_budget():
     held = {name: int(line.split("│")[4]) for name, line in rows.items()}
     assert held["full precision"] == 16 and held["fp16"] == 32 and held["fp8"] == 62  # (64 + 2) vs 256 bytes per element
     assert "3.88x" in rows["fp8"]
+
+
+def test_reasoning_bench_runs_every_method_and_prints_its_goals():
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "reasoning", "--problems", "6", "--concurrency", "3"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for row in ("greedy", "maj@8 (baseline)", "budget 25% of median", "budget 75% of median", "early exit",
+                "adaptive SC (window)", "adaptive SC (posterior)", "adaptive SC + early exit"):
+        assert row in out.stdout, row
+    assert out.stdout.count("met: ") == 3  # "met: " or "NOT met: ", one line per goal

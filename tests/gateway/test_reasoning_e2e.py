@@ -63,8 +63,8 @@ def test_early_exit_through_the_gateway(client):
     r = client.generate("12+30-7+5+61-20=", max_new_tokens=64,
                         reasoning=Reasoning(early_exit=EarlyExit(probe_every_tokens=2, agree=2)))
     # the demo model's probes agree inside the third step (see tests/worker/test_early_exit_and_votes.py)
-    assert (r.text, r.answer_text, r.finish_reason) == ("<think>12+30=42. 42-7=35. 35+5=</think> 35", "35", "stop")
-    assert r.usage.reasoning_tokens == 19 and r.usage.completion_tokens == len(r.token_ids) == 21
+    assert (r.text, r.answer_text, r.finish_reason) == ("<think>12+30=42. 42-7=35. 35+5=40</think> 35", "35", "stop")
+    assert r.usage.reasoning_tokens == 20 and r.usage.completion_tokens == len(r.token_ids) == 22
     assert r.usage.probe_tokens > 0
 
 
@@ -114,7 +114,7 @@ def test_cli_early_exit_and_self_consistency(demo_gateway):
     out = subprocess.run([*cli, "--early-exit", "--probe-every-tokens", "2"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     text, timing = out.stdout.strip().splitlines()
-    assert text == "<think>12+30=42. 42-7=35. 35+5=</think> 35" and "(19 reasoning) + " in timing and " probe tokens |" in timing
+    assert text == "<think>12+30=42. 42-7=35. 35+5=40</think> 35" and "(20 reasoning) + " in timing and " probe tokens |" in timing
     out = subprocess.run([*cli, "--self-consistency", "16", "--vote-rule", "posterior", "--temperature", "1.5", "--seed", "4"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

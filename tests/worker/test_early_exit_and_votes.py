@@ -190,10 +190,10 @@ def test_probes_never_reach_the_output_and_are_counted(demo, fmt):
     assert [o.token_id for o in probed] == [o.token_id for o in free]
     assert text_of(probed) == "<think>12+30=42. 42-7=35. 35+5=40. 40+61=101. 101-20=81.</think> 81"
     assert probed[-1].completion_tokens == free[-1].completion_tokens and free[-1].probe_tokens == 0
-    # five probes, one per step. Each feeds the model the sample's newest token (which the sample also
-    # computes), the end marker, " " and a number, then samples end-of-sequence: 4 tokens. The fifth is
-    # cancelled after its first step (2 tokens), when the sample writes its own end marker.
-    assert probed[-1].probe_tokens == 4 * 4 + 2
+    # a probe per step; each forks once its point's token is computed and computes the end marker, " " and a
+    # number (then samples end-of-sequence): 3 tokens. The fifth point is the sample's last thinking token,
+    # followed by its own end marker: no probe is needed there.
+    assert probed[-1].probe_tokens == 4 * 3
 
 
 def test_probes_share_batches_without_touching_other_requests(demo, fmt):
@@ -250,8 +250,21 @@ def test_a_split_round_starts_another_and_the_majority_wins(demo, fmt):
     sp = SamplingParams(max_new_tokens=64, temperature=1.5, seed=1)
     outs = run(demo, fmt, ReasoningParams(self_consistency=SelfConsistencyParams(8, min_samples=3, window=3)), sp)
     vote = outs[-1].vote
-    maj8 = answers_of(run(demo, fmt, sp=SamplingParams(max_new_tokens=64, temperature=1.5, seed=1, n=8)))
+    n8 = run(demo, fmt, sp=SamplingParams(max_new_tokens=64, temperature=1.5, seed=1, n=8))
+    maj8 = answers_of(n8)
     assert [maj8[i] for i in range(6)] == ["81", "81", "39", "81", "81", "81"]
+    for i in range(6):  # the second round's samples too draw from seed + i, as sample i of n=8 does
+        assert [o.token_id for o in outs if o.index == i] == [o.token_id for o in n8 if o.index == i]
+    engine = make_engine(demo, fmt)
+    engine.submit("r", demo.tokenizer.encode(PROMPT).ids, sp, lambda o: None,
+                  budget=ReasoningParams(self_consistency=SelfConsistencyParams(8, min_samples=3, window=3)))
+    engine._drain_inbox(block=False)
+    seeds = []
+    while engine.scheduler.has_work():
+        engine.step()
+        if "r" in engine._requests:
+            seeds = [s.params.seed for s in engine._requests["r"].samples]
+    assert seeds == [1, 2, 3, 4, 5, 6]
     assert (vote.answer, vote.samples_used, vote.stop_reason) == ("81", 6, "window")
     assert [(e.answer, e.count) for e in vote.votes] == [("81", 5), ("39", 1)]
 
@@ -296,13 +309,35 @@ def test_stats_and_prometheus_count_reasoning_probes_exits_and_votes(demo, fmt):
                   budget=ReasoningParams(self_consistency=SelfConsistencyParams(16, rule="posterior")))
     drain(engine)
     s = engine.stats()
-    assert s.num_reasoning_tokens_total == sum(o[-1].reasoning_tokens for o in outs.values()) == 34 + 19 + 6 * 34  # the cancelled two had thought through
+    exited = outs["exit"][-1].reasoning_tokens
+    assert exited < 34
+    assert s.num_reasoning_tokens_total == sum(o[-1].reasoning_tokens for o in outs.values()) == 34 + exited + 6 * 34  # the cancelled two had thought through
     assert s.num_probe_tokens_total == outs["exit"][-1].probe_tokens > 0
-    assert s.num_early_exits_total == 1 and s.num_thinking_tokens_saved_total == 32 - 17  # free thinks 32 tokens, exit 17
+    # free thinks 32 tokens (34 with its markers): the exit saved the difference
+    assert s.num_early_exits_total == 1 and s.num_thinking_tokens_saved_total == 32 - (exited - 2)
     assert (s.num_vote_samples_used_total, s.num_vote_samples_saved_total) == (4, 12)
     text = generate_latest(worker_registry(engine.stats, "demo", BLOCKS)).decode()
     for line in ('cotserve_worker_early_exits_total{model="demo"} 1.0', 'cotserve_worker_vote_samples_used_total{model="demo"} 4.0',
                  'cotserve_worker_vote_samples_saved_total{model="demo"} 12.0',
                  f'cotserve_worker_probe_tokens_total{{model="demo"}} {float(s.num_probe_tokens_total)}',
-                 'cotserve_worker_thinking_tokens_saved_total{model="demo"} 15.0'):
+                 f'cotserve_worker_thinking_tokens_saved_total{{model="demo"}} {float(32 - (exited - 2))}'):
         assert line in text
+
+
+def test_probes_under_memory_pressure_are_dropped_not_recomputed(demo, fmt):
+    """A pool too small for every sample and its probes: samples get preempted and recomputed, probes
+    get skipped or dropped, and every output is still the one it is without probes."""
+    engine = Engine(demo, EngineConfig(num_blocks=5, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+                                       max_model_len=demo.config.max_context), fmt)
+    prompts = ["12+30-7+5+61-20=", "37+48-12=", "5+5+5+5+5+5=", "99-98+97-96="]
+    outs: dict[str, list[RequestOutput]] = {p: [] for p in prompts}
+    for p in prompts:
+        engine.submit(p, demo.tokenizer.encode(p).ids, SamplingParams(max_new_tokens=64), outs[p].append,
+                      budget=ReasoningParams(early_exit=EarlyExitParams(probe_every_steps=1)))
+    engine._drain_inbox(block=False)
+    while engine.scheduler.has_work():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == 5 and engine.scheduler.num_preemptions_total > 0
+    for p in prompts:
+        assert text_of(outs[p]) == text_of(run(demo, fmt, prompt=p)), p
+    assert any(outs[p][-1].probe_tokens for p in prompts)  # probes did run where there was room

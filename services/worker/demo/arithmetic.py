@@ -75,19 +75,22 @@ def parse_answer(text: str) -> int | None:
 #    of the chain carried on from the slip) at SLIP_RATE per step, so its sampling distribution puts
 #    that much mass on wrong continuations while the most likely one stays right;
 # and it answers from wherever its thinking is cut short (a budget's forced end marker, an early-exit
-# probe): with the last value it reached, or its result once it has one.
+# probe): with its result, sure of it, once the forward chain has reached it; before that with a guess
+# (the last value it reached, give or take GUESS_SPREAD), which it is unsure of, as a reasoning model
+# made to answer before it has worked the answer out.
 # `37+48-12=` -> `<think>37+48=85. 85-12=73. check 73+12=85. 85-48=37.</think> 73`.
 
-TESTBED_MIN_OPERANDS, TESTBED_MAX_OPERANDS = 3, 8
+TESTBED_MIN_OPERANDS, TESTBED_MAX_OPERANDS = 3, 7
 TESTBED_MAX_VALUE = 560  # every partial result stays a single token (±599) with room for a slip
 SLIP_RATE = 0.04  # per step of a training chain
 SLIPS = (-10, -2, -1, 1, 2, 10)
 FORCED_RATE = 0.25  # training chains cut short by a forced end marker
+GUESS_SPREAD = 20  # a guess is the last value reached plus a uniform offset in [-GUESS_SPREAD, GUESS_SPREAD]
 CHECK = "check"
 
 
 def testbed_problem(rng: random.Random, operands: int | None = None) -> Problem:
-    """A problem of 3 to 8 operands (or exactly `operands`) whose partial results stay in range."""
+    """A problem of 3 to 7 operands (or exactly `operands`) whose partial results stay in range."""
     n = operands if operands is not None else rng.randint(TESTBED_MIN_OPERANDS, TESTBED_MAX_OPERANDS)
     while True:
         p = random_problem_of(rng, n)
@@ -139,19 +142,29 @@ def testbed_thinking(p: Problem, rng: random.Random | None = None) -> tuple[list
     return steps + check, result
 
 
-def testbed_completion(p: Problem, rng: random.Random | None = None, cut: float | None = None) -> str:
+def testbed_completion(p: Problem, rng: random.Random | None = None, cut: float | None = None,
+                       cut_after_step: int | None = None) -> str:
     """What the testbed is trained to write. `cut` in [0, 1] ends the thinking that far through
-    (by pieces a token may end at), as a forced end marker would, and answers
-    with the last value reached (the result, once the forward chain is complete)."""
+    (by pieces a token may end at), as a forced end marker would, and answers with the result once the
+    forward chain is complete, else with a guess around the last value reached (`rng` draws it).
+    `cut_after_step` k ends it right after the k-th step's ".", where early-exit probes look."""
     steps, result = testbed_thinking(p, rng)
-    if cut is None:
+    if cut is None and cut_after_step is None:
         return f"<think>{''.join(steps).rstrip()}</think> {result}"
     forward = len(p.ops)
     pieces = [piece for step in steps for piece in _pieces(step)]
-    keep = int(round(cut * len(pieces)))
+    if cut_after_step is not None:
+        ends = [i + 1 for i, piece in enumerate(pieces) if piece == "."]
+        keep = ends[min(cut_after_step, len(ends)) - 1] if cut_after_step > 0 else 0
+    else:
+        keep = int(round(cut * len(pieces)))
     text = "".join(pieces[:keep])
     done = pieces[:keep].count(".")  # completed steps
-    answer = result if done >= forward else _value_after(p, steps, done)
+    if done >= forward:
+        answer = result
+    else:
+        guess = _value_after(p, steps, done) + (rng.randint(-GUESS_SPREAD, GUESS_SPREAD) if rng is not None else 0)
+        answer = max(-TESTBED_MAX_VALUE, min(TESTBED_MAX_VALUE, guess))
     return f"<think>{text}</think> {answer}"
 
 

@@ -3,9 +3,11 @@
     python -m cotserve.worker.demo.train --out services/worker/demo/model
     python -m cotserve.worker.demo.train --task testbed --out services/worker/demo/testbed
 
-`--task testbed` trains the reasoning testbed instead (see `arithmetic.py`): 3 to 8 operands, a
+`--task testbed` trains the reasoning testbed instead (see `arithmetic.py`): 3 to 7 operands, a
 backward check before the end of thinking, chains that slip at a fixed rate, and chains cut short
-by a forced end marker.
+by a forced end marker. It starts from the bundled demo model's weights (`--init`), which already
+does the forward arithmetic, so the testbed only learns what is new (about 12 minutes; the demo
+model itself takes about 15 from scratch).
 
 Seeded and reproducible on the CPU (same seed, same thread count: same weights). Writes a normal
 Hugging Face folder: config.json (LlamaForCausalLM), model.safetensors, tokenizer.json,
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from cotserve.worker.demo.arithmetic import (FORCED_RATE, TESTBED_MAX_OPERANDS, TESTBED_MIN_OPERANDS, Problem, parse_answer, problems, random_problem,
                                              testbed_completion, testbed_problem, testbed_problems)
@@ -73,8 +75,11 @@ def encode_example(tok, p: Problem, completion_text: str | None = None) -> tuple
 
 def testbed_example(tok, rng: random.Random, operands: int) -> tuple[list[int], list[int]]:
     p = testbed_problem(rng, operands)
-    cut = rng.random() if rng.random() < FORCED_RATE else None
-    return encode_example(tok, p, testbed_completion(p, rng, cut))
+    if rng.random() >= FORCED_RATE:
+        return encode_example(tok, p, testbed_completion(p, rng))
+    if rng.random() < 0.5:  # half the cuts right after a step, where early-exit probes look
+        return encode_example(tok, p, testbed_completion(p, rng, cut_after_step=rng.randint(1, 2 * len(p.ops))))
+    return encode_example(tok, p, testbed_completion(p, rng, rng.random()))
 
 
 def make_batch(tok, rng: random.Random, batch_size: int, task: str = "demo") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,16 +171,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint to")
     ap.add_argument("--task", choices=("demo", "testbed"), default="demo",
                     help="demo: the bundled demo model; testbed: the reasoning testbed (default demo)")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000; 2400 for the testbed)")
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default 3000; 1400 for the testbed)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this checkpoint's weights (default: none; the bundled demo model for the testbed)")
     ap.add_argument("--batch-size", type=int, default=None, help="problems per step (default 64; 48 for the testbed)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3; 1.5e-3 for the testbed)")
     ap.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
     ap.add_argument("--eval-every", type=int, default=500, help="steps between accuracy checks (default 500)")
     ap.add_argument("--eval-problems", type=int, default=200, help="held-out problems per accuracy check (default 200)")
     args = ap.parse_args(argv)
     if args.steps is None:
-        args.steps = 2400 if args.task == "testbed" else 3000
+        args.steps = 1400 if args.task == "testbed" else 3000
+    if args.init is None and args.task == "testbed":
+        args.init = Path(__file__).resolve().parent / "model"
+    if args.lr is None:
+        args.lr = 1.5e-3 if args.task == "testbed" else 3e-3
     if args.batch_size is None:
         args.batch_size = 48 if args.task == "testbed" else 64
 
@@ -187,7 +198,14 @@ def main(argv: list[str] | None = None) -> None:
     for name, p in model.named_parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
-    init_number_embeddings(model, tok, torch.Generator().manual_seed(args.seed))
+    if args.init is not None:
+        state = load_file(str(args.init / "model.safetensors"))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise SystemExit(f"--init {args.init}: not this model's shape (missing {missing}, unexpected {unexpected})")
+        print(f"starting from {args.init}", flush=True)
+    else:
+        init_number_embeddings(model, tok, torch.Generator().manual_seed(args.seed))
     decay = [p for n, p in model.named_parameters() if p.dim() == 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
