@@ -319,7 +319,7 @@ def generate(
     address: str = typer.Option("127.0.0.1:50051", envvar="COTSERVE_ADDRESS", help="Address of the gateway."),
     model: str = typer.Option("", help="Model name (empty: the only model served)."),
     max_new_tokens: int = typer.Option(256, help="Tokens to generate at most."),
-    temperature: float = typer.Option(0.0, help="Sampling temperature, 0..2 (0 = greedy)."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature, 0..2 (0 = greedy; the default, or 1.0 with --self-consistency)."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     sla: str = typer.Option("interactive", help="SLA class: realtime, interactive or batch."),
     api_key: Optional[str] = typer.Option(None, envvar="COTSERVE_API_KEY", help="API key, sent as a Bearer token."),
@@ -363,6 +363,8 @@ def generate(
     vote_opts = None
     if self_consistency is not None:
         vote_opts = SelfConsistency(self_consistency, min_samples=min_samples, rule=vote_rule, confidence_weighted=confidence_weighted)
+    if temperature is None:  # a vote needs samples that can differ
+        temperature = 1.0 if self_consistency is not None else 0.0
     budget = Reasoning(max_thinking_tokens=max_thinking_tokens, max_thinking_steps=max_thinking_steps,
                        min_thinking_tokens=min_thinking_tokens, forcing_text=forcing_text, early_exit=exit_opts,
                        self_consistency=vote_opts)

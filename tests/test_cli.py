@@ -44,6 +44,12 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
                                 "--max-thinking-steps", "1"], capture_output=True, text=True, timeout=60)
         assert steps.returncode == 0, steps.stderr
         assert steps.stdout.startswith("<think>12+30=42.</think> 42\n"), steps.stdout
+        # the reasoning controls together, as a user types them (a vote samples at temperature 1.0 by default)
+        vote = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "12+30-7+5+61-20=", "--address", f"127.0.0.1:{port}",
+                               "--max-thinking-tokens", "40", "--early-exit", "--self-consistency", "8", "--seed", "4"],
+                              capture_output=True, text=True, timeout=60)
+        assert vote.returncode == 0, vote.stderr
+        assert "\nvote: 81 (81 x" in vote.stdout and " probe tokens |" in vote.stdout, vote.stdout
         # every service exports its spans to the telemetry service `up` started
         check = subprocess.run([sys.executable, "-m", "cotserve.cli", "trace", "check", "--address", f"127.0.0.1:{port}",
                                 "--telemetry", f"127.0.0.1:{telemetry_port}", "--n", "8", "--post-processor", "strip-think"],
@@ -51,7 +57,7 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
         assert check.returncode == 0 and "complete and correctly parented: 8/8 = 100.0%" in check.stdout, check.stdout + check.stderr
         heat = subprocess.run([sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{telemetry_port}"],
                               capture_output=True, text=True, timeout=60)
-        assert heat.returncode == 0 and "n=10" in heat.stdout, heat.stdout + heat.stderr  # 2 generates + 8 checked
+        assert heat.returncode == 0 and "n=11" in heat.stdout, heat.stdout + heat.stderr  # 3 generates + 8 checked
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         for kid in kids:

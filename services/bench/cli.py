@@ -491,13 +491,15 @@ def bench_reasoning(
     """Cost per correct answer: greedy, maj@N, budgets, early exit, adaptive self-consistency (+ early exit)."""
     from rich.table import Table
 
-    from cotserve.bench.reasoning import TESTBED, Stack, problem_set, run_all
+    from cotserve.bench.prefix import Stack
+    from cotserve.bench.reasoning import TESTBED, problem_set, run_all
 
     console = wide_console()
     log = lambda m: console.print(m, style="dim")  # noqa: E731
     folder = model or TESTBED
     todo = problem_set(problems)
-    with Stack(folder, max(64, concurrency * samples), log) as st:
+    worker_args = ("--max-num-seqs", str(max(64, concurrency * samples)), "--reasoning-step", ".")
+    with Stack(folder, True, log, worker_args) as st:
         results = asyncio.run(run_all(st.gateway, todo, samples, temperature, concurrency, seed, log))
     by = {r.name: r for r in results}
     base, greedy = results[1], by["greedy"]

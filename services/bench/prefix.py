@@ -67,11 +67,11 @@ def _common_prefix(seqs: list[list[int]]) -> int:
 
 
 class Stack:
-    """A fresh worker + gateway for one configuration."""
+    """A fresh worker + gateway for one configuration, no admission control (the bench sets the load)."""
 
-    def __init__(self, model: Path, caching: bool, log: Callable[[str], None]) -> None:
-        worker_extra = ("--model", str(model), "--max-num-seqs", "32",
-                        "--prefix-caching" if caching else "--no-prefix-caching")
+    def __init__(self, model: Path, caching: bool, log: Callable[[str], None],
+                 worker_args: tuple[str, ...] = ("--max-num-seqs", "32")) -> None:
+        worker_extra = ("--model", str(model), *worker_args, "--prefix-caching" if caching else "--no-prefix-caching")
         self.children, _ = stack(None, free_port(), None, full=False, worker_extra=worker_extra,
                                  gateway_extra=("--no-admission",))
         self.log = log

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from cotserve.common.clitools import stack
-from cotserve.common.procs import free_port, wait_serving
 from cotserve.sdk import AsyncClient, EarlyExit, GenerateResult, Reasoning, SelfConsistency
 from cotserve.worker.demo.arithmetic import Problem, testbed_problems
 
@@ -151,31 +149,6 @@ async def run_method(client: AsyncClient, method: Method, problems: list[Problem
     await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
     out.seconds = time.perf_counter() - start
     return out
-
-
-class Stack:
-    """One worker on the testbed and one gateway, no admission control (the bench sets the load)."""
-
-    def __init__(self, model: Path, max_num_seqs: int, log: Callable[[str], None]) -> None:
-        worker_extra = ("--model", str(model), "--max-num-seqs", str(max_num_seqs), "--reasoning-step", ".")
-        self.children, _ = stack(None, free_port(), None, full=False, worker_extra=worker_extra,
-                                 gateway_extra=("--no-admission",))
-        self.log = log
-
-    def __enter__(self) -> "Stack":
-        for child in self.children:
-            self.log(f"starting {child.name} ...")
-            child.start()
-            wait_serving(child, 180, lambda: None)
-        return self
-
-    @property
-    def gateway(self) -> str:
-        return self.children[-1].address
-
-    def __exit__(self, *exc: object) -> None:
-        for child in reversed(self.children):
-            child.stop(grace_s=2.0)
 
 
 async def run_all(gateway: str, problems: list[Problem], max_samples: int, temperature: float, concurrency: int,

@@ -88,6 +88,7 @@ class RequestOutput:
     answer_text: str | None = None  # likewise
     reasoning_tokens: int = 0  # on the last output: reasoning tokens of every sample
     probe_tokens: int = 0  # on the last output: tokens early-exit probes computed
+    early_exits: int = 0  # on the last output: samples whose thinking an early exit ended
     vote: "VoteResult | None" = None  # on the last output, with self-consistency
 
 
@@ -101,6 +102,7 @@ class VoteResult:
     samples_cancelled: int
     sample_tokens: tuple[int, ...]
     stop_reason: str
+    samples_saved: int = 0  # max_samples minus samples used
 
 
 NO_TOKEN = -1  # token_id of a cancelled sample's last output: it carries no token
@@ -595,7 +597,8 @@ class Engine:
             outs[-1], prompt_tokens=len(head.prompt_ids), completion_tokens=sum(len(s.output_ids) for s in req.samples),
             timing=self._timing(head, end=now), events=outs[-1].events + req.new_events(),
             cached_prompt_tokens=head.num_cached_tokens, is_last=True, reasoning_tokens=reasoning_tokens,
-            probe_tokens=req.num_probe_tokens, vote=self._vote_result(req) if req.vote is not None else None)
+            probe_tokens=req.num_probe_tokens, early_exits=sum(t.exited_early for t in req.trackers),
+            vote=self._vote_result(req) if req.vote is not None else None)
         for out in outs:
             req.sink(out)
         return True
@@ -636,7 +639,7 @@ class Engine:
         self._vote_used_total += used
         self._vote_saved_total += max(0, vote.params.max_samples - used)
         return VoteResult(vote.answer(), tuple(tally(vote.ballots, vote.params)), used, vote.cancelled,
-                          tuple(len(s.output_ids) for s in req.samples), vote.stop_reason)
+                          tuple(len(s.output_ids) for s in req.samples), vote.stop_reason, vote.params.max_samples - used)
 
     @staticmethod
     def _timing(seq: Sequence, end: float | None = None) -> Timing:

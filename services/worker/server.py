@@ -302,10 +302,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                          "cotserve.cached_prompt_tokens": out.cached_prompt_tokens,
                                          "cotserve.reasoning_tokens": out.reasoning_tokens,
                                          "cotserve.probe_tokens": out.probe_tokens,
+                                         "cotserve.early_exits": out.early_exits,
                                          "cotserve.preemptions": phases.preemptions})
                     if out.vote is not None:
                         span.set_attributes({"cotserve.vote.samples_used": out.vote.samples_used,
                                              "cotserve.vote.samples_cancelled": out.vote.samples_cancelled,
+                                             "cotserve.vote.samples_saved": out.vote.samples_saved,
                                              "cotserve.vote.stop_reason": out.vote.stop_reason})
                 yield output_to_pb(out)
                 if out.is_last:

@@ -316,6 +316,8 @@ def test_stats_and_prometheus_count_reasoning_probes_exits_and_votes(demo, fmt):
     # free thinks 32 tokens (34 with its markers): the exit saved the difference
     assert s.num_early_exits_total == 1 and s.num_thinking_tokens_saved_total == 32 - (exited - 2)
     assert (s.num_vote_samples_used_total, s.num_vote_samples_saved_total) == (4, 12)
+    # per request, as the worker's span reports them
+    assert (outs["exit"][-1].early_exits, outs["free"][-1].early_exits, outs["vote"][-1].vote.samples_saved) == (1, 0, 12)
     text = generate_latest(worker_registry(engine.stats, "demo", BLOCKS)).decode()
     for line in ('cotserve_worker_early_exits_total{model="demo"} 1.0', 'cotserve_worker_vote_samples_used_total{model="demo"} 4.0',
                  'cotserve_worker_vote_samples_saved_total{model="demo"} 12.0',

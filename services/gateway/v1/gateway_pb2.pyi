@@ -97,7 +97,7 @@ class GenerateStreamResponse(_message.Message):
     text: _builtins.str
     """Text delta."""
     token_id: _builtins.int
-    """The generated token."""
+    """The generated token (0 on the last chunk of a sample cancelled by a settled self-consistency vote: it has none)."""
     logprob: _builtins.float
     """Its log-probability, when asked for."""
     finish_reason: _common_pb2.FinishReason.ValueType

@@ -93,7 +93,7 @@ class GenerateResponse(_message.Message):
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
     token_id: _builtins.int
-    """The generated token."""
+    """The generated token (0 on the last chunk of a sample cancelled by a settled self-consistency vote: it has none)."""
     text: _builtins.str
     """Text this token completes (may be empty while a multi-byte character or a possible stop string is pending)."""
     logprob: _builtins.float
