@@ -11,6 +11,8 @@ after every reconnect, and ignores versions not newer than its own.
 
 from __future__ import annotations
 
+import math
+
 from cotserve.router.v1 import router_pb2
 from cotserve.common.routing import LayerRouting, RoutingPolicy
 
@@ -79,6 +81,9 @@ def validate(policy: router_pb2.ExpertPolicy, *, num_experts: int, top_k: int, m
         if layer.expert_bias and len(layer.expert_bias) != num_experts:
             raise PolicyError(f"layers[{layer.layer}].expert_bias: {len(layer.expert_bias)} values, the model has "
                               f"{num_experts} experts")
+        bad_bias = next(((e, b) for e, b in enumerate(layer.expert_bias) if not math.isfinite(b)), None)
+        if bad_bias is not None:  # NaN would poison routing and the balancing loop for good
+            raise PolicyError(f"layers[{layer.layer}].expert_bias[{bad_bias[0]}]: {bad_bias[1]} is not a finite number")
         bad = [e for e in layer.disabled_experts if e >= num_experts]
         if bad:
             raise PolicyError(f"layers[{layer.layer}].disabled_experts: expert {bad[0]} is out of range (0..{num_experts - 1})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import grpc
@@ -53,6 +54,8 @@ def test_set_policy_is_compare_and_set_and_validated(redis_url):
             router_pb2.SetPolicyRequest(policy=layer_policy(layer=7), expected_version=1),
             router_pb2.SetPolicyRequest(policy=layer_policy(layer=1, disabled_experts=[0, 1, 2]), expected_version=1),
             router_pb2.SetPolicyRequest(policy=router_pb2.ExpertPolicy(model="nope"), expected_version=0),
+            router_pb2.SetPolicyRequest(policy=layer_policy(layer=1, expert_bias=[0.0, float("nan"), 0.0, 0.0]), expected_version=1),
+            router_pb2.SetPolicyRequest(policy=layer_policy(layer=0, expert_bias=[0.0, 0.0, 0.0, float("-inf")]), expected_version=1),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.SetPolicy(req)
@@ -70,6 +73,15 @@ def test_set_policy_is_compare_and_set_and_validated(redis_url):
     assert errors[3] == (grpc.StatusCode.INVALID_ARGUMENT,
                          "policy.layers[1].disabled_experts: 3 disabled leaves fewer than top_k (2) experts")
     assert errors[4] == (grpc.StatusCode.NOT_FOUND, "model: no worker of 'nope' has registered its experts")
+    assert errors[5] == (grpc.StatusCode.INVALID_ARGUMENT, "policy.layers[1].expert_bias[1]: nan is not a finite number")
+    assert errors[6] == (grpc.StatusCode.INVALID_ARGUMENT, "policy.layers[0].expert_bias[3]: -inf is not a finite number")
+
+
+def test_a_worker_refuses_a_non_finite_policy_that_reaches_it():
+    """Straight onto the channel, past the router: the worker's parse rejects it, naming the expert."""
+    bad = layer_policy(layer=0, expert_bias=[0.0, float("inf"), 0.0, 0.0])
+    with pytest.raises(protocol.PolicyError, match=re.escape("layers[0].expert_bias[1]: inf is not a finite number")):
+        protocol.parse(bad.SerializeToString(), model="m", num_experts=4, top_k=2, moe_layers={0, 1})
 
 
 def test_watch_streams_each_new_version(redis_url):
