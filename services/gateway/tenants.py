@@ -22,6 +22,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import tomli_w
+
 from cotserve.common.errors import CotserveError
 from cotserve.common.sampling import SlaClass
 
@@ -134,19 +136,17 @@ def load_tenants(path: Path) -> dict[str, Tenant]:
 
 
 def _toml(tenants: dict[str, Tenant]) -> str:
-    lines = ["# cotserve tenants. API keys are stored as SHA-256 hashes only; add one with",
-             "# `cotserve tenants add-key NAME --file THIS_FILE`.", ""]
+    """The tenants file, written by a TOML writer so that every allowed name (dots included) round-trips."""
+    table: dict[str, dict] = {}
     for t in tenants.values():
-        lines.append(f"[tenants.{t.name}]")
-        lines.append("key_sha256 = [" + ", ".join(f'"{h}"' for h in sorted(t.key_sha256)) + "]")
-        lines.append("sla_classes = [" + ", ".join(f'"{c.name.lower()}"' for c in sorted(t.sla_classes)) + "]")
-        for key in _LIMITS:
-            if getattr(t, key) is not None:
-                lines.append(f"{key} = {getattr(t, key)}")
+        spec: dict = {"key_sha256": sorted(t.key_sha256), "sla_classes": [c.name.lower() for c in sorted(t.sla_classes)]}
+        spec.update({key: getattr(t, key) for key in _LIMITS if getattr(t, key) is not None})
         if t.modules is not None:
-            lines.append("modules = [" + ", ".join(f'"{m}"' for m in sorted(t.modules)) + "]")
-        lines.append("")
-    return "\n".join(lines)
+            spec["modules"] = sorted(t.modules)
+        table[t.name] = spec
+    header = ("# cotserve tenants. API keys are stored as SHA-256 hashes only; add one with\n"
+              "# `cotserve tenants add-key NAME --file THIS_FILE`.\n\n")
+    return header + tomli_w.dumps({"tenants": table})
 
 
 def add_key(path: Path, name: str, **limits: int | None) -> str:

@@ -38,6 +38,21 @@ def test_add_key_stores_only_the_hash_and_the_key_authenticates(tmp_path):
         reg.authenticate({})
 
 
+@pytest.mark.parametrize("name", ["acme.eu", "a.b.c", "1", "-", "_x-y.z", "." * 64])
+def test_every_allowed_name_round_trips_with_its_keys_and_limits(tmp_path, name):
+    """Dots are allowed in names; the file is written by a TOML writer, so `acme.eu` stays one tenant."""
+    path = tmp_path / "tenants.toml"
+    other = add_key(path, "acme", max_concurrent=2)
+    first = add_key(path, name, requests_per_min=60)
+    second = add_key(path, name)  # keeps the first key and the limits
+    tenants = load_tenants(path)
+    assert set(tenants) == {"acme", name}
+    assert (tenants[name].requests_per_min, tenants["acme"].max_concurrent) == (60, 2)
+    reg = TenantRegistry.from_file(path)
+    for key, owner in ((first, name), (second, name), (other, "acme")):
+        assert reg.authenticate({"authorization": f"Bearer {key}"}).name == owner
+
+
 def test_the_cli_prints_the_key_once(tmp_path):
     path = tmp_path / "t.toml"
     out = subprocess.run([sys.executable, "-m", "cotserve.cli", "tenants", "add-key", "team-b", "--file", str(path),
