@@ -233,3 +233,11 @@ class ReasoningParams:
 
 def finish_reason_to_pb(reason: str) -> int:
     return _FINISH[reason]
+
+
+_FINISH_NAMES = {v: k for k, v in _FINISH.items()}
+
+
+def finish_reason_name(reason: int) -> str:
+    """The name of a FinishReason value ("stop", "length", "cancelled"; "unknown" for anything else)."""
+    return _FINISH_NAMES.get(reason, "unknown")

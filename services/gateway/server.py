@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
 from cotserve.common.sampling import (
-    DEFAULT_MAX_NEW_TOKENS, SlaClass, check_self_consistency, reasoning_from_pb, sampling_from_pb, sla_from_pb,
+    DEFAULT_MAX_NEW_TOKENS, SlaClass, check_self_consistency, finish_reason_name, reasoning_from_pb, sampling_from_pb,
+    sla_from_pb,
 )
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
@@ -36,8 +37,6 @@ from cotserve.worker.v1 import worker_pb2
 log = logging.getLogger("cotserve.gateway")
 PREFIX_CACHE_SCOPES = ("tenant", "global")
 MAX_CACHE_SALT_CHARS = 256
-_FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-                 common_pb2.FINISH_REASON_CANCELLED: "cancelled"}
 
 
 @dataclass(slots=True)
@@ -311,7 +310,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     if chunk.HasField("logprob"):
                         out.logprob = chunk.logprob
                     if chunk.finish_reason:
-                        reasons[chunk.index] = _FINISH_NAMES.get(chunk.finish_reason, "unknown")
+                        reasons[chunk.index] = finish_reason_name(chunk.finish_reason)
                     if chunk.HasField("self_consistency"):
                         out.self_consistency.CopyFrom(chunk.self_consistency)
                         span.set_attributes({"cotserve.vote.samples_used": chunk.self_consistency.samples_used,

@@ -76,18 +76,15 @@ class ReasoningFormat:
         if not thinking_at_start:
             i = text.find(self.start)
             if i == -1:
-                return "", self._answer(text)
+                return "", self.answer(text)
             start = i + len(self.start)
         j = text.find(self.end, start)
         if j == -1:
             return text[start:].strip(), ""
-        return text[start:j].strip(), self._answer(text[j + len(self.end):])
+        return text[start:j].strip(), self.answer(text[j + len(self.end):])
 
     def answer(self, text: str) -> str:
         """The answer in `text` (what follows the end marker), through the answer extractor."""
-        return self._answer(text)
-
-    def _answer(self, text: str) -> str:
         if self.answer_regex is None:
             return text.strip()
         m = self.answer_regex.search(text)
@@ -216,9 +213,9 @@ def tally(ballots: list[Ballot], params: SelfConsistencyParams) -> list[VoteEntr
     sample's confidence, else 1."""
     kept = ballots
     drop = int(len(ballots) * params.drop_fraction)
-    if drop:
-        kept = sorted(ballots, key=lambda b: b.confidence)[drop:]
-        kept = [b for b in ballots if any(b is k for k in kept)]  # keep arrival order for ties
+    if drop:  # the least confident go; the rest keep their arrival order (for ties)
+        dropped = set(sorted(range(len(ballots)), key=lambda i: ballots[i].confidence)[:drop])
+        kept = [b for i, b in enumerate(ballots) if i not in dropped]
     table: dict[str, VoteEntry] = {}
     for b in kept:
         e = table.setdefault(b.answer, VoteEntry(b.answer))
