@@ -121,6 +121,9 @@ def serve_gateway(
     slo_budget_ms: float = typer.Option(5.0, envvar="COTSERVE_SLO_BUDGET_MS", help="Milliseconds routing waits for a prediction before using the load heuristic."),
     slo_retry_after_ms: int = typer.Option(10_000, help="retry-after-ms sent with a deferred BATCH request."),
     prefix_cache_scope: str = typer.Option("tenant", envvar="COTSERVE_PREFIX_CACHE_SCOPE", help="Who shares workers' cached prompt blocks: tenant (requests of the same tenant only; the default, as a shared cache leaks prompts through timing) or global."),
+    max_request_bytes: int = typer.Option(4 << 20, envvar="COTSERVE_GATEWAY_MAX_REQUEST_BYTES", help="Largest request message accepted, in bytes (larger: RESOURCE_EXHAUSTED before it is read)."),
+    max_prompt_chars: int = typer.Option(0, envvar="COTSERVE_GATEWAY_MAX_PROMPT_CHARS", help="Prompt characters allowed at most (0: what the model's context can hold: its context times its longest token)."),
+    max_prompt_tokens: int = typer.Option(0, envvar="COTSERVE_GATEWAY_MAX_PROMPT_TOKENS", help="Prompt tokens allowed at most, checked by the worker (0: the model's context less one)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
@@ -138,7 +141,9 @@ def serve_gateway(
                             metrics_port=metrics_port, tenants_file=tenants_file, redis_url=redis_url,
                             sandbox_address=sandbox, fail_open_modules=frozenset(fail_open), slo_address=slo,
                             slo_admission=slo_admission, slo_routing=slo_routing, slo_predict_budget_ms=slo_budget_ms,
-                            slo_retry_after_ms=slo_retry_after_ms, prefix_cache_scope=prefix_cache_scope)
+                            slo_retry_after_ms=slo_retry_after_ms, prefix_cache_scope=prefix_cache_scope,
+                            max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
+                            max_prompt_tokens=max_prompt_tokens)
         cfg.validate()
     except ValueError as exc:
         fail("gateway", exc)

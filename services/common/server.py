@@ -4,22 +4,28 @@ graceful stop on SIGTERM. A service is a servicer plus a config dataclass."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
 from grpc_reflection.v1alpha import reflection
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import CotserveError
+from cotserve.common.errors import CotserveError, InvalidArgument
 from cotserve.common.tracing import server_interceptors
 
 log = logging.getLogger("cotserve.rpc")
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+"""The largest request message a service accepts unless its config says otherwise (gRPC's own default,
+set explicitly so that every server states it); larger ones are RESOURCE_EXHAUSTED before any work."""
 
 
 def _status(exc: CotserveError) -> grpc.StatusCode:
@@ -29,8 +35,41 @@ def _status(exc: CotserveError) -> grpc.StatusCode:
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     if isinstance(exc, CotserveError):
         await context.abort(_status(exc), exc.message, trailing_metadata=tuple(exc.trailers.items()))
-    log.error("internal error: %r", exc, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    # The exception's text can name internal addresses, paths or data: it goes to the log under an id
+    # that the client gets instead, so an operator can find the one from the other.
+    error_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s: %r", error_id, exc, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (error id {error_id}; the service's log has the details)",
+                        trailing_metadata=(("error-id", error_id),))
+
+
+class _Undecodable:
+    """What a request that failed to parse becomes, so the handler can answer INVALID_ARGUMENT
+    (gRPC itself would answer a deserializer's exception with a bare UNKNOWN/INTERNAL)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            return _Undecodable(str(exc))
+    return parse
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        why = request.reason.rpartition(": ")[2] or request.reason
+        hint = " (every string field must be valid UTF-8)" if "UTF-8" in why else ""
+        raise InvalidArgument(f"request: not a valid message: {why}{hint}")
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -42,13 +81,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(("/grpc.health", "/grpc.reflection")):
             return handler
         method = details.method
-        kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+        kwargs = dict(request_deserializer=_tolerant(handler.request_deserializer),
+                      response_serializer=handler.response_serializer)
         if handler.unary_unary:
             inner = handler.unary_unary
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start, code = time.monotonic(), "OK"
                 try:
+                    _check_decoded(request)
                     return await inner(request, context)
                 except grpc.aio.AbortError:
                     code = "ABORTED_BY_HANDLER"
@@ -66,6 +107,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 start, code = time.monotonic(), "OK"
                 try:
+                    _check_decoded(request)
                     async for item in inner_stream(request, context):
                         yield item
                 except grpc.aio.AbortError:
@@ -84,6 +126,37 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+class StreamCloser(grpc.aio.ServerInterceptor):
+    """The outermost interceptor: runs each server-streaming handler as a coroutine that writes its
+    responses and always closes the handler's generator itself, in the call's own task.
+
+    gRPC iterates a streaming handler but does not close it when the call is cancelled while a
+    response is being sent: the generator (the OpenTelemetry interceptor's among them) is then
+    finalized later by the garbage collector in another task, where OpenTelemetry cannot detach the
+    context it attached ("Failed to detach context", one 18-line error per cancelled stream) and
+    the span ends late. Closing it here ends every stream's span on time, in the right context."""
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or not handler.unary_stream or details.method.startswith(("/grpc.health", "/grpc.reflection")):
+            return handler
+        inner = handler.unary_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
+            responses = inner(request, context)
+            if not inspect.isasyncgen(responses):  # a handler that writes for itself
+                await responses
+                return
+            try:
+                async for item in responses:
+                    await context.write(item)
+            finally:
+                await responses.aclose()
+
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=handler.request_deserializer,
+                                                    response_serializer=handler.response_serializer)
+
+
 @dataclass(slots=True)
 class ServiceSpec:
     """One gRPC service to host: its full name (for health and reflection) and how to add it."""
@@ -95,9 +168,11 @@ class ServiceSpec:
 class Server:
     """A running service. Health starts NOT_SERVING and turns SERVING on `set_serving()`."""
 
-    def __init__(self, specs: list[ServiceSpec], host: str, port: int, tracer_provider: TracerProvider | None = None) -> None:
-        interceptors = [*server_interceptors(tracer_provider), ErrorInterceptor()]
-        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    def __init__(self, specs: list[ServiceSpec], host: str, port: int, tracer_provider: TracerProvider | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        interceptors = [StreamCloser(), *server_interceptors(tracer_provider), ErrorInterceptor()]
+        self.server = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         for spec in specs:
@@ -125,6 +200,9 @@ class Server:
 
     async def set_serving(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float) -> None:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)

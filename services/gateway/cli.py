@@ -18,16 +18,26 @@ def tenants_add_key(
     requests_per_min: Optional[int] = typer.Option(None, help="Set the tenant's requests per minute."),
     tokens_per_min: Optional[int] = typer.Option(None, help="Set the tenant's tokens (prompt + completion) per minute."),
     max_concurrent: Optional[int] = typer.Option(None, help="Set the tenant's concurrent requests."),
+    sla_classes: Optional[str] = typer.Option(None, help="Set the classes the tenant may use, comma-separated from realtime, interactive, batch (a new tenant gets interactive,batch: REALTIME is granted explicitly)."),
 ) -> None:
     """Create an API key for a tenant: print it once, store only its SHA-256 hash."""
+    from cotserve.common.sampling import SlaClass
     from cotserve.gateway.tenants import add_key
 
+    classes = None
+    if sla_classes is not None:
+        try:
+            classes = frozenset(SlaClass[c.strip().upper()] for c in sla_classes.split(",") if c.strip())
+        except KeyError:
+            raise typer.BadParameter(f"sla_classes: {sla_classes!r}, allowed: realtime, interactive, batch") from None
+        if not classes:
+            raise typer.BadParameter("sla_classes: name at least one of realtime, interactive, batch")
     for flag, value in (("requests_per_min", requests_per_min), ("tokens_per_min", tokens_per_min),
                         ("max_concurrent", max_concurrent)):
         if value is not None and value < 1:
             raise typer.BadParameter(f"{flag}: {value}, must be >= 1")
     try:
-        key = add_key(file, name, requests_per_min=requests_per_min, tokens_per_min=tokens_per_min,
+        key = add_key(file, name, classes, requests_per_min=requests_per_min, tokens_per_min=tokens_per_min,
                       max_concurrent=max_concurrent)
     except ValueError as exc:
         typer.echo(f"cotserve tenants: {exc}", err=True)

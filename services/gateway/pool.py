@@ -1,8 +1,10 @@
 """The gateway's view of its workers: what each serves, whether it is healthy, how loaded it is.
 
 A background task polls every worker's `Stats` (and `Info` until it answers) on a fixed
-interval; routing reads the latest snapshot and never calls a worker itself. A worker whose poll
-fails is out of rotation at once and back on its next good poll.
+interval; routing reads the latest snapshot and never calls a worker itself. A worker leaves
+rotation when it refuses the connection (UNAVAILABLE), when a request sees it fail, or after
+`down_after_failed_polls` polls in a row fail otherwise (a slow poll alone says little: a busy
+worker can answer late and still serve); it is back on its next good poll.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -32,6 +35,7 @@ class WorkerHandle:
     stats: worker_pb2.StatsResponse | None = None
     healthy: bool = False
     in_flight: int = 0  # requests this gateway has open on the worker
+    failed_polls: int = 0  # polls in a row that failed
     admission: Admission = field(default_factory=Admission)
 
     @property
@@ -53,8 +57,12 @@ class WorkerPool:
     poll_timeout_s: float = 1.0
     tracer_provider: TracerProvider | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    down_after_failed_polls: int = 3
+    on_change: Callable[[bool], None] | None = None
+    """Called with whether any worker is healthy, whenever that changes."""
     workers: list[WorkerHandle] = field(default_factory=list)
     _task: asyncio.Task | None = None
+    _any_healthy: bool | None = None
 
     async def start(self) -> None:
         for address in self.addresses:
@@ -81,6 +89,14 @@ class WorkerPool:
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
+        self._notify()
+
+    def _notify(self) -> None:
+        now = any(w.healthy for w in self.workers)
+        if now != self._any_healthy:
+            self._any_healthy = now
+            if self.on_change is not None:
+                self.on_change(now)
 
     async def _poll(self, w: WorkerHandle) -> None:
         try:
@@ -88,10 +104,17 @@ class WorkerPool:
                 w.info = await w.stub.Info(worker_pb2.InfoRequest(), timeout=self.poll_timeout_s)
             w.stats = await w.stub.Stats(worker_pb2.StatsRequest(), timeout=self.poll_timeout_s)
         except grpc.RpcError as err:
-            if w.healthy:
-                log.warning("worker %s out of rotation: %s", w.address, err.code().name)
-            w.healthy = False
+            w.failed_polls += 1
+            refused = err.code() == grpc.StatusCode.UNAVAILABLE
+            if w.healthy and (refused or w.failed_polls >= self.down_after_failed_polls):
+                log.warning("worker %s out of rotation: %s (%d failed polls in a row)", w.address, err.code().name,
+                            w.failed_polls)
+                w.healthy = False
+            elif w.healthy:
+                log.info("worker %s: poll failed (%s), %d in a row; still in rotation", w.address, err.code().name,
+                         w.failed_polls)
             return
+        w.failed_polls = 0
         if not w.healthy:
             log.info("worker %s in rotation: %s rev %s", w.address, w.info.model_name, w.info.model_revision)
         w.healthy = True
@@ -101,6 +124,7 @@ class WorkerPool:
     def mark_down(self, w: WorkerHandle) -> None:
         """Called when a request saw the worker fail; the next good poll brings it back."""
         w.healthy = False
+        self._notify()
 
     def models(self) -> dict[str, list[WorkerHandle]]:
         """Every known model and its workers (healthy or not)."""

@@ -43,11 +43,16 @@ class Processors:
         if self._channel is not None:
             await self._channel.close()
 
-    async def apply(self, field_name: str, module: str, text: str, tenant: Tenant, timeout_s: float | None) -> str:
-        """Run `module` on `text`; return its output, or raise the request's error."""
+    @staticmethod
+    def check_allowed(field_name: str, module: str, tenant: Tenant) -> None:
+        """PERMISSION_DENIED unless the tenant may name `module` (checked before quota is spent on the request)."""
         if tenant.modules is not None and module not in tenant.modules:
             allowed = ", ".join(sorted(tenant.modules)) or "none"
             raise PermissionDenied(f"{field_name}: tenant {tenant.name!r} may not use module {module!r} (allowed: {allowed})")
+
+    async def apply(self, field_name: str, module: str, text: str, tenant: Tenant, timeout_s: float | None) -> str:
+        """Run `module` on `text`; return its output, or raise the request's error."""
+        self.check_allowed(field_name, module, tenant)
         if self.address is None:
             return self._failed(field_name, module, text, "no sandbox service is configured for this gateway")
         try:
@@ -59,7 +64,9 @@ class Processors:
             if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED) and timeout_s is not None \
                     and timeout_s < RUN_TIMEOUT_S:
                 raise  # the client's own deadline: let it surface as such
-            return self._failed(field_name, module, text, f"sandbox {err.code().name}: {err.details()}")
+            # the details can name the sandbox's address: they go to the log, the client gets the code
+            log.warning("%s %s: sandbox call failed: %s: %s", field_name, module, err.code().name, err.details())
+            return self._failed(field_name, module, text, f"the sandbox service answered {err.code().name}")
         if resp.outcome == sandbox_pb2.RUN_OUTCOME_OK:
             return resp.output.decode(errors="replace")
         if resp.outcome == sandbox_pb2.RUN_OUTCOME_EXIT_NONZERO and resp.exit_code == 1:

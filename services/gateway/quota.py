@@ -5,23 +5,32 @@
   up front at an upper bound (prompt bytes + 8 special tokens + max_new_tokens) and the unused
   part is refunded when the request ends, so a tenant never goes over its budget.
 - concurrency: a sorted set of leases (request id -> expiry), so a gateway that dies mid-request
-  cannot leak a slot for longer than the lease.
+  cannot leak a slot for longer than the lease (one minute); the gateway renews a request's lease
+  every 20 seconds while its stream lives, so a long generation keeps its slot.
+- Redis trouble is UNAVAILABLE naming the dependency (its address and the client's exception go to the
+  log only): limits that cannot be checked are not waived.
 
 Keys: `cotserve:quota:{tenant}:rpm`, `...:tpm`, `...:concurrent`.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import uuid
 from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, TypeVar
 
+import redis
 import redis.asyncio as aioredis
 
-from cotserve.common.errors import ResourceExhausted
+from cotserve.common.errors import ResourceExhausted, Unavailable
 from cotserve.gateway.tenants import Tenant
 
+log = logging.getLogger("cotserve.gateway.quota")
 PREFIX = "cotserve:quota"
-LEASE_MS = 15 * 60 * 1000
+LEASE_MS = 60 * 1000
+RENEW_EVERY_S = LEASE_MS / 1000 / 3
 SPECIAL_TOKENS_ALLOWANCE = 8
 
 # KEYS[1] = bucket; ARGV = interval_ms (per unit), capacity (units), cost (units).
@@ -73,6 +82,34 @@ return 1
 """
 
 
+# KEYS[1] = lease set; ARGV = lease id, lease ms. Pushes a live lease's expiry out; returns 0 when it is gone.
+_RENEW = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+return 1
+"""
+
+T = TypeVar("T")
+
+
+def _redis_guarded(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Redis errors become UNAVAILABLE with a message that names the dependency, not its address."""
+    @functools.wraps(fn)
+    async def call(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except redis.RedisError as exc:
+            log.warning("tenant-limits store (Redis) failed in %s: %r", fn.__name__, exc)
+            raise Unavailable("quota: the tenant-limits store (Redis) is unavailable; retry later") from None
+    return call
+
+
 def token_reservation(prompt: str, max_new_tokens: int) -> int:
     """An upper bound on a request's prompt + completion tokens, known before tokenizing."""
     return len(prompt.encode()) + SPECIAL_TOKENS_ALLOWANCE + max_new_tokens
@@ -93,6 +130,7 @@ class QuotaEnforcer:
         self._gcra = client.register_script(_GCRA)
         self._refund = client.register_script(_REFUND)
         self._lease = client.register_script(_LEASE)
+        self._renew = client.register_script(_RENEW)
 
     @classmethod
     def from_url(cls, url: str) -> "QuotaEnforcer":
@@ -106,6 +144,7 @@ class QuotaEnforcer:
         return ResourceExhausted(f"quota: tenant {tenant.name!r} is over its {what}",
                                  trailers={"retry-after-ms": str(max(1, int(retry_after_ms)))})
 
+    @_redis_guarded
     async def admit(self, tenant: Tenant, reserve_tokens: int) -> Grant:
         """Take a concurrency lease, a request and `reserve_tokens` tokens, or raise ResourceExhausted."""
         key = f"{PREFIX}:{tenant.name}"
@@ -132,6 +171,14 @@ class QuotaEnforcer:
             raise
         return Grant(tenant, lease_id, reserve_tokens if tenant.tokens_per_min is not None else 0)
 
+    @_redis_guarded
+    async def renew(self, grant: Grant) -> bool:
+        """Push the grant's concurrency lease out by another LEASE_MS; False when it had expired."""
+        if grant.lease_id is None:
+            return True
+        return bool(await self._renew(keys=[f"{PREFIX}:{grant.tenant.name}:concurrent"], args=[grant.lease_id, LEASE_MS]))
+
+    @_redis_guarded
     async def release(self, grant: Grant, used_tokens: int) -> None:
         """The request ended: drop its lease and give back the tokens it reserved but did not use."""
         key = f"{PREFIX}:{grant.tenant.name}"

@@ -20,7 +20,7 @@ from cotserve.common.sampling import (
     DEFAULT_MAX_NEW_TOKENS, SlaClass, check_self_consistency, finish_reason_name, reasoning_from_pb, sampling_from_pb,
     sla_from_pb,
 )
-from cotserve.common.server import Server, ServiceSpec, run_until_signalled
+from cotserve.common.server import DEFAULT_MAX_MESSAGE_BYTES, Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.admission import AdmissionConfig, QueueDeadlineExceeded
@@ -28,7 +28,7 @@ from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
 from cotserve.gateway.processors import Processors
-from cotserve.gateway.quota import SPECIAL_TOKENS_ALLOWANCE, QuotaEnforcer, token_reservation
+from cotserve.gateway.quota import RENEW_EVERY_S, SPECIAL_TOKENS_ALLOWANCE, Grant, QuotaEnforcer, token_reservation
 from cotserve.gateway.slo_link import SloLink, SloLinkConfig, queued
 from cotserve.gateway.tenants import Tenant, TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -80,6 +80,13 @@ class GatewayConfig:
     prefix_cache_scope: str = "tenant"
     """Who shares workers' prefix-cache blocks: tenant (only requests of the same tenant: a shared cache would
     leak one tenant's prompts to another through timing) or global (every request)."""
+    max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest request message accepted (gRPC refuses a larger one with RESOURCE_EXHAUSTED before reading it)."""
+    max_prompt_chars: int = 0
+    """Prompt characters allowed at most; 0: what the model's context can hold (its context times its longest
+    token, which the worker reports), so a prompt that cannot fit is refused before any worker tokenizes it."""
+    max_prompt_tokens: int = 0
+    """Prompt tokens allowed at most (the worker checks after tokenizing); 0: the model's context less one."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -111,6 +118,10 @@ class GatewayConfig:
             raise ValueError(f"prefix_cache_scope: {self.prefix_cache_scope!r}, allowed: {', '.join(PREFIX_CACHE_SCOPES)}")
         if self.slo_predict_budget_ms <= 0:
             raise ValueError(f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes: {self.max_request_bytes}, must be >= 1024")
+        if self.max_prompt_chars < 0 or self.max_prompt_tokens < 0:
+            raise ValueError("max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)")
         if self.admission.batch_limit < 0:
             raise ValueError(f"batch_limit: {self.admission.batch_limit}, must be >= 0")
         for cls, bound in self.admission.max_queue.items():
@@ -123,7 +134,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
                  quota: QuotaEnforcer | None = None, processors: Processors | None = None,
                  tracer_provider: TracerProvider | None = None, slo: SloLink | None = None,
-                 prefix_cache_scope: str = "tenant") -> None:
+                 prefix_cache_scope: str = "tenant", max_prompt_chars: int = 0, max_prompt_tokens: int = 0) -> None:
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.gateway")
         self.slo = slo
         self.pool = pool
@@ -132,6 +143,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.quota = quota
         self.processors = processors or Processors(None)
         self.prefix_cache_scope = prefix_cache_scope
+        self.max_prompt_chars = max_prompt_chars
+        self.max_prompt_tokens = max_prompt_tokens
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
+        return self.tenants.authenticate(context.invocation_metadata() or ())
 
     def _cache_salt(self, tenant: Tenant, request_salt: str) -> str:
         """The worker's prefix-cache partition: the tenant (scope `tenant`) narrowed by the
@@ -142,14 +158,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             return request_salt
         return f"tenant:{tenant.name}\x00{request_salt}"
 
-    async def _counted(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    async def _counted(self, request, context: grpc.aio.ServicerContext,
+                       state: dict | None = None) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """`_relay`, counted in `cotserve_gateway_requests_total` by final status."""
         labels = {"model": request.model or "unknown", "sla_class": "UNKNOWN", "tenant": "default"}
         code = "OK"
         try:
-            tenant = self.tenants.authenticate(dict(context.invocation_metadata() or ()))
+            tenant = self._authenticate(context)
             labels["tenant"] = tenant.name
-            async for chunk in self._relay(request, context, labels, tenant):
+            async for chunk in self._relay(request, context, labels, tenant, {} if state is None else state):
                 yield chunk
         except CotserveError as exc:
             code = exc.code
@@ -174,10 +191,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if not request.prompt:
             raise InvalidArgument("prompt: must not be empty")
         info = next(w.info for w in self.pool.models()[model])
+        max_chars = self.max_prompt_chars or info.max_context_tokens * max(1, info.max_token_chars or 64)
+        if len(request.prompt) > max_chars:
+            why = "the limit" if self.max_prompt_chars else f"what model {model!r}'s context can hold"
+            raise InvalidArgument(f"prompt: {len(request.prompt)} characters, at most {max_chars} allowed ({why})")
         params = sampling_from_pb(request.sampling, vocab_size=info.vocab_size, max_model_len=info.max_context_tokens,
                                   max_new_tokens_limit=info.max_context_tokens)
         wreq = worker_pb2.GenerateRequest(
             request_id=uuid.uuid4().hex, prompt_text=request.prompt, sampling=request.sampling, sla_class=request.sla_class,
+            max_prompt_tokens=self.max_prompt_tokens,
         )
         if request.HasField("reasoning"):
             reasoning = reasoning_from_pb(request.reasoning)  # the worker checks what its model's format allows
@@ -186,43 +208,72 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return model, sla, wreq
 
     async def _relay(self, request, context: grpc.aio.ServicerContext, labels: dict[str, str],
-                     tenant: Tenant) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+                     tenant: Tenant, state: dict) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """Authenticated already; then validation, the class grant, quota, the pre-processor, and the stream
+        (admission inside it), in that order: nothing a tenant may not have costs a sandbox run or a worker slot."""
         start = time.monotonic()
         model, sla, wreq = self._worker_request(request, labels)
         wreq.cache_salt = self._cache_salt(tenant, request.cache_salt)
         self.tenants.authorize(tenant, sla)
         trace.get_current_span().set_attribute("cotserve.tenant", tenant.name)
         if request.pre_processor:
-            wreq.prompt_text = await self.processors.apply("pre_processor", request.pre_processor, request.prompt, tenant,
-                                                           context.time_remaining())
+            self.processors.check_allowed("pre_processor", request.pre_processor, tenant)
+        if request.post_processor:
+            self.processors.check_allowed("post_processor", request.post_processor, tenant)
         grant = None
         if self.quota is not None and tenant.has_limits:
+            # Reserved on the prompt as sent: the pre-processor has not run yet (the refund settles on actual use).
             sp = wreq.sampling
             max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
             samples = wreq.reasoning.self_consistency.max_samples if wreq.reasoning.HasField("self_consistency") else (sp.n or 1)
             grant = await self.quota.admit(tenant, token_reservation(wreq.prompt_text, max_new * samples))
+        renewer = asyncio.create_task(self._renew_lease(grant)) if grant is not None and grant.lease_id else None
+        # With a post-processor the client sees only its output: token ids, logprobs and the worker's own
+        # reasoning/answer split would give the rewritten text back, unless the tenant may have raw tokens.
+        withhold = bool(request.post_processor) and not tenant.raw_tokens
+        state["withheld"] = withhold
         generated, used_tokens = 0, None
         completion: dict[int, list[str]] = {}  # per sample
         try:
+            if request.pre_processor:
+                wreq.prompt_text = await self.processors.apply("pre_processor", request.pre_processor, request.prompt, tenant,
+                                                               context.time_remaining())
             async for out in self._stream(start, model, sla, wreq, context):
                 generated += 1
                 if out.HasField("usage"):
                     used_tokens = out.usage.prompt_tokens + out.usage.completion_tokens
                 if request.post_processor:
-                    # Each sample's text is held back until the post-processor has seen all of it;
-                    # each chunk still carries its token id and logprob.
+                    # Each sample's text is held back until the post-processor has seen all of it.
                     completion.setdefault(out.index, []).append(out.text)
                     out.text = ""
+                    if withhold:
+                        out.token_id = 0
+                        for name in ("logprob", "reasoning_text", "answer_text"):
+                            out.ClearField(name)
                     if out.finish_reason:
                         out.text = await self.processors.apply("post_processor", request.post_processor,
                                                                "".join(completion.pop(out.index)), tenant,
                                                                context.time_remaining())
                 yield out
         finally:
+            if renewer is not None:
+                renewer.cancel()
             if grant is not None:
                 if used_tokens is None:  # failed or cancelled: charge what it may have used so far
                     used_tokens = len(wreq.prompt_text.encode()) + SPECIAL_TOKENS_ALLOWANCE + generated
-                await asyncio.shield(self.quota.release(grant, used_tokens))
+                try:
+                    await asyncio.shield(self.quota.release(grant, used_tokens))
+                except CotserveError as exc:  # the lease expires by itself; the answer stands
+                    log.warning("request %s: could not release its quota grant: %s", wreq.request_id, exc.message)
+
+    async def _renew_lease(self, grant: Grant) -> None:
+        """Keep a live stream's concurrency lease from expiring (a lost renewal is retried next period)."""
+        while True:
+            await asyncio.sleep(RENEW_EVERY_S)
+            try:
+                await self.quota.renew(grant)
+            except CotserveError as exc:
+                log.warning("tenant %s: lease renewal failed: %s", grant.tenant.name, exc.message)
 
     async def _stream(self, start: float, model: str, sla: SlaClass, wreq: worker_pb2.GenerateRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
@@ -368,12 +419,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         resp = gateway_pb2.GenerateResponse()
         choices: dict[int, gateway_pb2.Choice] = {}
         texts: dict[int, list[str]] = {}
-        async for chunk in self._counted(request, context):
+        state: dict = {}
+        async for chunk in self._counted(request, context, state):
             choice = choices.get(chunk.index)
             if choice is None:
                 choice = choices[chunk.index] = gateway_pb2.Choice(index=chunk.index)
             texts.setdefault(chunk.index, []).append(chunk.text)
-            if chunk.finish_reason != common_pb2.FINISH_REASON_CANCELLED:  # a cancelled sample's last chunk has no token
+            if not state["withheld"] and chunk.finish_reason != common_pb2.FINISH_REASON_CANCELLED:
+                # (a cancelled sample's last chunk has no token)
                 choice.token_ids.append(chunk.token_id)
             if chunk.HasField("logprob"):
                 choice.logprobs.append(chunk.logprob)
@@ -401,6 +454,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return resp
 
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.ListModelsResponse:
+        self._authenticate(context)
         resp = gateway_pb2.ListModelsResponse()
         for name, workers in sorted(self.pool.models().items()):
             info = workers[0].info
@@ -409,6 +463,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return resp
 
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:
+        self._authenticate(context)
         worker = self.pool.pick(self.pool.resolve_model(request.model))
         try:
             resp = await worker.stub.Tokenize(worker_pb2.TokenizeRequest(text=request.text, add_special_tokens=True),
@@ -471,18 +526,31 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     if cfg.slo_address:
         slo = SloLink(SloLinkConfig(cfg.slo_address, admission=cfg.slo_admission, routing=cfg.slo_routing,
                                     predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms), pool)
-    servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope)
+    servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope,
+                               cfg.max_prompt_chars, cfg.max_prompt_tokens)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
-    server = Server([spec], cfg.host, cfg.port, tracer_provider)
+    server = Server([spec], cfg.host, cfg.port, tracer_provider, max_message_bytes=cfg.max_request_bytes)
     metrics_server = serve_metrics(metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
+    health_tasks: set[asyncio.Task] = set()
+
+    def on_workers(any_healthy: bool) -> None:
+        """The gateway is SERVING while at least one worker is in rotation, NOT_SERVING otherwise."""
+        if any_healthy:
+            log.info("a worker is in rotation: SERVING")
+        else:
+            log.warning("no worker is in rotation: NOT_SERVING until one answers")
+        task = asyncio.get_running_loop().create_task(server.set_serving() if any_healthy else server.set_not_serving())
+        health_tasks.add(task)
+        task.add_done_callback(health_tasks.discard)
+
+    pool.on_change = on_workers
     await pool.start()
     if slo is not None:
         slo.start()
-    await server.set_serving()
     healthy = [w.address for w in pool.workers if w.healthy]
-    log.info("SERVING gateway on %s: %d workers (%d healthy now): %s", server.address, len(pool.workers), len(healthy),
+    log.info("gateway on %s: %d workers (%d healthy now): %s", server.address, len(pool.workers), len(healthy),
              ", ".join(f"{w.address}={w.model or '?'}" for w in pool.workers))
     return RunningGateway(server, pool, metrics, metrics_server, quota, processors, slo)
 

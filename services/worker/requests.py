@@ -25,11 +25,30 @@ class GenerateCall:
     budget: ReasoningParams = ReasoningParams()
 
 
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """Characters of the longest vocabulary entry (byte-level entries count one per byte, never fewer
+    than the characters they stand for): a text longer than `max_tokens` times this cannot encode to
+    `max_tokens` tokens or fewer, unless the tokenizer's normalizer drops characters."""
+    return max((len(t) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
+
+
+def check_text_length(text: str, field: str, max_tokens: int, token_chars: int) -> None:
+    """INVALID_ARGUMENT for a text too long to be `max_tokens` tokens, decided without tokenizing it."""
+    if len(text) > max_tokens * token_chars:
+        raise InvalidArgument(f"{field}: {len(text)} characters cannot fit in {max_tokens} tokens (at most "
+                              f"{max_tokens * token_chars} characters: the longest token is {token_chars})")
+
+
 def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                     reasoning: ReasoningFormat | None = None) -> GenerateCall:
+                     reasoning: ReasoningFormat | None = None, token_chars: int | None = None) -> GenerateCall:
+    """Validate and tokenize. Long prompts take a while to tokenize: call this off the event loop."""
     if req.prompt_text and req.prompt_token_ids:
         raise InvalidArgument("prompt_text and prompt_token_ids: set exactly one, not both")
+    max_prompt = max_model_len - 1
+    if req.max_prompt_tokens:
+        max_prompt = min(max_prompt, req.max_prompt_tokens)
     if req.prompt_text:
+        check_text_length(req.prompt_text, "prompt_text", max_prompt, token_chars or max_token_chars(tokenizer))
         ids = tokenizer.encode(req.prompt_text).ids
     elif req.prompt_token_ids:
         ids = list(req.prompt_token_ids)
@@ -45,6 +64,8 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
             f"prompt: {len(ids)} tokens is over the model's context (prompt must be at most {max_model_len - 1} "
             f"tokens, leaving room for one generated token)"
         )
+    if len(ids) > max_prompt:
+        raise InvalidArgument(f"prompt: {len(ids)} tokens is over the limit of {max_prompt} prompt tokens")
     params = sampling_from_pb(
         req.sampling, vocab_size=vocab_size, max_model_len=max_model_len, max_new_tokens_limit=max_model_len - len(ids)
     )

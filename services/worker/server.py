@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
@@ -27,12 +29,16 @@ from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_block, kv_bytes_per_token, resolve_kv_dtype
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
 from cotserve.worker.reasoning import ReasoningFormat
-from cotserve.worker.requests import generate_from_pb, output_to_pb
+from cotserve.worker.requests import check_text_length, generate_from_pb, max_token_chars, output_to_pb
 from cotserve.worker.utilization import UtilizationProbe
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("cotserve.worker")
 DEMO_MODEL = Path(__file__).parent / "demo" / "model"
+INLINE_TOKENIZE_CHARS = 2048
+"""Texts up to this long are tokenized on the event loop (well under a millisecond); longer ones on the
+tokenizer pool, so that one long prompt never delays another request's tokens, Stats or health. The
+Rust tokenizer releases the GIL while it encodes."""
 
 
 @dataclass(slots=True)
@@ -236,10 +242,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._mailbox: LoopMailbox | None = None
         self._probe: UtilizationProbe | None = None
         self._block_bytes = 0  # KV bytes per block, known once the model is loaded
+        self._token_chars = 1  # characters of the longest token, known once the model is loaded
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cotserve-tokenize")
 
     def attach(self, engine: Engine, loaded: LoadedModel) -> None:
         """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
         self._engine, self._loaded = engine, loaded
+        self._token_chars = max_token_chars(loaded.tokenizer)
         self._probe = UtilizationProbe(str(loaded.device))
         r, ec = engine.runner, engine.config
         self._block_bytes = kv_bytes_per_block(loaded.config, r.kv_dtype, ec.block_size, loaded.dtype, r.skip_layers, r.topk_pages)
@@ -257,8 +266,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return self._loaded
 
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        call = generate_from_pb(request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len,
-                                self.engine.reasoning)
+        args = (request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len,
+                self.engine.reasoning, self._token_chars)
+        if len(request.prompt_text) <= INLINE_TOKENIZE_CHARS:
+            call = generate_from_pb(*args)
+        else:
+            call = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, generate_from_pb, *args)
         request_id = request.request_id or uuid.uuid4().hex
         if self._mailbox is None:
             self._mailbox = LoopMailbox(asyncio.get_running_loop())
@@ -325,6 +338,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             dtype=str(lm.dtype).removeprefix("torch."), vocab_size=lm.config.vocab_size,
             max_context_tokens=ec.max_model_len, max_num_seqs=ec.max_num_seqs, device=str(lm.device),
             num_experts=lm.config.num_experts, num_experts_per_tok=lm.config.num_experts_per_tok,
+            max_token_chars=self._token_chars,
             kv_cache=worker_pb2.KvCacheInfo(
                 dtype=str(self.engine.runner.kv_dtype).removeprefix("torch."), block_size_tokens=ec.block_size,
                 total_blocks=ec.num_blocks, bytes_per_token=kv_bytes_per_token(lm.config, self.engine.runner.kv_dtype, lm.dtype,
@@ -353,7 +367,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         )
 
     async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:
-        enc = self.loaded.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        tokenizer = self.loaded.tokenizer
+        check_text_length(request.text, "text", self.engine.config.max_model_len, self._token_chars)
+        if len(request.text) <= INLINE_TOKENIZE_CHARS:
+            enc = tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        else:
+            enc = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, functools.partial(tokenizer.encode, request.text, add_special_tokens=request.add_special_tokens))
         return worker_pb2.TokenizeResponse(token_ids=enc.ids, tokens=enc.tokens)
 
 
@@ -368,6 +388,7 @@ class RunningWorker:
     server: Server
     engine: Engine
     loaded: LoadedModel
+    servicer: "WorkerServicer"
     metrics_server: MetricsServer | None = None
     follower: PolicyFollower | None = None
 
@@ -380,6 +401,7 @@ class RunningWorker:
         if self.follower is not None:
             await self.follower.stop()
         self.engine.stop()
+        self.servicer._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if self.metrics_server is not None:
             self.metrics_server.stop()
 
@@ -424,7 +446,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d, %s scheduling, prefix cache %s",
              loaded.name, loaded.revision, server.address, loaded.dtype, econfig.num_blocks, econfig.block_size,
              econfig.max_model_len, econfig.scheduling, "on" if econfig.enable_prefix_caching else "off")
-    return RunningWorker(server, engine, loaded, metrics_server, follower)
+    return RunningWorker(server, engine, loaded, servicer, metrics_server, follower)
 
 
 async def serve(cfg: WorkerConfig) -> None:

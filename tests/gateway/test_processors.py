@@ -28,6 +28,10 @@ key_sha256 = ["{hash_key('k-open')}"]
 [tenants.narrow]
 key_sha256 = ["{hash_key('k-narrow')}"]
 modules = ["strip-think"]
+
+[tenants.raw]
+key_sha256 = ["{hash_key('k-raw')}"]
+raw_tokens = true
 """)
 
     async def main():
@@ -56,6 +60,10 @@ modules = ["strip-think"]
                     except Exception as exc:  # noqa: BLE001 - inspected below
                         out[name] = exc
                 out["clean"] = await c.generate("12+30=", pre_processor="cot-guard", max_new_tokens=64)
+                out["raw"] = await c.generate("37+48-12=", max_new_tokens=64, post_processor="strip-think", logprobs=True,
+                                              api_key="k-raw")
+                out["withheld_lp"] = await c.generate("37+48-12=", max_new_tokens=64, post_processor="strip-think",
+                                                      logprobs=True)
             async with AsyncClient(dead.server.address) as c:
                 try:
                     await c.generate("1+1=", post_processor="strip-think")
@@ -68,15 +76,25 @@ modules = ["strip-think"]
                 await svc.stop()
 
     out = asyncio.run(main())
-    assert out["post"].text == "73" and out["post"].finish_reason == "stop" and len(out["post"].token_ids) == 17
+    # The post-processor's output is all the client sees: no token ids, logprobs or reasoning split that would
+    # give the stripped thinking back; a tenant granted raw tokens gets them.
+    post = out["post"]
+    assert post.text == "73" and post.finish_reason == "stop" and post.usage.completion_tokens == 17
+    assert post.token_ids == [] and post.reasoning_text is None and post.answer_text is None
+    assert out["withheld_lp"].token_ids == [] and not out["withheld_lp"].logprobs
+    assert out["raw"].text == "73" and len(out["raw"].token_ids) == 17 and len(out["raw"].logprobs) == 17
+    assert out["raw"].reasoning_text == "37+48=85. 85-12=73." and out["raw"].answer_text == "73"
     assert [c.text for c in out["stream"]][:-1] == [""] * (len(out["stream"]) - 1) and out["stream"][-1].text == "73"
+    assert {c.token_id for c in out["stream"]} == {0} and all(c.logprob is None and c.reasoning_text is None
+                                                             for c in out["stream"])
     assert isinstance(out["pre_reject"], PermissionDenied)
     assert "pre_processor: cot-guard rejected the request: rejected: instruction override" in out["pre_reject"].message
     assert isinstance(out["unknown"], NotFound) and "module 'no-such-module' is not registered" in out["unknown"].message
     assert isinstance(out["narrow"], PermissionDenied)
     assert "tenant 'narrow' may not use module 'redact' (allowed: strip-think)" in out["narrow"].message
     assert out["clean"].text == "<think>12+30=42.</think> 42"
-    assert isinstance(out["closed"], Unavailable) and "strip-think failed and is fail-closed: sandbox UNAVAILABLE" in out["closed"].message
+    assert isinstance(out["closed"], Unavailable) and "strip-think failed and is fail-closed: the sandbox service answered UNAVAILABLE" in out["closed"].message
+    assert "127.0.0.1" not in out["closed"].message  # the sandbox's address stays in the gateway's log
     assert out["open"].text == "<think>1+1=2.</think> 2"  # redact failed open: text through unchanged
 
     spans = out["post_spans"]

@@ -32,6 +32,7 @@ class GenerateRequest(_message.Message):
     SLA_CLASS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and traces; the worker makes one up when empty."""
     prompt_text: _builtins.str
@@ -42,6 +43,8 @@ class GenerateRequest(_message.Message):
     """Prefix-cache partition: KV blocks cached under one salt are never reused under another (the gateway
     sets it to the tenant by default); empty is a partition of its own.
     """
+    max_prompt_tokens: _builtins.int
+    """Prompt tokens allowed at most (the gateway's edge limit); 0: the model's context less one."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt as token ids, each below the vocabulary size."""
@@ -64,10 +67,11 @@ class GenerateRequest(_message.Message):
         sla_class: _common_pb2.SlaClass.ValueType = ...,
         cache_salt: _builtins.str = ...,
         reasoning: _common_pb2.ReasoningOptions | None = ...,
+        max_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "max_prompt_tokens", b"max_prompt_tokens", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -222,6 +226,7 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     NUM_EXPERTS_FIELD_NUMBER: _builtins.int
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _builtins.int
+    MAX_TOKEN_CHARS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Served model name (the checkpoint folder's name unless overridden)."""
     model_revision: _builtins.str
@@ -242,6 +247,10 @@ class InfoResponse(_message.Message):
     """Experts per mixture-of-experts block (0 for a dense model)."""
     num_experts_per_tok: _builtins.int
     """Experts each token is routed to by default (0 for a dense model)."""
+    max_token_chars: _builtins.int
+    """Characters of the longest token in the vocabulary: a prompt longer than max_context_tokens times this
+    cannot fit, whatever it says (the gateway's default prompt-length limit; the worker checks it before tokenizing).
+    """
     @_builtins.property
     def kv_cache(self) -> Global___KvCacheInfo:
         """The KV cache."""
@@ -260,10 +269,11 @@ class InfoResponse(_message.Message):
         device: _builtins.str = ...,
         num_experts: _builtins.int = ...,
         num_experts_per_tok: _builtins.int = ...,
+        max_token_chars: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "max_token_chars", b"max_token_chars", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
