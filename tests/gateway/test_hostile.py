@@ -346,3 +346,41 @@ def test_a_slow_poll_does_not_take_a_worker_out_but_three_in_a_row_do():
     seen, changes = asyncio.run(main())
     assert seen == [True, True, True, True, True, True, False, False]
     assert changes == [True, False]
+
+
+def test_a_cancelled_stream_ends_its_spans_in_its_own_context(caplog):
+    """Cancelled streams used to leave their generators to the garbage collector, which closed them in
+    another context: 'Failed to detach context' (18 lines each) and spans ending late."""
+    import gc
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def main():
+        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4), provider)
+        gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]), provider)
+        try:
+            async with grpc.aio.insecure_channel(gw.server.address) as ch:
+                stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+                for _ in range(3):
+                    call = stub.GenerateStream(gateway_pb2.GenerateStreamRequest(prompt="37+48-12="))
+                    got = 0
+                    async for _chunk in call:
+                        got += 1
+                        if got == 3:
+                            break
+                    call.cancel()
+                    await asyncio.sleep(0.3)
+                gc.collect()
+                await asyncio.sleep(0.2)
+        finally:
+            await gw.stop()
+            await worker.stop()
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(main())
+        gc.collect()
+    assert not [r for r in caplog.records if "detach" in r.getMessage()]
+    roots = [s for s in exporter.get_finished_spans() if s.parent is None and s.name.startswith("generate")]
+    assert len(roots) == 3  # each cancelled request's span ended
