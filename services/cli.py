@@ -157,13 +157,22 @@ def serve_sandbox(
     store_dir: Optional[Path] = typer.Option(None, envvar="COTSERVE_SANDBOX_STORE", help="Folder for modules and compiled artifacts (default: ~/.cache/cotserve/sandbox)."),
     pool_size: Optional[int] = typer.Option(None, envvar="COTSERVE_SANDBOX_POOL", help="Runs executing at once (default: CPU count, at least 2)."),
     no_shipped: bool = typer.Option(False, "--no-shipped", help="Do not register the shipped modules at start."),
+    admin_token_file: Optional[Path] = typer.Option(None, envvar="COTSERVE_SANDBOX_ADMIN_TOKEN_FILE", help="File holding the token RegisterModule/DeleteModule need (default: one made at first start in <store-dir>/admin-token, mode 0600)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight runs on SIGTERM."),
 ) -> None:
     """Start the WASI sandbox service."""
     from cotserve.sandbox.server import SandboxConfig, serve
 
     setup_logging()
-    cfg = SandboxConfig(host=host, port=port, register_shipped=not no_shipped, grace_s=grace_s)
+    token = None
+    if admin_token_file is not None:
+        try:
+            token = admin_token_file.read_text().strip()
+        except OSError as exc:
+            fail("sandbox", f"admin_token_file: cannot read {admin_token_file}: {exc.strerror}")
+        if len(token) < 16:
+            fail("sandbox", f"admin_token_file: {admin_token_file} holds {len(token)} characters; use at least 16")
+    cfg = SandboxConfig(host=host, port=port, register_shipped=not no_shipped, grace_s=grace_s, admin_token=token)
     if store_dir is not None:
         cfg.store_dir = store_dir
     if pool_size is not None:

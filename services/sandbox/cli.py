@@ -22,19 +22,42 @@ def _sandbox_stub(address: str):
     return grpc.insecure_channel(address), sandbox_pb2_grpc.SandboxServiceStub
 
 
+def _admin_metadata(token: Optional[str], token_file: Optional[Path]) -> tuple[tuple[str, str], ...]:
+    """The admin token: given, else read from the file the local sandbox keeps it in."""
+    if not token:
+        from cotserve.common.paths import cache_dir
+
+        path = token_file or cache_dir("sandbox") / "admin-token"
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            typer.echo(f"error: no admin token: give --admin-token (or COTSERVE_SANDBOX_ADMIN_TOKEN) or --admin-token-file "
+                       f"({path}: {exc.strerror})", err=True)
+            raise typer.Exit(2) from None
+    return (("authorization", f"Bearer {token}"),)
+
+
+_TOKEN_HELP = "The sandbox's admin token (default: read from --admin-token-file)."
+_TOKEN_FILE_HELP = "File holding the admin token (default: the one a sandbox on this machine keeps in its store, ~/.cache/cotserve/sandbox/admin-token)."
+
+
 @sandbox_app.command("register")
 def sandbox_register(
     name: str = typer.Argument(..., help="Module name."),
     file: Path = typer.Argument(..., help="A .wasm or .wat file."),
     address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox address."),
+    replace: bool = typer.Option(False, "--replace", help="Replace a module already registered under this name (logged in the sandbox's audit log)."),
+    admin_token: Optional[str] = typer.Option(None, envvar="COTSERVE_SANDBOX_ADMIN_TOKEN", help=_TOKEN_HELP),
+    admin_token_file: Optional[Path] = typer.Option(None, help=_TOKEN_FILE_HELP),
 ) -> None:
-    """Register (compile and validate) a module."""
+    """Register (compile and validate) a module; needs the sandbox's admin token."""
     import grpc
 
     from cotserve.sandbox.v1 import sandbox_pb2
 
+    metadata = _admin_metadata(admin_token, admin_token_file)
     data = file.read_bytes()
-    req = sandbox_pb2.RegisterModuleRequest(name=name)
+    req = sandbox_pb2.RegisterModuleRequest(name=name, replace=replace)
     if file.suffix == ".wat":
         req.wat = data.decode()
     else:
@@ -42,10 +65,32 @@ def sandbox_register(
     channel, stub = _sandbox_stub(address)
     with channel:
         try:
-            m = stub(channel).RegisterModule(req, timeout=60).module
+            m = stub(channel).RegisterModule(req, metadata=metadata, timeout=60).module
         except grpc.RpcError as err:
             rpc_error_exit(err)
     typer.echo(f"{m.name} {m.sha256} {m.size_bytes} bytes")
+
+
+@sandbox_app.command("delete")
+def sandbox_delete(
+    name: str = typer.Argument(..., help="Module name."),
+    address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE_SANDBOX_ADDRESS", help="Sandbox address."),
+    admin_token: Optional[str] = typer.Option(None, envvar="COTSERVE_SANDBOX_ADMIN_TOKEN", help=_TOKEN_HELP),
+    admin_token_file: Optional[Path] = typer.Option(None, help=_TOKEN_FILE_HELP),
+) -> None:
+    """Delete a module and its files (shipped modules cannot be deleted); needs the sandbox's admin token."""
+    import grpc
+
+    from cotserve.sandbox.v1 import sandbox_pb2
+
+    metadata = _admin_metadata(admin_token, admin_token_file)
+    channel, stub = _sandbox_stub(address)
+    with channel:
+        try:
+            stub(channel).DeleteModule(sandbox_pb2.DeleteModuleRequest(name=name), metadata=metadata, timeout=30)
+        except grpc.RpcError as err:
+            rpc_error_exit(err)
+    typer.echo(f"deleted {name}")
 
 
 @sandbox_app.command("list")
@@ -62,7 +107,7 @@ def sandbox_list(address: str = typer.Option("127.0.0.1:50071", envvar="COTSERVE
         except grpc.RpcError as err:
             rpc_error_exit(err)
     for m in modules:
-        typer.echo(f"{m.name}\t{m.sha256[:16]}\t{m.size_bytes} bytes")
+        typer.echo(f"{m.name}\t{m.sha256[:16]}\t{m.size_bytes} bytes{chr(9) + 'shipped' if m.shipped else ''}")
 
 
 @sandbox_app.command("run")

@@ -1,10 +1,19 @@
-"""The sandbox service: register WASI modules, run them under limits on a bounded pool."""
+"""The sandbox service: register WASI modules, run them under limits on a bounded pool.
+
+The control plane (RegisterModule, DeleteModule) needs the admin token as `authorization: Bearer
+<token>`: from `--admin-token-file` / COTSERVE_SANDBOX_ADMIN_TOKEN, else one made at first start and
+kept in `<store>/admin-token` (mode 0600), where `cotserve sandbox register` finds it on this
+machine. Every change is written to the `cotserve.sandbox.audit` log with the caller's address.
+Running and listing modules needs no token: the gateway does that for every request.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
+import secrets
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,16 +23,31 @@ import wasmtime
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import InvalidArgument, NotFound
+from cotserve.common.errors import CotserveError, InvalidArgument, NotFound
 from cotserve.common.paths import cache_dir
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
-from cotserve.sandbox.registry import ModuleEntry, ModuleRegistry
+from cotserve.sandbox.registry import ModuleEntry, ModuleExists, ModuleReadOnly, ModuleRegistry
 from cotserve.sandbox.runner import Limits, ModuleRejected, RunResult, SandboxEngine
 from cotserve.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 log = logging.getLogger("cotserve.sandbox")
+audit = logging.getLogger("cotserve.sandbox.audit")
 SHIPPED_DIR = Path(__file__).parent / "modules"
+ADMIN_TOKEN_FILE = "admin-token"
+MAX_MODULE_BYTES = 16 << 20
+
+
+class Unauthenticated(CotserveError):
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(CotserveError):
+    code = "PERMISSION_DENIED"
+
+
+class AlreadyExists(CotserveError):
+    code = "ALREADY_EXISTS"
 _LIMIT_FIELDS = ("fuel", "memory_bytes", "timeout_ms", "max_output_bytes")
 
 
@@ -48,14 +72,36 @@ class SandboxConfig:
     max_input_bytes: int = 4 << 20
     """Largest stdin accepted."""
     register_shipped: bool = True
-    """Register the shipped modules (strip-think, redact, cot-guard) at start."""
+    """Register the shipped modules (strip-think, redact, cot-guard) at start; they are read-only."""
+    admin_token: str | None = None
+    """Token RegisterModule and DeleteModule need (none: made at first start and kept in <store_dir>/admin-token)."""
     grace_s: float = 5.0
     """Seconds to drain in-flight runs on SIGTERM."""
 
 
 def entry_to_pb(e: ModuleEntry) -> sandbox_pb2.ModuleInfo:
-    return sandbox_pb2.ModuleInfo(name=e.name, sha256=e.sha256, size_bytes=e.size_bytes,
+    return sandbox_pb2.ModuleInfo(name=e.name, sha256=e.sha256, size_bytes=e.size_bytes, shipped=e.shipped,
                                   max_limits=sandbox_pb2.RunLimits(**{f: getattr(e.max_limits, f) for f in _LIMIT_FIELDS}))
+
+
+def admin_token(cfg: SandboxConfig) -> str:
+    """The configured token, else the one kept in the store (made now, readable by this user only, if new)."""
+    if cfg.admin_token:
+        return cfg.admin_token
+    path = cfg.store_dir / ADMIN_TOKEN_FILE
+    cfg.store_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        token = path.read_text().strip()
+        if token:
+            return token
+    except FileNotFoundError:
+        pass
+    token = "sbx-" + secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(token + "\n")
+    log.info("made an admin token for RegisterModule/DeleteModule: %s", path)
+    return token
 
 
 def limits_from_pb(pb: sandbox_pb2.RunLimits) -> Limits:
@@ -63,17 +109,33 @@ def limits_from_pb(pb: sandbox_pb2.RunLimits) -> Limits:
 
 
 class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
-    def __init__(self, registry: ModuleRegistry, cfg: SandboxConfig) -> None:
+    def __init__(self, registry: ModuleRegistry, cfg: SandboxConfig, token: str) -> None:
         self.registry = registry
         self.cfg = cfg
+        self._token = token.encode()
         self.pool = ThreadPoolExecutor(max_workers=cfg.pool_size, thread_name_prefix="cotserve-sandbox-run")
         self.per_module = cfg.per_module_concurrency or max(1, cfg.pool_size // 2)
         self._module_slots: dict[str, asyncio.Semaphore] = {}
 
+    def _admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
+        """UNAUTHENTICATED unless the call carries exactly one `authorization: Bearer <admin token>`."""
+        values = [v for k, v in (context.invocation_metadata() or ()) if k.lower() == "authorization"]
+        scheme, _, given = (values[0] if len(values) == 1 else "").partition(" ")
+        if isinstance(given, str):
+            given = given.strip().encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._token):
+            audit.warning("refused %s from %s: %s", action, context.peer(),
+                          "no admin token" if not values else "wrong admin token" if len(values) == 1 else "several tokens")
+            raise Unauthenticated(f"authorization: {action} needs the sandbox's admin token "
+                                  "(`authorization: Bearer <token>`, one header)")
+
     async def RegisterModule(self, request: sandbox_pb2.RegisterModuleRequest, context: grpc.aio.ServicerContext) -> sandbox_pb2.RegisterModuleResponse:
+        self._admin(context, "RegisterModule")
         if bool(request.wasm) == bool(request.wat):
             raise InvalidArgument("wasm / wat: set exactly one")
         wasm = request.wasm
+        if max(len(request.wasm), len(request.wat)) > MAX_MODULE_BYTES:
+            raise InvalidArgument(f"wasm / wat: {max(len(request.wasm), len(request.wat))} bytes, at most {MAX_MODULE_BYTES}")
         if request.wat:
             try:
                 wasm = wasmtime.wat2wasm(request.wat)
@@ -81,18 +143,35 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
                 raise InvalidArgument(f"wat: {str(exc).strip()}") from None
         max_limits = limits_from_pb(request.max_limits) if request.HasField("max_limits") else None
         try:
-            entry = await asyncio.to_thread(self.registry.register, request.name, wasm, max_limits)
+            entry, old = await asyncio.to_thread(self.registry.register, request.name, wasm, max_limits,
+                                                 replace=request.replace)
         except ModuleRejected as exc:
             raise InvalidArgument(str(exc)) from None
-        log.info("registered %s (%s, %d bytes)", entry.name, entry.sha256[:12], entry.size_bytes)
+        except ModuleReadOnly as exc:
+            audit.warning("refused RegisterModule %s from %s: shipped module", request.name, context.peer())
+            raise PermissionDenied(str(exc)) from None
+        except ModuleExists as exc:
+            raise AlreadyExists(str(exc)) from None
+        if old is None:
+            audit.info("registered %s sha256 %s (%d bytes) from %s", entry.name, entry.sha256, entry.size_bytes, context.peer())
+        else:
+            audit.warning("replaced %s: sha256 %s -> %s (%d bytes) from %s", entry.name, old.sha256, entry.sha256,
+                          entry.size_bytes, context.peer())
         return sandbox_pb2.RegisterModuleResponse(module=entry_to_pb(entry))
 
     async def ListModules(self, request: sandbox_pb2.ListModulesRequest, context: grpc.aio.ServicerContext) -> sandbox_pb2.ListModulesResponse:
         return sandbox_pb2.ListModulesResponse(modules=[entry_to_pb(e) for e in self.registry.entries()])
 
     async def DeleteModule(self, request: sandbox_pb2.DeleteModuleRequest, context: grpc.aio.ServicerContext) -> sandbox_pb2.DeleteModuleResponse:
-        if not self.registry.delete(request.name):
+        self._admin(context, "DeleteModule")
+        try:
+            entry = self.registry.delete(request.name)
+        except ModuleReadOnly as exc:
+            audit.warning("refused DeleteModule %s from %s: shipped module", request.name, context.peer())
+            raise PermissionDenied(str(exc)) from None
+        if entry is None:
             raise NotFound(f"name: no module {request.name!r}")
+        audit.info("deleted %s sha256 %s from %s", entry.name, entry.sha256, context.peer())
         return sandbox_pb2.DeleteModuleResponse()
 
     def resolve_limits(self, entry: ModuleEntry, requested: Limits) -> Limits:
@@ -134,7 +213,7 @@ def register_shipped(registry: ModuleRegistry) -> list[str]:
     names = []
     for wasm in sorted(SHIPPED_DIR.glob("*.wasm")):
         name = wasm.stem.replace("_", "-")
-        registry.register(name, wasm.read_bytes(), None)
+        registry.register(name, wasm.read_bytes(), None, shipped=True)
         names.append(name)
     return names
 
@@ -160,10 +239,12 @@ async def start_sandbox(cfg: SandboxConfig, tracer_provider: TracerProvider | No
     if cfg.register_shipped:
         names = await asyncio.to_thread(register_shipped, registry)
         log.info("shipped modules registered: %s", ", ".join(names))
-    servicer = SandboxServicer(registry, cfg)
+    servicer = SandboxServicer(registry, cfg, await asyncio.to_thread(admin_token, cfg))
     spec = ServiceSpec("cotserve.sandbox.v1.SandboxService",
                        lambda srv: sandbox_pb2_grpc.add_SandboxServiceServicer_to_server(servicer, srv))
-    server = Server([spec], cfg.host, cfg.port, tracer_provider)
+    # a message holds a run's input or a module (up to 16 MiB), plus the envelope
+    server = Server([spec], cfg.host, cfg.port, tracer_provider,
+                    max_message_bytes=max(cfg.max_input_bytes, MAX_MODULE_BYTES) + (64 << 10))
     await server.start()
     await server.set_serving()
     log.info("SERVING sandbox on %s: %d modules, store %s, pool %d", server.address, len(registry.entries()),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import stat
 import sys
 import time
 
@@ -32,13 +34,26 @@ HOSTILE = {
 }
 
 
-def run_with_sandbox(tmp_path, body, **cfg_kw):
+class AdminStub:
+    """The sandbox stub with the admin token on the control-plane calls (as an operator's CLI sends it)."""
+
+    def __init__(self, stub, token: str) -> None:
+        self._stub, self._meta = stub, (("authorization", f"Bearer {token}"),)
+
+    def __getattr__(self, name):
+        method = getattr(self._stub, name)
+        return functools.partial(method, metadata=self._meta) if name in ("RegisterModule", "DeleteModule") else method
+
+
+def run_with_sandbox(tmp_path, body, admin=True, **cfg_kw):
     async def main():
         cfg = SandboxConfig(port=0, store_dir=tmp_path / "store", pool_size=4, **cfg_kw)
         sb = await start_sandbox(cfg)
         try:
             async with grpc.aio.insecure_channel(sb.server.address) as ch:
-                return await body(sandbox_pb2_grpc.SandboxServiceStub(ch), sb)
+                stub = sandbox_pb2_grpc.SandboxServiceStub(ch)
+                token = (tmp_path / "store" / "admin-token").read_text().strip()
+                return await body(AdminStub(stub, token) if admin else stub, sb)
         finally:
             await sb.stop()
 
@@ -179,12 +194,14 @@ def test_cli_register_list_run(tmp_path):
             out, err = await p.communicate(stdin)
             return p.returncode, out.decode(), err.decode()
 
-        return (await cli("register", "spin", str(wat)), await cli("list"),
+        return (await cli("register", "spin", str(wat), "--admin-token-file", str(tmp_path / "store" / "admin-token")),
+                await cli("list"),
                 await cli("run", "strip-think", stdin=b"<think>a</think> 7"), await cli("run", "spin", "--timeout-ms", "5"))
 
     reg, lst, ok, spin = run_with_sandbox(tmp_path, body)
     assert reg[0] == 0 and reg[1].startswith("spin ")
     assert lst[0] == 0 and [line.split("\t")[0] for line in lst[1].splitlines()] == ["cot-guard", "redact", "spin", "strip-think"]
+    assert [line.endswith("\tshipped") for line in lst[1].splitlines()] == [True, True, False, True]
     assert ok[0] == 0 and ok[1] == "7" and "RUN_OUTCOME_OK exit 0" in ok[2]
     assert spin[0] == 1 and "RUN_OUTCOME_TIMEOUT" in spin[2]
 
@@ -211,3 +228,57 @@ def test_bench_sandbox_command_prints_its_table_and_rates():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "runs/s" in out.stdout and "cot-guard detection:" in out.stdout and "false positives:" in out.stdout
+
+
+def test_control_plane_needs_the_admin_token_and_shipped_modules_are_read_only(tmp_path, caplog):
+    """Anyone who could reach the port used to re-register `strip-think` as a pass-through (the gateway then
+    returned full reasoning) or delete `cot-guard`; deleted modules' files stayed on disk."""
+    spin = sandbox_pb2.RegisterModuleRequest(name="mine", wat=HOSTILE["spin"])
+    passthrough = sandbox_pb2.RegisterModuleRequest(name="strip-think", wat=HOSTILE["spin"], replace=True)
+
+    async def body(stub, sb):
+        token = (tmp_path / "store" / "admin-token").read_text().strip()
+        admin = AdminStub(stub, token)
+        out = {}
+
+        async def code(call):
+            try:
+                await call
+            except grpc.aio.AioRpcError as err:
+                return err.code(), err.details()
+            return grpc.StatusCode.OK, ""
+
+        out["anon"] = await code(stub.RegisterModule(spin))
+        out["wrong"] = await code(stub.RegisterModule(spin, metadata=(("authorization", "Bearer sbx-guess"),)))
+        out["anon_delete"] = await code(stub.DeleteModule(sandbox_pb2.DeleteModuleRequest(name="cot-guard")))
+        out["shipped"] = await code(admin.RegisterModule(passthrough))
+        out["shipped_delete"] = await code(admin.DeleteModule(sandbox_pb2.DeleteModuleRequest(name="cot-guard")))
+        out["first"] = (await admin.RegisterModule(spin)).module
+        out["again"] = await code(admin.RegisterModule(sandbox_pb2.RegisterModuleRequest(name="mine", wat=HOSTILE["bomb"])))
+        out["replaced"] = (await admin.RegisterModule(
+            sandbox_pb2.RegisterModuleRequest(name="mine", wat=HOSTILE["bomb"], replace=True))).module
+        out["files_after_replace"] = sorted(p.name.split(".")[0] for p in (tmp_path / "store").glob("*.*wasm"))
+        await admin.DeleteModule(sandbox_pb2.DeleteModuleRequest(name="mine"))
+        out["files_after_delete"] = sorted(p.name.split(".")[0] for p in (tmp_path / "store").glob("*.*wasm"))
+        out["shipped_shas"] = sorted(m.sha256 for m in (await stub.ListModules(sandbox_pb2.ListModulesRequest())).modules)
+        out["strip"] = await stub.Run(run_req("strip-think", b"<think>secret</think> 7"))
+        return out
+
+    with caplog.at_level("INFO", logger="cotserve.sandbox.audit"):
+        out = run_with_sandbox(tmp_path, body, admin=False)
+    need = "authorization: RegisterModule needs the sandbox's admin token (`authorization: Bearer <token>`, one header)"
+    assert out["anon"] == (grpc.StatusCode.UNAUTHENTICATED, need) and out["wrong"] == out["anon"]
+    assert out["anon_delete"][0] == grpc.StatusCode.UNAUTHENTICATED
+    assert out["shipped"] == (grpc.StatusCode.PERMISSION_DENIED,
+                              "name: 'strip-think' is a shipped module and read-only; register yours under another name")
+    assert out["shipped_delete"] == (grpc.StatusCode.PERMISSION_DENIED, "name: 'cot-guard' is a shipped module and cannot be deleted")
+    assert out["again"][0] == grpc.StatusCode.ALREADY_EXISTS and "set replace to replace it" in out["again"][1]
+    assert out["replaced"].sha256 != out["first"].sha256
+    assert out["first"].sha256 not in out["files_after_replace"] and out["replaced"].sha256 in out["files_after_replace"]
+    assert out["files_after_delete"] == sorted(out["shipped_shas"] * 2)  # the shipped modules' .wasm and .cwasm only
+    assert out["strip"].output == b"7"
+    audit = [r.getMessage() for r in caplog.records if r.name == "cotserve.sandbox.audit"]
+    assert any(m.startswith(f"replaced mine: sha256 {out['first'].sha256} -> {out['replaced'].sha256}") for m in audit)
+    assert any(m.startswith("refused RegisterModule from") and "no admin token" in m for m in audit)
+    assert any(m.startswith("deleted mine sha256") for m in audit)
+    assert stat.S_IMODE((tmp_path / "store" / "admin-token").stat().st_mode) == 0o600

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!cotserve/sandbox/v1/sandbox.proto\x12\x13\x63otserve.sandbox.v1\"]\n\tRunLimits\x12\x0c\n\x04\x66uel\x18\x01 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x18\n\x10max_output_bytes\x18\x04 \x01(\x04\"r\n\nModuleInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x32\n\nmax_limits\x18\x04 \x01(\x0b\x32\x1e.cotserve.sandbox.v1.RunLimits\"t\n\x15RegisterModuleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04wasm\x18\x02 \x01(\x0c\x12\x0b\n\x03wat\x18\x03 \x01(\t\x12\x32\n\nmax_limits\x18\x04 \x01(\x0b\x32\x1e.cotserve.sandbox.v1.RunLimits\"I\n\x16RegisterModuleResponse\x12/\n\x06module\x18\x01 \x01(\x0b\x32\x1f.cotserve.sandbox.v1.ModuleInfo\"\x14\n\x12ListModulesRequest\"G\n\x13ListModulesResponse\x12\x30\n\x07modules\x18\x01 \x03(\x0b\x32\x1f.cotserve.sandbox.v1.ModuleInfo\"#\n\x13\x44\x65leteModuleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteModuleResponse\"w\n\nRunRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05input\x18\x03 \x01(\x0c\x12\x0c\n\x04\x61rgs\x18\x04 \x03(\t\x12.\n\x06limits\x18\x05 \x01(\x0b\x32\x1e.cotserve.sandbox.v1.RunLimits\"\x96\x01\n\x0bRunResponse\x12\x30\n\x07outcome\x18\x01 \x01(\x0e\x32\x1f.cotserve.sandbox.v1.RunOutcome\x12\x0e\n\x06output\x18\x02 \x01(\x0c\x12\x0e\n\x06stderr\x18\x03 \x01(\x0c\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x11\n\tfuel_used\x18\x05 \x01(\x04\x12\x0f\n\x07wall_ms\x18\x06 \x01(\x01*\xe3\x01\n\nRunOutcome\x12\x1b\n\x17RUN_OUTCOME_UNSPECIFIED\x10\x00\x12\x12\n\x0eRUN_OUTCOME_OK\x10\x01\x12\x1c\n\x18RUN_OUTCOME_EXIT_NONZERO\x10\x02\x12\x1b\n\x17RUN_OUTCOME_OUT_OF_FUEL\x10\x03\x12\x1c\n\x18RUN_OUTCOME_MEMORY_LIMIT\x10\x04\x12\x17\n\x13RUN_OUTCOME_TIMEOUT\x10\x05\x12\x1c\n\x18RUN_OUTCOME_OUTPUT_LIMIT\x10\x06\x12\x14\n\x10RUN_OUTCOME_TRAP\x10\x07\x32\x8c\x03\n\x0eSandboxService\x12i\n\x0eRegisterModule\x12*.cotserve.sandbox.v1.RegisterModuleRequest\x1a+.cotserve.sandbox.v1.RegisterModuleResponse\x12`\n\x0bListModules\x12\'.cotserve.sandbox.v1.ListModulesRequest\x1a(.cotserve.sandbox.v1.ListModulesResponse\x12\x63\n\x0c\x44\x65leteModule\x12(.cotserve.sandbox.v1.DeleteModuleRequest\x1a).cotserve.sandbox.v1.DeleteModuleResponse\x12H\n\x03Run\x12\x1f.cotserve.sandbox.v1.RunRequest\x1a .cotserve.sandbox.v1.RunResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!cotserve/sandbox/v1/sandbox.proto\x12\x13\x63otserve.sandbox.v1\"]\n\tRunLimits\x12\x0c\n\x04\x66uel\x18\x01 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x18\n\x10max_output_bytes\x18\x04 \x01(\x04\"\x83\x01\n\nModuleInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x32\n\nmax_limits\x18\x04 \x01(\x0b\x32\x1e.cotserve.sandbox.v1.RunLimits\x12\x0f\n\x07shipped\x18\x05 \x01(\x08\"\x85\x01\n\x15RegisterModuleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04wasm\x18\x02 \x01(\x0c\x12\x0b\n\x03wat\x18\x03 \x01(\t\x12\x32\n\nmax_limits\x18\x04 \x01(\x0b\x32\x1e.cotserve.sandbox.v1.RunLimits\x12\x0f\n\x07replace\x18\x05 \x01(\x08\"I\n\x16RegisterModuleResponse\x12/\n\x06module\x18\x01 \x01(\x0b\x32\x1f.cotserve.sandbox.v1.ModuleInfo\"\x14\n\x12ListModulesRequest\"G\n\x13ListModulesResponse\x12\x30\n\x07modules\x18\x01 \x03(\x0b\x32\x1f.cotserve.sandbox.v1.ModuleInfo\"#\n\x13\x44\x65leteModuleRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14\x44\x65leteModuleResponse\"w\n\nRunRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12\r\n\x05input\x18\x03 \x01(\x0c\x12\x0c\n\x04\x61rgs\x18\x04 \x03(\t\x12.\n\x06limits\x18\x05 \x01(\x0b\x32\x1e.cotserve.sandbox.v1.RunLimits\"\x96\x01\n\x0bRunResponse\x12\x30\n\x07outcome\x18\x01 \x01(\x0e\x32\x1f.cotserve.sandbox.v1.RunOutcome\x12\x0e\n\x06output\x18\x02 \x01(\x0c\x12\x0e\n\x06stderr\x18\x03 \x01(\x0c\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x11\n\tfuel_used\x18\x05 \x01(\x04\x12\x0f\n\x07wall_ms\x18\x06 \x01(\x01*\xe3\x01\n\nRunOutcome\x12\x1b\n\x17RUN_OUTCOME_UNSPECIFIED\x10\x00\x12\x12\n\x0eRUN_OUTCOME_OK\x10\x01\x12\x1c\n\x18RUN_OUTCOME_EXIT_NONZERO\x10\x02\x12\x1b\n\x17RUN_OUTCOME_OUT_OF_FUEL\x10\x03\x12\x1c\n\x18RUN_OUTCOME_MEMORY_LIMIT\x10\x04\x12\x17\n\x13RUN_OUTCOME_TIMEOUT\x10\x05\x12\x1c\n\x18RUN_OUTCOME_OUTPUT_LIMIT\x10\x06\x12\x14\n\x10RUN_OUTCOME_TRAP\x10\x07\x32\x8c\x03\n\x0eSandboxService\x12i\n\x0eRegisterModule\x12*.cotserve.sandbox.v1.RegisterModuleRequest\x1a+.cotserve.sandbox.v1.RegisterModuleResponse\x12`\n\x0bListModules\x12\'.cotserve.sandbox.v1.ListModulesRequest\x1a(.cotserve.sandbox.v1.ListModulesResponse\x12\x63\n\x0c\x44\x65leteModule\x12(.cotserve.sandbox.v1.DeleteModuleRequest\x1a).cotserve.sandbox.v1.DeleteModuleResponse\x12H\n\x03Run\x12\x1f.cotserve.sandbox.v1.RunRequest\x1a .cotserve.sandbox.v1.RunResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cotserve.sandbox.v1.sandbox_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNOUTCOME']._serialized_start=893
-  _globals['_RUNOUTCOME']._serialized_end=1120
+  _globals['_RUNOUTCOME']._serialized_start=929
+  _globals['_RUNOUTCOME']._serialized_end=1156
   _globals['_RUNLIMITS']._serialized_start=58
   _globals['_RUNLIMITS']._serialized_end=151
-  _globals['_MODULEINFO']._serialized_start=153
-  _globals['_MODULEINFO']._serialized_end=267
-  _globals['_REGISTERMODULEREQUEST']._serialized_start=269
-  _globals['_REGISTERMODULEREQUEST']._serialized_end=385
-  _globals['_REGISTERMODULERESPONSE']._serialized_start=387
-  _globals['_REGISTERMODULERESPONSE']._serialized_end=460
-  _globals['_LISTMODULESREQUEST']._serialized_start=462
-  _globals['_LISTMODULESREQUEST']._serialized_end=482
-  _globals['_LISTMODULESRESPONSE']._serialized_start=484
-  _globals['_LISTMODULESRESPONSE']._serialized_end=555
-  _globals['_DELETEMODULEREQUEST']._serialized_start=557
-  _globals['_DELETEMODULEREQUEST']._serialized_end=592
-  _globals['_DELETEMODULERESPONSE']._serialized_start=594
-  _globals['_DELETEMODULERESPONSE']._serialized_end=616
-  _globals['_RUNREQUEST']._serialized_start=618
-  _globals['_RUNREQUEST']._serialized_end=737
-  _globals['_RUNRESPONSE']._serialized_start=740
-  _globals['_RUNRESPONSE']._serialized_end=890
-  _globals['_SANDBOXSERVICE']._serialized_start=1123
-  _globals['_SANDBOXSERVICE']._serialized_end=1519
+  _globals['_MODULEINFO']._serialized_start=154
+  _globals['_MODULEINFO']._serialized_end=285
+  _globals['_REGISTERMODULEREQUEST']._serialized_start=288
+  _globals['_REGISTERMODULEREQUEST']._serialized_end=421
+  _globals['_REGISTERMODULERESPONSE']._serialized_start=423
+  _globals['_REGISTERMODULERESPONSE']._serialized_end=496
+  _globals['_LISTMODULESREQUEST']._serialized_start=498
+  _globals['_LISTMODULESREQUEST']._serialized_end=518
+  _globals['_LISTMODULESRESPONSE']._serialized_start=520
+  _globals['_LISTMODULESRESPONSE']._serialized_end=591
+  _globals['_DELETEMODULEREQUEST']._serialized_start=593
+  _globals['_DELETEMODULEREQUEST']._serialized_end=628
+  _globals['_DELETEMODULERESPONSE']._serialized_start=630
+  _globals['_DELETEMODULERESPONSE']._serialized_end=652
+  _globals['_RUNREQUEST']._serialized_start=654
+  _globals['_RUNREQUEST']._serialized_end=773
+  _globals['_RUNRESPONSE']._serialized_start=776
+  _globals['_RUNRESPONSE']._serialized_end=926
+  _globals['_SANDBOXSERVICE']._serialized_start=1159
+  _globals['_SANDBOXSERVICE']._serialized_end=1555
 # @@protoc_insertion_point(module_scope)

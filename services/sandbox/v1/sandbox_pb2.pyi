@@ -107,12 +107,15 @@ class ModuleInfo(_message.Message):
     SHA256_FIELD_NUMBER: _builtins.int
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     MAX_LIMITS_FIELD_NUMBER: _builtins.int
+    SHIPPED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Module name."""
     sha256: _builtins.str
     """SHA-256 of the module bytes, hex."""
     size_bytes: _builtins.int
     """Size of the module."""
+    shipped: _builtins.bool
+    """Shipped with cotserve: read-only."""
     @_builtins.property
     def max_limits(self) -> Global___RunLimits:
         """Most a run may ask for."""
@@ -124,10 +127,11 @@ class ModuleInfo(_message.Message):
         sha256: _builtins.str = ...,
         size_bytes: _builtins.int = ...,
         max_limits: Global___RunLimits | None = ...,
+        shipped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["max_limits", b"max_limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_limits", b"max_limits", "name", b"name", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_limits", b"max_limits", "name", b"name", "sha256", b"sha256", "shipped", b"shipped", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -143,12 +147,15 @@ class RegisterModuleRequest(_message.Message):
     WASM_FIELD_NUMBER: _builtins.int
     WAT_FIELD_NUMBER: _builtins.int
     MAX_LIMITS_FIELD_NUMBER: _builtins.int
+    REPLACE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Module name."""
     wasm: _builtins.bytes
     """Binary module."""
     wat: _builtins.str
     """Text-format module."""
+    replace: _builtins.bool
+    """Replace a module already registered under this name (without it, an existing name is ALREADY_EXISTS)."""
     @_builtins.property
     def max_limits(self) -> Global___RunLimits:
         """Most a run may ask for; zero fields take the service's defaults."""
@@ -160,10 +167,11 @@ class RegisterModuleRequest(_message.Message):
         wasm: _builtins.bytes = ...,
         wat: _builtins.str = ...,
         max_limits: Global___RunLimits | None = ...,
+        replace: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["max_limits", b"max_limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_limits", b"max_limits", "name", b"name", "wasm", b"wasm", "wat", b"wat"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_limits", b"max_limits", "name", b"name", "replace", b"replace", "wasm", b"wasm", "wat", b"wat"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class SandboxServiceStub:
-    """Registers and runs WebAssembly (WASI preview 1 command) modules.
+    """Registers and runs WebAssembly (WASI preview 1 command) modules. RegisterModule and DeleteModule need the
+    service's admin token as `authorization: Bearer <token>` metadata; shipped modules cannot be replaced or deleted.
     """
 
     def __init__(self, channel):
@@ -58,11 +59,12 @@ class SandboxServiceStub:
 
 
 class SandboxServiceServicer:
-    """Registers and runs WebAssembly (WASI preview 1 command) modules.
+    """Registers and runs WebAssembly (WASI preview 1 command) modules. RegisterModule and DeleteModule need the
+    service's admin token as `authorization: Bearer <token>` metadata; shipped modules cannot be replaced or deleted.
     """
 
     def RegisterModule(self, request, context):
-        """Compiles, validates and stores a module.
+        """Compiles, validates and stores a module (admin).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,7 +78,7 @@ class SandboxServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteModule(self, request, context):
-        """Deletes a module.
+        """Deletes a module and its files (admin).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,7 +123,8 @@ def add_SandboxServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class SandboxService:
-    """Registers and runs WebAssembly (WASI preview 1 command) modules.
+    """Registers and runs WebAssembly (WASI preview 1 command) modules. RegisterModule and DeleteModule need the
+    service's admin token as `authorization: Bearer <token>` metadata; shipped modules cannot be replaced or deleted.
     """
 
     @staticmethod

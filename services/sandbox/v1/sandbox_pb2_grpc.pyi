@@ -27,37 +27,43 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class SandboxServiceStub:
-    """Registers and runs WebAssembly (WASI preview 1 command) modules."""
+    """Registers and runs WebAssembly (WASI preview 1 command) modules. RegisterModule and DeleteModule need the
+    service's admin token as `authorization: Bearer <token>` metadata; shipped modules cannot be replaced or deleted.
+    """
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SandboxServiceAsyncStub: ...
     RegisterModule: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.RegisterModuleRequest, _sandbox_pb2.RegisterModuleResponse]
-    """Compiles, validates and stores a module."""
+    """Compiles, validates and stores a module (admin)."""
     ListModules: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.ListModulesRequest, _sandbox_pb2.ListModulesResponse]
     """Lists registered modules."""
     DeleteModule: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.DeleteModuleRequest, _sandbox_pb2.DeleteModuleResponse]
-    """Deletes a module."""
+    """Deletes a module and its files (admin)."""
     Run: _grpc.UnaryUnaryMultiCallable[_sandbox_pb2.RunRequest, _sandbox_pb2.RunResponse]
     """Runs a module on input bytes."""
 
 @_typing.type_check_only
 class SandboxServiceAsyncStub(SandboxServiceStub):
-    """Registers and runs WebAssembly (WASI preview 1 command) modules."""
+    """Registers and runs WebAssembly (WASI preview 1 command) modules. RegisterModule and DeleteModule need the
+    service's admin token as `authorization: Bearer <token>` metadata; shipped modules cannot be replaced or deleted.
+    """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     RegisterModule: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.RegisterModuleRequest, _sandbox_pb2.RegisterModuleResponse]  # type: ignore[assignment]
-    """Compiles, validates and stores a module."""
+    """Compiles, validates and stores a module (admin)."""
     ListModules: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.ListModulesRequest, _sandbox_pb2.ListModulesResponse]  # type: ignore[assignment]
     """Lists registered modules."""
     DeleteModule: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.DeleteModuleRequest, _sandbox_pb2.DeleteModuleResponse]  # type: ignore[assignment]
-    """Deletes a module."""
+    """Deletes a module and its files (admin)."""
     Run: _aio.UnaryUnaryMultiCallable[_sandbox_pb2.RunRequest, _sandbox_pb2.RunResponse]  # type: ignore[assignment]
     """Runs a module on input bytes."""
 
 class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Registers and runs WebAssembly (WASI preview 1 command) modules."""
+    """Registers and runs WebAssembly (WASI preview 1 command) modules. RegisterModule and DeleteModule need the
+    service's admin token as `authorization: Bearer <token>` metadata; shipped modules cannot be replaced or deleted.
+    """
 
     @_abc_1.abstractmethod
     def RegisterModule(
@@ -65,7 +71,7 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _sandbox_pb2.RegisterModuleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sandbox_pb2.RegisterModuleResponse, _abc.Awaitable[_sandbox_pb2.RegisterModuleResponse]]:
-        """Compiles, validates and stores a module."""
+        """Compiles, validates and stores a module (admin)."""
 
     @_abc_1.abstractmethod
     def ListModules(
@@ -81,7 +87,7 @@ class SandboxServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _sandbox_pb2.DeleteModuleRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sandbox_pb2.DeleteModuleResponse, _abc.Awaitable[_sandbox_pb2.DeleteModuleResponse]]:
-        """Deletes a module."""
+        """Deletes a module and its files (admin)."""
 
     @_abc_1.abstractmethod
     def Run(
