@@ -282,3 +282,30 @@ def test_control_plane_needs_the_admin_token_and_shipped_modules_are_read_only(t
     assert any(m.startswith("refused RegisterModule from") and "no admin token" in m for m in audit)
     assert any(m.startswith("deleted mine sha256") for m in audit)
     assert stat.S_IMODE((tmp_path / "store" / "admin-token").stat().st_mode) == 0o600
+
+
+def test_memory_limit_is_known_not_guessed(tmp_path):
+    """The old guess (memory past half the cap at the failure) called a refused 125 MiB grow then `unreachable`
+    a TRAP, and a module that grew legitimately to 24 MiB then divided by zero a MEMORY_LIMIT."""
+    modules = {
+        "big-ask": '(module (memory (export "memory") 1) (func (export "_start") '
+                   '(drop (memory.grow (i32.const 2000))) unreachable))',  # 2000 pages = 125 MiB, refused
+        "grew-then-trap": '(module (memory (export "memory") 1) (func (export "_start") '
+                          '(drop (memory.grow (i32.const 383))) (i32.store (i32.const 25165820) (i32.const 7)) '
+                          '(drop (i32.div_u (i32.const 1) (i32.const 0)))))',  # 384 pages = 24 MiB, then a trap
+        "handles-it": f'(module {PROC_EXIT} (memory (export "memory") 1) (func (export "_start") '
+                      '(if (i32.eq (memory.grow (i32.const 2000)) (i32.const -1)) (then (call $proc_exit (i32.const 0)))) '
+                      'unreachable))',  # told no, carries on: not a failure
+        "too-big-to-start": '(module (memory (export "memory") 600) (func (export "_start")))',  # 37.5 MiB initial
+    }
+
+    async def body(stub, sb):
+        for name, wat in modules.items():
+            await stub.RegisterModule(sandbox_pb2.RegisterModuleRequest(name=name, wat=wat))
+        return {name: await stub.Run(run_req(name, memory_bytes=32 << 20)) for name in modules}
+
+    r = run_with_sandbox(tmp_path, body, register_shipped=False)
+    assert r["big-ask"].outcome == sandbox_pb2.RUN_OUTCOME_MEMORY_LIMIT
+    assert r["grew-then-trap"].outcome == sandbox_pb2.RUN_OUTCOME_TRAP
+    assert r["handles-it"].outcome == OK
+    assert r["too-big-to-start"].outcome == sandbox_pb2.RUN_OUTCOME_MEMORY_LIMIT
