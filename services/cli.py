@@ -276,14 +276,19 @@ def up(
     telemetry_port: int = typer.Option(4317, envvar="COTSERVE_TELEMETRY_PORT", help="The telemetry service's OTLP/gRPC port; every service exports its spans there."),
     telemetry_http_port: int = typer.Option(8317, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Port of the live heatmap page."),
     start_timeout_s: float = typer.Option(120.0, help="Seconds to wait for each service to report SERVING."),
+    max_crashes: int = typer.Option(5, help="A service that exits this many times within two minutes stops the stack."),
 ) -> None:
-    """Start every service on loopback (Redis, telemetry, worker, SLO predictor, router, sandbox, gateway), wait until each is ready, stop all on Ctrl-C/SIGTERM."""
+    """Start every service on loopback (Redis, telemetry, worker, SLO predictor, router, sandbox, gateway), wait
+    until each is ready, restart any that exits (with backoff; the others keep serving), stop all on Ctrl-C/SIGTERM.
+    Each run's logs go to one folder (~/.cache/cotserve/up/<time>-<pid>/, the last five runs kept)."""
     from rich.console import Console
 
-    from cotserve.common.procs import wait_serving
+    from cotserve.common.procs import CrashLoop, Supervisor, run_dir, wait_serving
 
     console = Console(stderr=True)
-    children, redis_url = stack(model, port, redis_url, telemetry_port=telemetry_port, telemetry_http_port=telemetry_http_port)
+    logs = run_dir()
+    children, redis_url = stack(model, port, redis_url, telemetry_port=telemetry_port,
+                                telemetry_http_port=telemetry_http_port, log_dir=logs)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -292,13 +297,15 @@ def up(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    failure: str | None = None
+    console.print(f"logs: {logs}")
     try:
         for child in children:
             child.start()
             started = time.monotonic()
-            with console.status(f"starting {child.name} on {child.address} ...") as status:
+            with console.status(f"starting {child.name} ...") as status:
                 def progress() -> None:
-                    status.update(f"starting {child.name} on {child.address} ... {time.monotonic() - started:.0f}s")
+                    status.update(f"starting {child.name} ... {time.monotonic() - started:.0f}s")
                     if stopping:
                         raise KeyboardInterrupt
                 wait_serving(child, start_timeout_s, progress)
@@ -307,24 +314,24 @@ def up(
         console.print(f'  try: cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream')
         console.print(f"  latency heatmaps: http://127.0.0.1:{telemetry_http_port}/  "
                       f"(or cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)")
+        supervisor = Supervisor(children, lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False),
+                                start_timeout_s=start_timeout_s, max_crashes=max_crashes)
         while not stopping:
-            for child in children:
-                if child.proc.poll() is not None:
-                    console.print(f"[red]{child.name} exited with code {child.proc.returncode}[/red]")
-                    console.print(child.log_tail(), markup=False, soft_wrap=True, highlight=False)
-                    raise typer.Exit(1)
-            time.sleep(0.5)
-    except RuntimeError as exc:
-        console.print("[red]cotserve up failed:[/red]", end=" ")
-        console.print(str(exc), markup=False, soft_wrap=True, highlight=False)
-        raise typer.Exit(1) from None
+            supervisor.poll()
+            time.sleep(0.25)
+    except (RuntimeError, CrashLoop) as exc:  # a service that would not start, or one that keeps crashing
+        failure = str(exc)
     except KeyboardInterrupt:
         pass
     finally:
         console.print("stopping ...")
         for child in reversed(children):
             child.stop(grace_s=5.0)
-        console.print("stopped")
+        console.print(f"stopped (logs in {logs})")
+    if failure is not None:
+        console.print("[red]cotserve up failed:[/red]", end=" ")
+        console.print(failure, markup=False, soft_wrap=True, highlight=False)
+        raise typer.Exit(1)
 
 
 @app.command("generate")

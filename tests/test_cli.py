@@ -35,6 +35,9 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
         assert len(kids) == 7 and "redis-server" in names[0] and "telemetry" in names[1] and "worker" in names[2]
         assert "slo" in names[3] and "router" in names[4] and "sandbox" in names[5] and "gateway" in names[6]
         assert "--slo" in names[6]
+        # the internal services bind a free port themselves and report it: no port picked free and raced for
+        assert all("\x00--port\x000\x00" in names[i] for i in (2, 3, 4, 5)), names
+        assert "unixsocket" in names[0]
         gen = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}"],
                              capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr
@@ -58,6 +61,27 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
         heat = subprocess.run([sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{telemetry_port}"],
                               capture_output=True, text=True, timeout=60)
         assert heat.returncode == 0 and "n=11" in heat.stdout, heat.stdout + heat.stderr  # 3 generates + 8 checked
+        # a killed worker is restarted on its port while the rest keeps running; the stack serves again
+        os.kill(kids[2], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while True:
+            again = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}",
+                                    "--timeout-s", "5"], capture_output=True, text=True, timeout=60)
+            if again.returncode == 0:
+                break
+            assert proc.poll() is None and time.monotonic() - killed_at < 60, (tmp_path / "up.log").read_text()
+            time.sleep(0.5)
+        assert again.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n")
+        text = (tmp_path / "up.log").read_text()
+        assert "worker: killed by signal 9; restarting in 0.0s" in text and "worker: restarted (start 2)" in text, text
+        new_kids = children_of(proc.pid)
+        assert kids[2] not in new_kids and len(new_kids) == 7 and set(kids) - {kids[2]} <= set(new_kids)
+        # one log folder per run, a file per service, the restart appended to the worker's
+        (run,) = (tmp_path / "cache" / "cotserve" / "up").iterdir()
+        assert {p.name for p in run.glob("*.log")} == {f"{n}.log" for n in
+                                                       ("redis", "telemetry", "worker", "slo", "router", "sandbox", "gateway")}
+        assert "--- cotserve up: start 2 at" in (run / "worker.log").read_text()
+        kids = new_kids
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         for kid in kids:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import signal
 import time
 import uuid
@@ -23,6 +24,9 @@ from cotserve.common.errors import CotserveError, InvalidArgument
 from cotserve.common.tracing import server_interceptors
 
 log = logging.getLogger("cotserve.rpc")
+ADDRESS_FILE_ENV = "COTSERVE_ADDRESS_FILE"
+"""When set (by `cotserve up`), the file a service writes its bound gRPC address to once it listens: services
+started with port 0 bind a free port themselves and report it, so no port is picked free and then raced for."""
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 """The largest request message a service accepts unless its config says otherwise (gRPC's own default,
 set explicitly so that every server states it); larger ones are RESOURCE_EXHAUSTED before any work."""
@@ -197,6 +201,12 @@ class Server:
     async def start(self) -> None:
         await self.server.start()
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        report = os.environ.pop(ADDRESS_FILE_ENV, None)
+        if report:
+            tmp = f"{report}.tmp"
+            with open(tmp, "w") as fh:
+                fh.write(self.address)
+            os.replace(tmp, report)
 
     async def set_serving(self) -> None:
         await self._set(health_pb2.HealthCheckResponse.SERVING)

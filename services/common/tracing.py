@@ -47,3 +47,9 @@ def server_interceptors(provider: TracerProvider | None) -> list[Any]:
 def client_interceptors(provider: TracerProvider | None) -> list[Any]:
     """The gRPC aio client instrumentation: child spans that inject the W3C context."""
     return [] if provider is None else list(aio_client_interceptors(tracer_provider=provider, filter_=_NOT_HEALTH_OR_REFLECTION))
+
+
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 2000)]
+"""Channel options for one service calling another on this network: reconnect within two seconds of a
+restarted peer coming back (gRPC's default backoff grows to two minutes, longer than a worker restart)."""

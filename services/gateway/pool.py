@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from cotserve.common.errors import NotFound, Unavailable
 from cotserve.common.sampling import SlaClass
 from cotserve.gateway.admission import Admission, AdmissionConfig, WorkerLoad
-from cotserve.common.tracing import client_interceptors
+from cotserve.common.tracing import RECONNECT_OPTIONS, client_interceptors
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("cotserve.gateway.pool")
@@ -66,7 +66,8 @@ class WorkerPool:
 
     async def start(self) -> None:
         for address in self.addresses:
-            channel = grpc.aio.insecure_channel(address, interceptors=client_interceptors(self.tracer_provider))
+            channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS,
+                                                interceptors=client_interceptors(self.tracer_provider))
             self.workers.append(WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel),
                                              admission=Admission(self.admission)))
         await self.poll_once()

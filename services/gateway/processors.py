@@ -17,7 +17,7 @@ import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import NotFound, Unavailable
-from cotserve.common.tracing import client_interceptors
+from cotserve.common.tracing import RECONNECT_OPTIONS, client_interceptors
 from cotserve.gateway.tenants import PermissionDenied, Tenant
 from cotserve.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 
@@ -35,7 +35,8 @@ class Processors:
 
     def _client(self) -> sandbox_pb2_grpc.SandboxServiceStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, interceptors=client_interceptors(self.tracer_provider))
+            self._channel = grpc.aio.insecure_channel(self.address, options=RECONNECT_OPTIONS,
+                                                      interceptors=client_interceptors(self.tracer_provider))
             self._stub = sandbox_pb2_grpc.SandboxServiceStub(self._channel)
         return self._stub
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from cotserve.common.tracing import RECONNECT_OPTIONS
+
 from cotserve.common.sampling import SlaClass
 from cotserve.common.v1 import common_pb2
 from cotserve.slo.features import worker_total
@@ -69,7 +71,7 @@ class SloLinkConfig:
 class SloLink:
     def __init__(self, cfg: SloLinkConfig, pool) -> None:
         self.cfg, self.pool = cfg, pool
-        self.channel = grpc.aio.insecure_channel(cfg.address)
+        self.channel = grpc.aio.insecure_channel(cfg.address, options=RECONNECT_OPTIONS)
         self.stub = slo_pb2_grpc.SloServiceStub(self.channel)
         self.acc: dict[tuple[str, str, SlaClass], _Acc] = defaultdict(_Acc)
         self.in_flight: dict[tuple[str, str, SlaClass], int] = defaultdict(int)

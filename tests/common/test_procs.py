@@ -39,3 +39,40 @@ def test_children_die_when_the_supervisor_is_killed():
     finally:
         if sup.poll() is None:
             sup.kill()
+
+
+def test_supervisor_restarts_with_backoff_and_gives_up_on_a_crash_loop(tmp_path):
+    """A child that exits is restarted (at once, then after 0.5 s, 1 s, ...); one that keeps exiting stops the
+    stack with a message naming it, why, and its log."""
+    import pytest
+
+    from cotserve.common.procs import Child, CrashLoop, Supervisor
+
+    flaky = Child("flaky", "x", [sys.executable, "-c", "import sys; print('boom', flush=True); sys.exit(3)"],
+                  lambda: True, log_dir=tmp_path)
+    steady = Child("steady", "y", [sys.executable, "-c", "import time; time.sleep(60)"], lambda: True, log_dir=tmp_path)
+    said: list[str] = []
+    for c in (flaky, steady):
+        c.start()
+    sup = Supervisor([flaky, steady], said.append, max_crashes=4, window_s=60)
+    restarted_at: list[float] = []
+    try:
+        with pytest.raises(CrashLoop) as err:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                before = flaky.starts
+                sup.poll()
+                if flaky.starts != before:
+                    restarted_at.append(time.monotonic())
+                time.sleep(0.02)
+        assert steady.proc.poll() is None and steady.starts == 1  # the others kept running
+    finally:
+        steady.stop(1.0)
+        flaky.stop(1.0)
+    assert flaky.starts == 4
+    gaps = [b - a for a, b in zip(restarted_at, restarted_at[1:])]
+    assert gaps[0] >= 0.5 and gaps[1] >= 1.0, gaps  # backoff doubles
+    assert str(err.value).startswith(f"flaky (exit code 3) exited 4 times within 60s; giving up. Its log: {tmp_path / 'flaky.log'}")
+    assert "boom" in str(err.value)
+    assert said[0].startswith("flaky: exit code 3; restarting in 0.0s. Last lines of")
+    assert (tmp_path / "flaky.log").read_text().count("--- cotserve up: start") == 4
