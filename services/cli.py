@@ -124,6 +124,7 @@ def serve_gateway(
     max_request_bytes: int = typer.Option(4 << 20, envvar="COTSERVE_GATEWAY_MAX_REQUEST_BYTES", help="Largest request message accepted, in bytes (larger: RESOURCE_EXHAUSTED before it is read)."),
     max_prompt_chars: int = typer.Option(0, envvar="COTSERVE_GATEWAY_MAX_PROMPT_CHARS", help="Prompt characters allowed at most (0: what the model's context can hold: its context times its longest token)."),
     max_prompt_tokens: int = typer.Option(0, envvar="COTSERVE_GATEWAY_MAX_PROMPT_TOKENS", help="Prompt tokens allowed at most, checked by the worker (0: the model's context less one)."),
+    worker_wait_s: float = typer.Option(10.0, envvar="COTSERVE_GATEWAY_WORKER_WAIT_S", help="Seconds a request waits for a worker of its model to come (back) into rotation, e.g. during a restart, before UNAVAILABLE (never past its deadline; 0: fail at once)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one gateway in front of one or more workers."""
@@ -143,7 +144,7 @@ def serve_gateway(
                             slo_admission=slo_admission, slo_routing=slo_routing, slo_predict_budget_ms=slo_budget_ms,
                             slo_retry_after_ms=slo_retry_after_ms, prefix_cache_scope=prefix_cache_scope,
                             max_request_bytes=max_request_bytes, max_prompt_chars=max_prompt_chars,
-                            max_prompt_tokens=max_prompt_tokens)
+                            max_prompt_tokens=max_prompt_tokens, worker_wait_s=worker_wait_s)
         cfg.validate()
     except ValueError as exc:
         fail("gateway", exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -150,7 +151,21 @@ class WorkerPool:
 
     def pick(self, model: str, exclude: set[WorkerHandle] = frozenset(),  # type: ignore[assignment]
              cls: SlaClass = SlaClass.INTERACTIVE) -> WorkerHandle:
-        candidates = [w for w in self.workers if w.healthy and w.model == model and w not in exclude]
+        """The least loaded healthy worker of `model`, preferring those not in `exclude` (the ones a request
+        already tried: one of them is taken again only when it is back in rotation and nothing else is)."""
+        healthy = [w for w in self.workers if w.healthy and w.model == model]
+        candidates = [w for w in healthy if w not in exclude] or healthy
         if not candidates:
             raise Unavailable(f"no healthy worker serves model {model!r}")
         return min(candidates, key=lambda w: w.load_key(cls))
+
+    async def pick_waiting(self, model: str, exclude: set[WorkerHandle], cls: SlaClass, wait_s: float) -> WorkerHandle:
+        """`pick`, waiting up to `wait_s` for a worker to come (back) into rotation, e.g. through a restart."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.pick(model, exclude, cls)
+            except Unavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))

@@ -87,6 +87,9 @@ class GatewayConfig:
     token, which the worker reports), so a prompt that cannot fit is refused before any worker tokenizes it."""
     max_prompt_tokens: int = 0
     """Prompt tokens allowed at most (the worker checks after tokenizing); 0: the model's context less one."""
+    worker_wait_s: float = 10.0
+    """Seconds a request waits for a worker of its model to come (back) into rotation, e.g. while one restarts,
+    before it fails with UNAVAILABLE (never past its deadline; 0: fail at once)."""
 
     def all_workers(self) -> list[str]:
         addresses = list(self.workers)
@@ -120,6 +123,8 @@ class GatewayConfig:
             raise ValueError(f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes: {self.max_request_bytes}, must be >= 1024")
+        if self.worker_wait_s < 0:
+            raise ValueError(f"worker_wait_s: {self.worker_wait_s}, must be >= 0")
         if self.max_prompt_chars < 0 or self.max_prompt_tokens < 0:
             raise ValueError("max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)")
         if self.admission.batch_limit < 0:
@@ -134,7 +139,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
                  quota: QuotaEnforcer | None = None, processors: Processors | None = None,
                  tracer_provider: TracerProvider | None = None, slo: SloLink | None = None,
-                 prefix_cache_scope: str = "tenant", max_prompt_chars: int = 0, max_prompt_tokens: int = 0) -> None:
+                 prefix_cache_scope: str = "tenant", max_prompt_chars: int = 0, max_prompt_tokens: int = 0,
+                 worker_wait_s: float = 0.0) -> None:
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.gateway")
         self.slo = slo
         self.pool = pool
@@ -145,6 +151,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self.prefix_cache_scope = prefix_cache_scope
         self.max_prompt_chars = max_prompt_chars
         self.max_prompt_tokens = max_prompt_tokens
+        self.worker_wait_s = worker_wait_s
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant:
         return self.tenants.authenticate(context.invocation_metadata() or ())
@@ -302,7 +309,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
         prompt_bytes = len(wreq.prompt_text.encode())
         while True:
-            worker = self.pool.pick(model, exclude=tried, cls=sla)
+            remaining = context.time_remaining()
+            wait_s = self.worker_wait_s if remaining is None else max(0.0, min(self.worker_wait_s, remaining - 0.05))
+            worker = await self.pool.pick_waiting(model, tried, sla, wait_s)
             if slo is not None:
                 candidates = [w for w in self.pool.workers if w.healthy and w.model == model and w not in tried]
                 better = await slo.pick(model, candidates, sla, prompt_bytes, max_new)
@@ -527,7 +536,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
         slo = SloLink(SloLinkConfig(cfg.slo_address, admission=cfg.slo_admission, routing=cfg.slo_routing,
                                     predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms), pool)
     servicer = GatewayServicer(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope,
-                               cfg.max_prompt_chars, cfg.max_prompt_tokens)
+                               cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.worker_wait_s)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider, max_message_bytes=cfg.max_request_bytes)

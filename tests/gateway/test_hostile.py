@@ -137,7 +137,7 @@ def test_every_rpc_is_authenticated_once_and_health_follows_the_workers(tmp_path
     async def main():
         worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], tenants_file=tenants,
-                                               poll_interval_s=0.1))
+                                               poll_interval_s=0.1, worker_wait_s=0.5))
         out = {}
         try:
             async with grpc.aio.insecure_channel(gw.server.address) as ch:
@@ -384,3 +384,34 @@ def test_a_cancelled_stream_ends_its_spans_in_its_own_context(caplog):
     assert not [r for r in caplog.records if "detach" in r.getMessage()]
     roots = [s for s in exporter.get_finished_spans() if s.parent is None and s.name.startswith("generate")]
     assert len(roots) == 3  # each cancelled request's span ended
+
+
+def test_a_request_waits_for_a_restarting_worker_instead_of_failing():
+    """With one worker, every request that arrived during its restart used to fail with UNAVAILABLE
+    ("no healthy worker"); now it waits (up to worker_wait_s, never past its deadline) and is served."""
+
+    async def main():
+        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        address = worker.server.address
+        gw = await start_gateway(GatewayConfig(port=0, workers=[address], poll_interval_s=0.1, worker_wait_s=20))
+        try:
+            await worker.stop()
+            deadline = time.monotonic() + 10
+            while any(w.healthy for w in gw.pool.workers):
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            async with grpc.aio.insecure_channel(gw.server.address) as ch:
+                stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+                waiting = asyncio.ensure_future(stub.Generate(gateway_pb2.GenerateRequest(prompt="37+48-12="), timeout=30))
+                short = await _code(lambda: stub.Generate(gateway_pb2.GenerateRequest(prompt="1+1="), timeout=1))
+                restarted = await start_worker(WorkerConfig(port=int(address.rsplit(":", 1)[1]), max_num_seqs=4))
+                try:
+                    return await waiting, short
+                finally:
+                    await restarted.stop()
+        finally:
+            await gw.stop()
+
+    served, short = asyncio.run(main())
+    assert served.text == "<think>37+48=85. 85-12=73.</think> 73"
+    assert short[0] == grpc.StatusCode.UNAVAILABLE  # its deadline came first: told so before it passed
