@@ -530,3 +530,48 @@ def bench_reasoning(
     ]
     for ok, text in goals:
         console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")
+
+
+@bench_app.command("faults")
+def bench_faults(
+    targets: str = typer.Option(",".join(("worker", "redis", "sandbox", "slo", "router", "telemetry")),
+                                help="Services to fault, in order, comma-separated from worker, redis, sandbox, slo, router, telemetry."),
+    modes: str = typer.Option("kill,stop", help="Faults, comma-separated: kill (SIGKILL; up restarts it) and stop (SIGSTOP, then SIGCONT)."),
+    stop_s: float = typer.Option(5.0, min=0.5, help="Seconds a stopped service stays frozen."),
+    settle_s: float = typer.Option(2.0, min=0.5, help="Seconds of steady load before each fault and after recovery."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Tokens per request."),
+) -> None:
+    """Kill and freeze each service of the `up` stack under a steady mixed load; report failures by status code,
+    requests never answered, time to serve normally again, and leaked KV pages or quota leases."""
+    import tempfile
+
+    from rich.table import Table
+
+    from cotserve.bench.faults import MODES, TARGETS, faults
+
+    chosen = [t.strip() for t in targets.split(",") if t.strip()]
+    kinds = [m.strip() for m in modes.split(",") if m.strip()]
+    bad = [t for t in chosen if t not in TARGETS] + [m for m in kinds if m not in MODES]
+    if bad or not chosen or not kinds:
+        raise typer.BadParameter(f"{', '.join(bad) or 'nothing chosen'}: targets are {', '.join(TARGETS)}; modes are {', '.join(MODES)}")
+    console = wide_console()
+    with tempfile.TemporaryDirectory(prefix="cotserve-faults-") as tmp:
+        results = faults(tuple(chosen), tuple(kinds), stop_s, settle_s, max_new_tokens,
+                         lambda line: console.print(line, style="dim", markup=False, highlight=False), Path(tmp))
+    t = Table(title="faults under a steady mixed load (6 closed-loop clients, all SLA classes)")
+    for col in ("target", "fault", "requests", "failed (codes)", "unexpected", "never answered", "serving again (s)",
+                "KV blocks leaked", "leases leaked"):
+        t.add_column(col, justify="right")
+    for r in results:
+        codes = ", ".join(f"{c} x{n}" for c, n in sorted(r.failed.items())) or "0"
+        unexpected = ", ".join(f"{c} x{n}" for c, n in sorted(r.unexpected.items())) or "0"
+        t.add_row(r.target, "SIGKILL" if r.mode == "kill" else f"SIGSTOP {stop_s:.0f}s", str(r.requests), codes, unexpected,
+                  str(r.no_answer), "never" if r.recovery_s is None else f"{r.recovery_s:.1f}", str(r.kv_blocks_leaked),
+                  str(r.leases_leaked) + (" (" + "; ".join(r.notes) + ")" if r.notes else ""))
+    console.print(t)
+    worker_back = [r.recovery_s for r in results if r.target == "worker" and r.mode == "kill"]
+    console.print(f"goals: never answered = 0: {sum(r.no_answer for r in results) == 0}; unexpected failures = 0: "
+                  f"{sum(sum(r.unexpected.values()) for r in results) == 0}; no leaks: "
+                  f"{all(r.kv_blocks_leaked == 0 and r.leases_leaked <= 0 for r in results)}"
+                  + (f"; killed worker serving again within 10 s: {worker_back[0] is not None and worker_back[0] <= 10} "
+                     f"({worker_back[0]:.1f}s)" if worker_back and worker_back[0] is not None else ""))

@@ -58,6 +58,13 @@ def _set_pdeathsig() -> None:
         pass
 
 
+_EXEC_SHIM = (  # die_with_supervisor, then exec the binary (PR_SET_PDEATHSIG survives exec); no heavy imports
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
+    f"os.getppid() == int(os.environ.pop({PARENT_ENV!r})) or os._exit(1)\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n")
+
+
 def die_with_supervisor() -> None:
     """Called first thing by `cotserve` commands: when a supervisor (`up`, a benchmark) started this
     process, get SIGTERM if it dies, even by SIGKILL (Linux), and stop now if it already has.
@@ -118,12 +125,13 @@ class Child:
             self.log_file.flush()
         else:
             self.log_file = tempfile.NamedTemporaryFile(prefix=f"cotserve-{self.name}-", suffix=".log", delete=False)
-        ours = argv[:3] == [sys.executable, "-m", "cotserve.cli"]
+        if argv[:3] != [sys.executable, "-m", "cotserve.cli"]:
+            # a foreign binary (redis-server) cannot ask to die with us itself: a small exec shim asks for it.
+            # (Not a pre-exec hook: Python code between fork and exec in a process with gRPC threads can crash.)
+            argv = [sys.executable, "-c", _EXEC_SHIM, *argv]
         self.proc = subprocess.Popen(
             argv, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**env, **({PARENT_ENV: str(os.getpid())} if ours else {})},
-            # a foreign binary (redis-server) cannot ask for itself; it starts before any gRPC thread
-            preexec_fn=None if ours else _set_pdeathsig,
+            env={**env, PARENT_ENV: str(os.getpid())},
         )
 
     def _resolve(self) -> bool:

@@ -134,7 +134,8 @@ class QuotaEnforcer:
 
     @classmethod
     def from_url(cls, url: str) -> "QuotaEnforcer":
-        return cls(aioredis.Redis.from_url(url))
+        # a frozen or unreachable Redis fails the request in seconds (UNAVAILABLE) rather than holding it
+        return cls(aioredis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0))
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -98,3 +98,18 @@ def test_reasoning_bench_runs_every_method_and_prints_its_goals():
                 "adaptive SC (window)", "adaptive SC (posterior)", "adaptive SC + early exit"):
         assert row in out.stdout, row
     assert out.stdout.count("met: ") == 3  # "met: " or "NOT met: ", one line per goal
+
+
+def test_faults_bench_kills_a_worker_and_reports_its_table():
+    """A SIGKILLed worker is restarted by the stack's supervisor; only requests in flight on it fail, none hangs,
+    nothing leaks (the figures themselves are the closing note's, not asserted beyond that)."""
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "faults", "--targets", "worker,redis",
+                          "--modes", "kill", "--settle-s", "1"], capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in out.stdout.splitlines() if line.startswith("│")}
+    assert set(rows) == {"worker", "redis"}
+    for target, (fault, requests, failed, unexpected, never, again, kv, leases) in rows.items():
+        assert fault == "SIGKILL" and int(requests) > 0 and unexpected == "0" and never == "0" and kv == "0"
+        assert again != "never"
+    assert "goals: never answered = 0: True; unexpected failures = 0: True; no leaks: True" in out.stdout
