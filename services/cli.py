@@ -79,6 +79,7 @@ def serve_worker(
     max_batch_tokens_when_urgent: int = typer.Option(256, envvar="COTSERVE_MAX_BATCH_TOKENS_WHEN_URGENT", help="BATCH tokens per step at most while urgent work is present."),
     batch_min_share: float = typer.Option(0.1, envvar="COTSERVE_BATCH_MIN_SHARE", help="Share of each step's token budget kept for BATCH work (0..1)."),
     torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),
+    engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", envvar="COTSERVE_ENGINE_PROCESS", help="Run the engine (model, KV cache, scheduler) in a process of its own (the default), or as a thread of the gRPC process (for debugging)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
 ) -> None:
     """Start one model worker."""
@@ -93,7 +94,7 @@ def serve_worker(
         metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,
         redis_url=redis_url, worker_id=worker_id, enable_prefix_caching=prefix_caching, reasoning_start=reasoning_start,
         reasoning_end=reasoning_end, reasoning_step=reasoning_step, answer_regex=answer_regex,
-        grace_s=grace_s,
+        grace_s=grace_s, engine_process=engine_process,
     )
     run_service("worker", serve(cfg))
 

@@ -6,13 +6,14 @@ import asyncio
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 import torch
@@ -24,10 +25,11 @@ from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.engine_process import EngineDied, EngineProcess
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_block, kv_bytes_per_token, resolve_kv_dtype
-from cotserve.worker.models.loader import DTYPES, LoadedModel, load_model
+from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.requests import check_text_length, generate_from_pb, max_token_chars, output_to_pb
 from cotserve.worker.utilization import UtilizationProbe
@@ -103,6 +105,9 @@ class WorkerConfig:
     """CPU threads for torch (default on CPU: all cores but one, which is left to the gRPC side)."""
     grace_s: float = 5.0
     """Seconds to drain in-flight streams on SIGTERM."""
+    engine_process: bool = True
+    """Run the engine (model, KV cache, scheduler) in a process of its own, so that serving work in this one
+    never shares a GIL with the model's steps; False: a thread of this process (as before, for debugging)."""
 
     def validate(self) -> None:
         checks = [
@@ -245,18 +250,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._token_chars = 1  # characters of the longest token, known once the model is loaded
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cotserve-tokenize")
 
-    def attach(self, engine: Engine, loaded: LoadedModel) -> None:
+    def attach(self, engine: Engine | EngineProcess, loaded: LoadedModel) -> None:
         """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
         self._engine, self._loaded = engine, loaded
         self._token_chars = max_token_chars(loaded.tokenizer)
-        self._probe = UtilizationProbe(str(loaded.device))
+        pid = getattr(engine, "pid", None)
+        self._probe = UtilizationProbe(str(loaded.device), pids=(pid,) if pid else ())
         r, ec = engine.runner, engine.config
         self._block_bytes = kv_bytes_per_block(loaded.config, r.kv_dtype, ec.block_size, loaded.dtype, r.skip_layers, r.topk_pages)
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> Engine | EngineProcess:
         if self._engine is None:
             raise Unavailable("the worker is still loading its model")
+        dead = getattr(self._engine, "dead", None)
+        if dead is not None:
+            raise Unavailable(f"engine: {dead}")
         return self._engine
 
     @property
@@ -285,6 +294,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class, call.cache_salt, call.budget)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+        except EngineDied as exc:
+            raise Unavailable(f"engine: {exc}") from None
         span = trace.get_current_span()  # the gRPC server span, child of the caller's (gateway's) span
         span.update_name(f"generate {self.loaded.name}")
         span.set_attributes({
@@ -386,7 +397,7 @@ def resolve_device(name: str) -> torch.device:
 @dataclass(slots=True)
 class RunningWorker:
     server: Server
-    engine: Engine
+    engine: Engine | EngineProcess
     loaded: LoadedModel
     servicer: "WorkerServicer"
     metrics_server: MetricsServer | None = None
@@ -406,8 +417,10 @@ class RunningWorker:
             self.metrics_server.stop()
 
 
-async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None = None) -> RunningWorker:
-    """Bind first (health NOT_SERVING), load the model, start the engine, then SERVING."""
+async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None = None,
+                       on_engine_death: Callable[[str], None] | None = None) -> RunningWorker:
+    """Bind first (health NOT_SERVING), load the model, start the engine, then SERVING. If the engine process
+    dies, health turns NOT_SERVING (in-flight calls fail with the reason) and `on_engine_death` is called."""
     cfg.validate()
     device = resolve_device(cfg.device)
     if cfg.torch_threads is not None:
@@ -421,22 +434,45 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     await server.start()
     log.info("worker listening on %s, loading %s", server.address, cfg.model)
     dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    loop = asyncio.get_running_loop()
+
+    def engine_died(reason: str) -> None:  # on the engine reader's thread
+        def now() -> None:
+            log.error("NOT_SERVING: %s", reason)
+            asyncio.ensure_future(server.set_not_serving())
+            if on_engine_death is not None:
+                on_engine_death(reason)
+        loop.call_soon_threadsafe(now)
+
+    engine: Engine | EngineProcess
     try:
-        loaded = await asyncio.to_thread(load_model, cfg.model, device=device, dtype=dtype, name=cfg.served_model_name)
-        econfig = engine_config(cfg, loaded)
-        reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end, cfg.reasoning_step,
-                                                  cfg.answer_regex)
+        if cfg.engine_process:
+            loaded = await asyncio.to_thread(load_front, cfg.model, cfg.served_model_name)
+            reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
+                                                      cfg.reasoning_step, cfg.answer_regex)
+            engine = EngineProcess(cfg, reasoning, on_death=engine_died)
+            await asyncio.to_thread(engine.start)
+            loaded.revision, loaded.dtype, loaded.device = engine.revision, engine.dtype, torch.device(engine.device)
+            engine.loaded = loaded
+            econfig = engine.config
+        else:
+            loaded = await asyncio.to_thread(load_model, cfg.model, device=device, dtype=dtype, name=cfg.served_model_name)
+            econfig = engine_config(cfg, loaded)
+            reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
+                                                      cfg.reasoning_step, cfg.answer_regex)
+            engine = Engine(loaded, econfig, reasoning)
     except BaseException:
         await server.stop(0)
         raise
-    engine = Engine(loaded, econfig, reasoning)
     try:
         metrics_server = serve_metrics(worker_registry(engine.stats, loaded.name, econfig.num_blocks), cfg.host,
                                        cfg.metrics_port)
     except OSError:
+        engine.stop()
         await server.stop(0)
         raise
-    engine.start()
+    if isinstance(engine, Engine):
+        engine.start()
     follower = None
     if loaded.config.num_experts and cfg.redis_url:
         follower = PolicyFollower(cfg.redis_url, engine, loaded.name, cfg.worker_id or server.address, tracer_provider)
@@ -450,6 +486,10 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
 
 
 async def serve(cfg: WorkerConfig) -> None:
-    """Run a worker until SIGTERM/SIGINT, then drain in-flight streams for up to `cfg.grace_s`."""
-    worker = await start_worker(cfg, make_tracer_provider("cotserve-worker"))
+    """Run a worker until SIGTERM/SIGINT, then drain in-flight streams for up to `cfg.grace_s`. A worker whose
+    engine process died stops itself a second later (NOT_SERVING meanwhile), so that its supervisor restarts it."""
+    def exit_soon(reason: str) -> None:
+        asyncio.get_running_loop().call_later(1.0, os.kill, os.getpid(), signal.SIGTERM)
+
+    worker = await start_worker(cfg, make_tracer_provider("cotserve-worker"), on_engine_death=exit_soon)
     await run_until_signalled(worker.server, cfg.grace_s, on_stop=worker.close)

@@ -100,8 +100,9 @@ def test_topk_pages_serve_and_read_everything_when_a_sequence_is_short():
 
 def test_skip_layers_keep_their_cache_at_full_precision():
     async def main():
+        # the engine in this process, so that the test can look at its runner's caches
         worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype="fp8_e4m3", kv_skip_layers=(0, 3),
-                                                 kv_cache_bytes=8_000_000))
+                                                 kv_cache_bytes=8_000_000, engine_process=False))
         try:
             caches = worker.engine.runner.kv_caches
             assert [len(c) for c in caches] == [2, 4, 4, 2] and caches[0][0].dtype == caches[3][0].dtype == torch.float32

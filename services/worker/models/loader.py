@@ -27,7 +27,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: LlamaForCausalLM | None  # None in a worker's gRPC process: the weights live in its engine process
     config: ModelConfig
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
@@ -156,3 +156,15 @@ def load_model(
         name=name or folder.resolve().name, revision=checkpoint_revision(folder, files),
         dtype=dtype, device=device,
     )
+
+
+def load_front(folder: str | Path, name: str | None = None) -> LoadedModel:
+    """What a worker's gRPC process needs of a checkpoint: its config and tokenizer, no weights (those are
+    loaded by the engine process; it reports the revision, dtype and device, filled in then)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder}: model folder not found")
+    cfg = ModelConfig.from_file(folder / "config.json")
+    tokenizer, eos = load_tokenizer(folder, cfg)
+    return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, eos_token_ids=eos, name=name or folder.resolve().name,
+                       revision="", dtype=torch.float32, device=torch.device("cpu"))

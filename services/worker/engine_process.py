@@ -1,0 +1,406 @@
+"""The engine in a process of its own, and the front the worker's gRPC process talks to.
+
+Why: the engine thread used to share one GIL with the gRPC servicer, protobuf conversion,
+tokenization and tracing, so every token's Python work on the serving side stole time from the
+model's step (and the other way round). The child process owns the model, the KV cache (it is sized
+there) and the scheduler, and runs the engine's loop: drain commands → step → send what that pass
+produced. The front (`EngineProcess`, in the gRPC process) has the engine's API (`submit`, `abort`,
+`stats`, MoE policy and load), tokenizes, streams and converts.
+
+IPC: a pair of `multiprocessing` pipes (a socketpair; pickled messages). Commands in are typed
+dataclasses (`AddRequest`, `AbortRequest`, `SetPolicy`, `TakeExpertLoad`, `Shutdown`); out goes one
+`StepOutputs` message per loop pass that produced anything: every output of that pass (all running
+sequences' new tokens, finish reasons, timings) and the stats snapshot. A pass's message is a few
+hundred bytes to a few KB; pickling plus the pipe round trip measured 30-60 µs for 32 outputs on this
+machine (`python -m cotserve.worker.engine_process --measure`), against 3-10 ms per engine step on the
+demo model, so a pipe is not what limits us and needs nothing beyond the standard library. (ZMQ and
+shared-memory rings would matter at GPU step times well under a millisecond; the message types stay.)
+
+Lifecycle: the child is started with `spawn` (a fork of a process running gRPC threads is unsafe),
+asks the kernel to SIGTERM it when its parent dies, and also ends when its command pipe closes. With
+nothing to do it blocks on the engine's inbox: an idle worker uses no CPU. If it dies, the front's
+reader sees the pipe close: every request in flight ends with an error naming the exit, `on_death`
+tells the server (health NOT_SERVING), and later submits fail at once with the same reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from cotserve.common.sampling import ReasoningParams
+from cotserve.worker.engine import EngineConfig, EngineStats, RequestOutput, Sink, check_submit
+from cotserve.worker.sequence import SamplingParams, SlaClass
+
+log = logging.getLogger("cotserve.worker.engine")
+
+
+# ---- commands (front -> engine) -----------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sla_class: SlaClass
+    cache_salt: str
+    budget: ReasoningParams
+
+
+@dataclass(slots=True, frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class SetPolicy:
+    policy: Any  # models.moe.RoutingPolicy
+
+
+@dataclass(slots=True, frozen=True)
+class TakeExpertLoad:
+    ticket: int
+
+
+@dataclass(slots=True, frozen=True)
+class Shutdown:
+    pass
+
+
+# ---- messages (engine -> front) -----------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class EngineReady:
+    config: EngineConfig
+    kv_dtype: Any  # torch.dtype
+    skip_layers: frozenset[int]
+    topk_pages: int
+    revision: str
+    dtype: Any  # torch.dtype of the weights
+    device: str
+    stats: EngineStats
+
+
+@dataclass(slots=True, frozen=True)
+class StepOutputs:
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+@dataclass(slots=True, frozen=True)
+class PolicyApplied:
+    version: int
+
+
+@dataclass(slots=True, frozen=True)
+class ExpertLoad:
+    ticket: int
+    load: dict[int, list[int]]
+
+
+@dataclass(slots=True, frozen=True)
+class EngineFailed:
+    reason: str  # the child could not start: the message names the problem (a ModelLoadError's, say)
+    kind: str = "ValueError"
+
+
+# ---- the child --------------------------------------------------------------------------------
+def _die_with_parent(parent: int) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def run_engine(cfg: Any, parent: int, commands: Any, outputs: Any) -> None:
+    """The engine process: load the model, size the KV pool, serve commands until Shutdown or the pipe closes."""
+    _die_with_parent(parent)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front stops us
+    import torch
+
+    from cotserve.common.errors import CotserveError
+    from cotserve.worker.engine import Engine
+    from cotserve.worker.models.loader import DTYPES, load_model
+    from cotserve.worker.reasoning import ReasoningFormat
+    from cotserve.worker.server import engine_config, resolve_device
+
+    send_lock = threading.Lock()
+
+    def send(message: object) -> None:
+        with send_lock:
+            outputs.send(message)
+
+    try:
+        device = resolve_device(cfg.device)
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
+        elif device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        loaded = load_model(cfg.model, device=device, dtype=dtype, name=cfg.served_model_name)
+        econfig = engine_config(cfg, loaded)
+        reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
+                                                  cfg.reasoning_step, cfg.answer_regex)
+        engine = Engine(loaded, econfig, reasoning)
+    except (CotserveError, ValueError, OSError) as exc:
+        send(EngineFailed(getattr(exc, "message", str(exc)), type(exc).__name__))
+        return
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+        send(EngineFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}", "RuntimeError"))
+        return
+
+    pending: list[RequestOutput] = []
+    last_stats: list[EngineStats] = [engine.stats()]
+
+    def flush() -> None:
+        """After each pass of the engine loop: everything it produced, in one message."""
+        stats = engine.stats()
+        if not pending and stats is last_stats[0]:
+            return
+        batch = pending[:]
+        pending.clear()
+        last_stats[0] = stats
+        send(StepOutputs(batch, stats))
+
+    engine.after_iteration = flush
+    engine.policy_listeners.append(lambda version: send(PolicyApplied(version)))
+    r = engine.runner
+    send(EngineReady(econfig, r.kv_dtype, frozenset(r.skip_layers), r.topk_pages, loaded.revision, loaded.dtype,
+                     str(loaded.device), engine.stats()))
+    engine.start()
+    sink: Sink = pending.append  # called on the engine thread, flushed by `flush` on the same thread
+    try:
+        while True:
+            try:
+                cmd = commands.recv()
+            except (EOFError, OSError):
+                break  # the front is gone
+            if isinstance(cmd, AddRequest):
+                try:
+                    engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt,
+                                  cmd.budget)
+                except ValueError as exc:  # the front checked already; a race with nothing: report, do not die
+                    pending.append(RequestOutput(cmd.request_id, 0, "", None, error=str(exc)))
+            elif isinstance(cmd, AbortRequest):
+                engine.abort(cmd.request_id)
+            elif isinstance(cmd, SetPolicy):
+                engine.set_routing_policy(cmd.policy)
+            elif isinstance(cmd, TakeExpertLoad):
+                ticket = cmd.ticket
+                engine.request_expert_load(lambda load, t=ticket: send(ExpertLoad(t, load)))
+            elif isinstance(cmd, Shutdown):
+                break
+    finally:
+        engine.stop()
+
+
+# ---- the front --------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class RunnerInfo:
+    """What the servicer reads of the engine's model runner: the KV cache's format."""
+
+    kv_dtype: Any
+    skip_layers: frozenset[int]
+    topk_pages: int
+
+
+class EngineDied(RuntimeError):
+    """The engine process is gone; the message says how."""
+
+
+@dataclass
+class EngineProcess:
+    """The engine's API, served by a child process (see the module docstring). `start()` blocks until the
+    model is loaded and the pool sized there, raising what the child reported when it could not."""
+
+    cfg: Any  # WorkerConfig
+    reasoning: Any = None  # the front's ReasoningFormat (the same markers the child uses)
+    on_death: Callable[[str], None] | None = None
+    loaded: Any = None  # the front's LoadedModel (config and tokenizer, no weights), set by the server
+    config: EngineConfig | None = None
+    runner: RunnerInfo | None = None
+    policy_version: int = 0
+    policy_listeners: list[Callable[[int], None]] = field(default_factory=list)
+    revision: str = ""
+    dtype: Any = None
+    device: str = "cpu"
+    dead: str | None = None
+    _stats: EngineStats = field(default_factory=EngineStats)
+    _sinks: dict[str, Sink] = field(default_factory=dict)
+    _load_callbacks: dict[int, Callable[[dict[int, list[int]]], None]] = field(default_factory=dict)
+    _tickets: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _send_lock: threading.Lock = field(default_factory=threading.Lock)
+    _proc: Any = None
+    _commands: Any = None
+    _outputs: Any = None
+    _reader: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
+        out_recv, out_send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=run_engine, args=(self.cfg, os.getpid(), cmd_recv, out_send),
+                                 name="cotserve-engine", daemon=True)
+        self._proc.start()
+        cmd_recv.close()
+        out_send.close()
+        self._commands, self._outputs = cmd_send, out_recv
+        if not out_recv.poll(timeout_s):
+            self._proc.kill()
+            raise RuntimeError(f"the engine process did not load the model within {timeout_s:.0f}s")
+        try:
+            first = out_recv.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise RuntimeError(f"the engine process exited while starting (exit code {self._proc.exitcode})") from None
+        if isinstance(first, EngineFailed):
+            self._proc.join(5)
+            from cotserve.common.errors import ModelLoadError
+
+            if first.kind == "ModelLoadError":
+                raise ModelLoadError(first.reason)
+            if first.kind in ("ValueError", "FailedPrecondition", "InvalidArgument"):
+                raise ValueError(first.reason)
+            if first.kind == "OSError":
+                raise OSError(first.reason)
+            raise RuntimeError(first.reason)
+        assert isinstance(first, EngineReady)
+        self.config, self._stats = first.config, first.stats
+        self.runner = RunnerInfo(first.kv_dtype, first.skip_layers, first.topk_pages)
+        self.revision, self.dtype, self.device = first.revision, first.dtype, first.device
+        self._reader = threading.Thread(target=self._read, name="cotserve-engine-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # -- the engine's API -------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
+               sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "",
+               budget: ReasoningParams = ReasoningParams()) -> None:
+        if self.dead is not None:
+            raise EngineDied(self.dead)
+        assert self.config is not None, "start() first"
+        check_submit(self.config, self.reasoning is not None, len(prompt_ids), params, budget)
+        with self._lock:
+            self._sinks[request_id] = sink
+        self._send(AddRequest(request_id, list(prompt_ids), params, sla_class, cache_salt, budget))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._sinks.pop(request_id, None)
+        if self.dead is None:
+            self._send(AbortRequest(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def set_routing_policy(self, policy: Any) -> None:
+        self._send(SetPolicy(policy))
+
+    def request_expert_load(self, callback: Callable[[dict[int, list[int]]], None]) -> None:
+        with self._lock:
+            self._tickets += 1
+            self._load_callbacks[self._tickets] = callback
+            ticket = self._tickets
+        self._send(TakeExpertLoad(ticket))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._proc is None:
+            return
+        if self.dead is None:
+            self.dead = "the worker is stopping"
+            try:
+                self._send(Shutdown())
+            except EngineDied:
+                pass
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(2)
+        if self._reader is not None:
+            self._reader.join(2)
+
+    # -- plumbing -------------------------------------------------------------------------------------
+    def _send(self, cmd: object) -> None:
+        try:
+            with self._send_lock:
+                self._commands.send(cmd)
+        except (OSError, ValueError) as exc:  # the pipe is closed: the reader reports the death
+            raise EngineDied(self.dead or f"the engine process is gone ({exc})") from None
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._outputs.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, StepOutputs):
+                self._stats = msg.stats
+                for out in msg.outputs:
+                    with self._lock:
+                        sink = self._sinks.get(out.request_id)
+                        if sink is not None and (out.is_last or out.error is not None):
+                            del self._sinks[out.request_id]
+                    if sink is not None:
+                        sink(out)
+            elif isinstance(msg, PolicyApplied):
+                self.policy_version = msg.version
+                for listener in self.policy_listeners:
+                    listener(msg.version)
+            elif isinstance(msg, ExpertLoad):
+                with self._lock:
+                    callback = self._load_callbacks.pop(msg.ticket, None)
+                if callback is not None:
+                    callback(msg.load)
+        self._died()
+
+    def _died(self) -> None:
+        stopping = self.dead is not None
+        self._proc.join(2)
+        code = self._proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        reason = self.dead if stopping else f"the engine process died ({how})"
+        self.dead = reason
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink(RequestOutput(request_id, 0, "", None, error=reason))
+        if not stopping:
+            log.error("%s; %d requests in flight failed", reason, len(sinks))
+            if self.on_death is not None:
+                self.on_death(reason)
+
+
+def _measure(n_outputs: int = 32, rounds: int = 2000) -> None:
+    """Round trip of one step's message through a pipe pair (pickle + write + read + unpickle)."""
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    outs = [RequestOutput(f"req-{i:04d}", 1000 + i, " 73", None, part=1) for i in range(n_outputs)]
+    msg = StepOutputs(outs, EngineStats())
+    start = time.perf_counter()
+    for _ in range(rounds):
+        send.send(msg)
+        recv.recv()
+    per = (time.perf_counter() - start) / rounds
+    import pickle
+
+    print(f"{n_outputs} outputs, {len(pickle.dumps(msg))} bytes: {per * 1e6:.1f} µs per message (pickle, pipe, unpickle)")
+
+
+if __name__ == "__main__":
+    if "--measure" in sys.argv:
+        _measure()
