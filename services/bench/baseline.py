@@ -51,3 +51,72 @@ def run_transformers(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
         done += n
     name = "transformers one-at-a-time" if batch_size == 1 else f"transformers static batch of {batch_size}"
     return BaselineResult(name, num_requests, time.perf_counter() - start, tokens)
+
+
+def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, num_requests: int,
+                    batch_size: int) -> BaselineResult:
+    """cotserve's engine alone, in this process (no gRPC, no gateway, no worker front): `num_requests` greedy
+    requests, all submitted at once, batched `batch_size` at a time by the scheduler (continuous batching)."""
+    import threading
+
+    from cotserve.common.sampling import SamplingParams
+    from cotserve.worker.engine import Engine
+    from cotserve.worker.models.loader import load_model
+    from cotserve.worker.server import WorkerConfig, engine_config
+
+    loaded = load_model(model_dir)
+    engine = Engine(loaded, engine_config(WorkerConfig(model=model_dir, max_num_seqs=batch_size), loaded))
+    params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    lock, done = threading.Lock(), threading.Event()
+    counts = {"tokens": 0, "finished": 0}
+
+    def sink(out) -> None:
+        with lock:
+            counts["tokens"] += 1
+            if out.is_last or out.error:
+                counts["finished"] += 1
+                if counts["finished"] == total:
+                    done.set()
+
+    engine.start()
+    try:
+        total = 1
+        engine.submit("warm-up", prompt_ids, SamplingParams(max_new_tokens=2, ignore_eos=True), sink)
+        done.wait(60)
+        done.clear()
+        counts.update(tokens=0, finished=0)
+        total = num_requests
+        start = time.perf_counter()
+        for i in range(num_requests):
+            engine.submit(f"r{i}", prompt_ids, params, sink)
+        done.wait(600)
+        seconds = time.perf_counter() - start
+    finally:
+        engine.stop()
+    return BaselineResult(f"cotserve engine only, batch {batch_size}", num_requests, seconds, counts["tokens"])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (from /proc; 0 when it is gone)."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_child(pid: int) -> int | None:
+    """The engine process of the worker `pid` (its `spawn` child), if it has one."""
+    import subprocess
+
+    kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    for k in kids:
+        try:
+            if "spawn_main" in open(f"/proc/{k}/cmdline").read():
+                return int(k)
+        except OSError:
+            continue
+    return None

@@ -48,10 +48,11 @@ def bench_baseline(
     requests: int = typer.Option(64, help="Requests for cotserve and for static batching."),
     single_requests: int = typer.Option(16, help="Requests for transformers one-at-a-time."),
 ) -> None:
-    """Same workload through cotserve and through transformers' generate; prints cotserve's throughput ratios."""
+    """Same workload through cotserve, through cotserve's engine alone and through transformers' generate; prints
+    cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process."""
     from rich.table import Table
 
-    from cotserve.bench.baseline import run_transformers
+    from cotserve.bench.baseline import cpu_seconds, engine_child, run_engine_only, run_transformers
     from cotserve.bench.throughput import prompt_of_tokens, run_level, table
     from cotserve.common.procs import free_port, wait_serving
     from cotserve.sdk import AsyncClient
@@ -69,19 +70,39 @@ def bench_baseline(
             console.print(f"starting {child.name} ...", style="dim")
             wait_serving(child, 120, lambda: None)
 
+        procs: dict[str, int] = {}
+        if children:
+            procs["worker (gRPC front)"] = children[0].proc.pid
+            engine_pid = engine_child(children[0].proc.pid)
+            if engine_pid is not None:
+                procs["worker (engine process)"] = engine_pid
+            procs["gateway"] = children[-1].proc.pid
+        cpu_before: dict[str, float] = {}
+
         async def ours():
             async with AsyncClient(address) as c:
                 prompt = await prompt_of_tokens(c, prompt_tokens)
                 ids = await c.tokenize(prompt)
                 await c.generate(prompt, max_new_tokens=4)
+            cpu_before.update({name: cpu_seconds(pid) for name, pid in procs.items()})
             return prompt, ids, await run_level(address, concurrency, prompt, max_new_tokens, requests)
 
         console.print(f"cotserve: {requests} requests at concurrency {concurrency} ...", style="dim")
         prompt, ids, level = asyncio.run(ours())
+        cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
     finally:
         for child in reversed(children):
             child.stop(5.0)
     console.print(table([level]))
+    if cpu:
+        c = Table(title=f"CPU time per generated token ({level.output_tokens} tokens)")
+        c.add_column("process")
+        c.add_column("CPU ms/token", justify="right")
+        for name, seconds in cpu.items():
+            c.add_row(name, f"{seconds * 1000 / max(1, level.output_tokens):.3f}")
+        console.print(c)
+    console.print(f"cotserve engine only: {requests} requests, batch {concurrency} ...", style="dim")
+    engine_only = run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency)
     console.print(f"transformers: {single_requests} requests one at a time ...", style="dim")
     single = run_transformers(model_dir, ids, max_new_tokens, single_requests, 1)
     console.print(f"transformers: {requests} requests in static batches of {concurrency} ...", style="dim")
@@ -91,10 +112,12 @@ def bench_baseline(
         t.add_column(col, justify="right")
     t.add_row(f"cotserve via gateway, concurrency {concurrency}", str(level.num_requests),
               f"{level.output_tokens_per_s:.1f}", "1.00x")
-    for b in (single, static):
+    for b in (engine_only, single, static):
         t.add_row(b.name, str(b.num_requests), f"{b.output_tokens_per_s:.1f}",
                   f"{level.output_tokens_per_s / b.output_tokens_per_s:.2f}x")
     console.print(t)
+    console.print(f"end to end / engine only: {level.output_tokens_per_s / engine_only.output_tokens_per_s:.2f} "
+                  "(the serving overhead's share of the engine's rate is one minus this)")
 
 
 @bench_app.command("isolation")

@@ -180,6 +180,32 @@ def _percentile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+@dataclass(slots=True, frozen=True)
+class _Add:
+    seq: Sequence
+    sink: Sink
+    cache_salt: str
+    budget: ReasoningParams
+
+
+@dataclass(slots=True, frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class _Policy:
+    policy: RoutingPolicy
+
+
+@dataclass(slots=True, frozen=True)
+class _TakeLoad:
+    callback: Callable[[dict[int, list[int]]], None]
+
+
+_Command = _Add | _Abort | _Policy | _TakeLoad | None  # None only wakes the loop (stop)
+
+
 def check_submit(config: EngineConfig, has_reasoning: bool, prompt_len: int, params: SamplingParams,
                  budget: ReasoningParams) -> None:
     """ValueError for a request this engine can never serve: longer than the whole KV pool, more samples than a
@@ -220,7 +246,7 @@ class Engine:
                                 config.block_size)
         self._prompt_tokens_computed = 0
         self._kv_blocks_peak = 0
-        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._inbox: queue.Queue[_Command] = queue.Queue()
         self._requests: dict[str, _Request] = {}
         self._step_ms: deque[float] = deque(maxlen=256)
         self._tokens: deque[tuple[float, int]] = deque()
@@ -254,20 +280,20 @@ class Engine:
         vote = budget.self_consistency
         group = vote.min_samples if vote is not None else params.n
         seq = Sequence(request_id, list(prompt_ids), params, sla_class, group_size=group)
-        self._inbox.put(("add", (seq, sink, cache_salt, budget)))
+        self._inbox.put(_Add(seq, sink, cache_salt, budget))
 
     def set_routing_policy(self, policy: RoutingPolicy) -> None:
         """Queue a routing policy; the engine thread applies it to all layers together between two
         steps, and only when it is newer than the one in force."""
-        self._inbox.put(("policy", policy))
+        self._inbox.put(_Policy(policy))
 
     def request_expert_load(self, callback: Callable[[dict[int, list[int]]], None]) -> None:
         """Ask for the tokens routed per expert since the last ask; `callback` runs on the engine thread."""
-        self._inbox.put(("load", callback))
+        self._inbox.put(_TakeLoad(callback))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed before the next step."""
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -278,7 +304,7 @@ class Engine:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping.set()
-        self._inbox.put(("wake", None))
+        self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout_s)
 
@@ -293,21 +319,20 @@ class Engine:
 
     def _drain_inbox(self, block: bool) -> None:
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
-            kind, payload = item
-            if kind == "add":
-                self._add(*payload)  # type: ignore[misc]
-            elif kind == "abort":
-                self._abort(payload)  # type: ignore[arg-type]
-            elif kind == "policy":
-                self._apply_policy(payload)  # type: ignore[arg-type]
-            elif kind == "load":
-                payload(self.loaded.model.take_expert_load())  # type: ignore[operator]
+            if isinstance(cmd, _Add):
+                self._add(cmd.seq, cmd.sink, cmd.cache_salt, cmd.budget)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id)
+            elif isinstance(cmd, _Policy):
+                self._apply_policy(cmd.policy)
+            elif isinstance(cmd, _TakeLoad):
+                cmd.callback(self.loaded.model.take_expert_load())
             try:
-                item = self._inbox.get_nowait()
+                cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
 

@@ -40,7 +40,10 @@ def test_baseline_command_prints_ratios_against_transformers():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr + out.stdout
     assert "transformers one-at-a-time" in out.stdout and "transformers static batch of 2" in out.stdout
-    assert out.stdout.count("x │") == 3  # three ratio cells
+    assert "cotserve engine only, batch 2" in out.stdout and "end to end / engine only: " in out.stdout
+    assert out.stdout.count("x │") == 4  # four ratio cells
+    for process in ("worker (gRPC front)", "worker (engine process)", "gateway"):  # CPU ms per token of each
+        assert process in out.stdout
 
 
 def test_isolation_drive_records_every_tenant_b_request(demo_gateway):
