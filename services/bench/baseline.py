@@ -62,7 +62,8 @@ def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
     from cotserve.common.sampling import SamplingParams
     from cotserve.worker.engine import Engine
     from cotserve.worker.models.loader import load_model
-    from cotserve.worker.server import WorkerConfig, engine_config
+    from cotserve.worker.server import WorkerConfig
+    from cotserve.worker.sizing import engine_config
 
     loaded = load_model(model_dir)
     engine = Engine(loaded, engine_config(WorkerConfig(model=model_dir, max_num_seqs=batch_size), loaded))
@@ -109,13 +110,13 @@ def cpu_seconds(pid: int) -> float:
 
 
 def engine_child(pid: int) -> int | None:
-    """The engine process of the worker `pid` (its `spawn` child), if it has one."""
+    """The engine process of the worker `pid` (its `python -m cotserve.worker.engine_process` child), if any."""
     import subprocess
 
     kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
     for k in kids:
         try:
-            if "spawn_main" in open(f"/proc/{k}/cmdline").read():
+            if "cotserve.worker.engine_process" in open(f"/proc/{k}/cmdline").read():
                 return int(k)
         except OSError:
             continue

@@ -7,7 +7,7 @@ there) and the scheduler, and runs the engine's loop: drain commands → step �
 produced. The front (`EngineProcess`, in the gRPC process) has the engine's API (`submit`, `abort`,
 `stats`, MoE policy and load), tokenizes, streams and converts.
 
-IPC: a pair of `multiprocessing` pipes (a socketpair; pickled messages). Commands in are typed
+IPC: two socket pairs wrapped in `multiprocessing.connection.Connection` (length-prefixed pickles). Commands in are typed
 dataclasses (`AddRequest`, `AbortRequest`, `SetPolicy`, `TakeExpertLoad`, `Shutdown`); out goes one
 `StepOutputs` message per loop pass that produced anything: every output of that pass (all running
 sequences' new tokens, finish reasons, timings) and the stats snapshot. A pass's message is a few
@@ -16,8 +16,11 @@ machine (`python -m cotserve.worker.engine_process --measure`), against 3-10 ms 
 demo model, so a pipe is not what limits us and needs nothing beyond the standard library. (ZMQ and
 shared-memory rings would matter at GPU step times well under a millisecond; the message types stay.)
 
-Lifecycle: the child is started with `spawn` (a fork of a process running gRPC threads is unsafe),
-asks the kernel to SIGTERM it when its parent dies, and also ends when its command pipe closes. With
+Lifecycle: the child is a fresh interpreter (`python -m cotserve.worker.engine_process`, the pipes'
+ends passed as file descriptors): a fork of a process running gRPC threads is unsafe, and
+multiprocessing's `spawn` would re-import the caller's main module (a script without a `__main__`
+guard would start itself again) and add a resource-tracker process. It gets its config as the first
+message, asks the kernel to SIGTERM it when its parent dies, and also ends when its command pipe closes. With
 nothing to do it blocks on the engine's inbox: an idle worker uses no CPU. If it dies, the front's
 reader sees the pipe close: every request in flight ends with an error naming the exit, `on_death`
 tells the server (health NOT_SERVING), and later submits fail at once with the same reason.
@@ -25,15 +28,18 @@ tells the server (health NOT_SERVING), and later submits fail at once with the s
 
 from __future__ import annotations
 
+import argparse
 import logging
-import multiprocessing
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from cotserve.common.sampling import ReasoningParams
@@ -122,9 +128,14 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def run_engine(cfg: Any, parent: int, commands: Any, outputs: Any) -> None:
-    """The engine process: load the model, size the KV pool, serve commands until Shutdown or the pipe closes."""
+def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
+    """The engine process: take the config, load the model, size the KV pool, serve commands until Shutdown or the
+    pipe closes."""
     _die_with_parent(parent)
+    try:
+        cfg = commands.recv()
+    except (EOFError, OSError):
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front stops us
     import torch
@@ -133,7 +144,7 @@ def run_engine(cfg: Any, parent: int, commands: Any, outputs: Any) -> None:
     from cotserve.worker.engine import Engine
     from cotserve.worker.models.loader import DTYPES, load_model
     from cotserve.worker.reasoning import ReasoningFormat
-    from cotserve.worker.server import engine_config, resolve_device
+    from cotserve.worker.sizing import engine_config, resolve_device
 
     send_lock = threading.Lock()
 
@@ -203,6 +214,9 @@ def run_engine(cfg: Any, parent: int, commands: Any, outputs: Any) -> None:
                 break
     finally:
         engine.stop()
+        # nothing left to flush or close: skip the interpreter's (torch's) slow teardown
+        logging.shutdown()
+        os._exit(0)
 
 
 # ---- the front --------------------------------------------------------------------------------
@@ -248,25 +262,27 @@ class EngineProcess:
     _reader: threading.Thread | None = None
 
     def start(self, timeout_s: float = 600.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        cmd_recv, cmd_send = ctx.Pipe(duplex=False)
-        out_recv, out_send = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=run_engine, args=(self.cfg, os.getpid(), cmd_recv, out_send),
-                                 name="cotserve-engine", daemon=True)
-        self._proc.start()
-        cmd_recv.close()
-        out_send.close()
-        self._commands, self._outputs = cmd_send, out_recv
-        if not out_recv.poll(timeout_s):
+        commands, child_commands = socket.socketpair()
+        outputs, child_outputs = socket.socketpair()
+        fds = (child_commands.fileno(), child_outputs.fileno())
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "cotserve.worker.engine_process", "--commands-fd", str(fds[0]),
+             "--outputs-fd", str(fds[1]), "--parent", str(os.getpid())],
+            pass_fds=fds, close_fds=True)
+        child_commands.close()
+        child_outputs.close()
+        self._commands, self._outputs = Connection(commands.detach()), Connection(outputs.detach())
+        self._send(self.cfg)
+        if not self._outputs.poll(timeout_s):
             self._proc.kill()
             raise RuntimeError(f"the engine process did not load the model within {timeout_s:.0f}s")
         try:
-            first = out_recv.recv()
+            first = self._outputs.recv()
         except EOFError:
-            self._proc.join(5)
-            raise RuntimeError(f"the engine process exited while starting (exit code {self._proc.exitcode})") from None
+            self._proc.wait(5)
+            raise RuntimeError(f"the engine process exited while starting (exit code {self._proc.returncode})") from None
         if isinstance(first, EngineFailed):
-            self._proc.join(5)
+            self._proc.wait(5)
             from cotserve.common.errors import ModelLoadError
 
             if first.kind == "ModelLoadError":
@@ -327,10 +343,11 @@ class EngineProcess:
                 self._send(Shutdown())
             except EngineDied:
                 pass
-        self._proc.join(timeout_s)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.join(2)
+            self._proc.wait(2)
         if self._reader is not None:
             self._reader.join(2)
 
@@ -370,8 +387,11 @@ class EngineProcess:
 
     def _died(self) -> None:
         stopping = self.dead is not None
-        self._proc.join(2)
-        code = self._proc.exitcode
+        try:
+            code = self._proc.wait(2)
+        except subprocess.TimeoutExpired:  # the pipe closed but the process lingers: make it go
+            self._proc.kill()
+            code = self._proc.wait(2)
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         reason = self.dead if stopping else f"the engine process died ({how})"
         self.dead = reason
@@ -386,9 +406,9 @@ class EngineProcess:
 
 
 def _measure(n_outputs: int = 32, rounds: int = 2000) -> None:
-    """Round trip of one step's message through a pipe pair (pickle + write + read + unpickle)."""
-    ctx = multiprocessing.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
+    """Round trip of one step's message through a socket pair (pickle + write + read + unpickle)."""
+    a, b = socket.socketpair()
+    recv, send = Connection(a.detach()), Connection(b.detach())
     outs = [RequestOutput(f"req-{i:04d}", 1000 + i, " 73", None, part=1) for i in range(n_outputs)]
     msg = StepOutputs(outs, EngineStats())
     start = time.perf_counter()
@@ -401,6 +421,24 @@ def _measure(n_outputs: int = 32, rounds: int = 2000) -> None:
     print(f"{n_outputs} outputs, {len(pickle.dumps(msg))} bytes: {per * 1e6:.1f} µs per message (pickle, pipe, unpickle)")
 
 
-if __name__ == "__main__":
-    if "--measure" in sys.argv:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cotserve.worker.engine_process",
+                                     description="A worker's engine process (started by the worker), or --measure the IPC.")
+    parser.add_argument("--commands-fd", type=int, help="File descriptor of the command socket (from the worker).")
+    parser.add_argument("--outputs-fd", type=int, help="File descriptor of the output socket (to the worker).")
+    parser.add_argument("--parent", type=int, help="The worker's pid: the engine ends with it.")
+    parser.add_argument("--measure", action="store_true", help="Time one step's message through a socket pair and exit.")
+    args = parser.parse_args(argv)
+    if args.measure:
         _measure()
+        return
+    if args.commands_fd is None or args.outputs_fd is None or args.parent is None:
+        parser.error("--commands-fd, --outputs-fd and --parent are given by the worker that starts this process")
+    run_engine(args.parent, Connection(args.commands_fd), Connection(args.outputs_fd))
+
+
+if __name__ == "__main__":
+    # run as the importable module, not as __main__: the messages it pickles must name their real module
+    from cotserve.worker import engine_process
+
+    engine_process.main()

@@ -26,6 +26,7 @@ from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.engine_process import EngineDied, EngineProcess
+from cotserve.worker.sizing import engine_config, resolve_device
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_block, kv_bytes_per_token, resolve_kv_dtype
@@ -132,47 +133,6 @@ class WorkerConfig:
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg)
-
-
-def _available_ram_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def engine_config(cfg: WorkerConfig, loaded: LoadedModel) -> EngineConfig:
-    """Size the KV pool: from --kv-cache-bytes, else a share of free memory, never more than
-    max_num_seqs full-length sequences need."""
-    max_len = min(cfg.max_model_len or loaded.config.max_context, loaded.config.max_context)
-    for field in ("kv_skip_layers", "kv_topk_dense_layers"):
-        bad = [layer for layer in getattr(cfg, field) if not 0 <= layer < loaded.config.num_layers]
-        if bad:
-            raise ValueError(f"{field}: {bad} out of range, the model's layers are 0..{loaded.config.num_layers - 1}")
-    per_block = kv_bytes_per_block(loaded.config, resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype), cfg.block_size, loaded.dtype,
-                                   cfg.kv_skip_layers, cfg.kv_topk_pages)
-    budget = cfg.kv_cache_bytes
-    if budget is None:
-        if loaded.device.type == "cuda":
-            budget = int(torch.cuda.mem_get_info(loaded.device)[0] * 0.9)
-        else:
-            budget = int(_available_ram_bytes() * 0.05)
-    num_blocks = budget // per_block
-    if cfg.kv_cache_bytes is None:
-        num_blocks = min(num_blocks, cfg.max_num_seqs * -(-max_len // cfg.block_size))
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_bytes: {budget} bytes holds no block of {cfg.block_size} tokens "
-                         f"({per_block} bytes each)")
-    return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
-                        batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
-                        max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent, kv_cache_dtype=cfg.kv_cache_dtype,
-                        kv_topk_pages=cfg.kv_topk_pages, kv_skip_layers=tuple(cfg.kv_skip_layers),
-                        kv_topk_dense_layers=tuple(cfg.kv_topk_dense_layers),
-                        enable_prefix_caching=cfg.enable_prefix_caching)
 
 
 class LoopMailbox:
@@ -386,12 +346,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             enc = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, functools.partial(tokenizer.encode, request.text, add_special_tokens=request.add_special_tokens))
         return worker_pb2.TokenizeResponse(token_ids=enc.ids, tokens=enc.tokens)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @dataclass(slots=True)

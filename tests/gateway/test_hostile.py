@@ -1,6 +1,10 @@
 """Hostile input and faults at the gateway and the worker (issue 20): each finding as a test that the
 old code failed, over real gRPC, a real Redis, the real sandbox and the demo model."""
 
+# In-process workers here run their engine as a thread (engine_process=False): these tests are about the gateway and the worker front, not
+# the engine process boundary, which tests/worker/test_engine_process.py and every CLI-started worker cover;
+# a second interpreter importing torch per worker would add about 2 s to each start.
+
 from __future__ import annotations
 
 import asyncio
@@ -50,7 +54,7 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_one(tmp_path):
     forwarding it, and Stats keeps answering; a message over the gateway's byte limit is refused by gRPC."""
 
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], max_request_bytes=1 << 20))
         out = {}
         try:
@@ -110,7 +114,7 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_one(tmp_path):
 
 def test_prompt_limits_configured_at_the_gateway():
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], max_prompt_chars=40,
                                                max_prompt_tokens=5))
         try:
@@ -135,7 +139,7 @@ def test_every_rpc_is_authenticated_once_and_health_follows_the_workers(tmp_path
     key = add_key(tenants, "acme")
 
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], tenants_file=tenants,
                                                poll_interval_s=0.1, worker_wait_s=0.5))
         out = {}
@@ -182,7 +186,7 @@ def test_internal_errors_carry_an_id_not_the_exception(monkeypatch, caplog):
         raise RuntimeError("connect to redis://10.1.2.3:6379 failed: secret")
 
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
         try:
             monkeypatch.setattr(WorkerPool, "resolve_model", broken)
@@ -208,7 +212,7 @@ def test_internal_errors_carry_an_id_not_the_exception(monkeypatch, caplog):
 
 def test_invalid_utf8_is_invalid_argument():
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         try:
             good = worker_pb2.GenerateRequest(prompt_text="ab").SerializeToString()
             bad = good.replace(b"ab", b"a\xff")
@@ -234,7 +238,7 @@ def test_quota_is_checked_before_the_pre_processor_and_redis_trouble_is_unavaila
 
     async def main():
         sandbox = await start_sandbox(SandboxConfig(port=0, store_dir=tmp_path / "store"), provider)
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], tenants_file=tenants,
                                                redis_url=redis_url, sandbox_address=sandbox.server.address))
         no_redis = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], tenants_file=tenants,
@@ -358,7 +362,7 @@ def test_a_cancelled_stream_ends_its_spans_in_its_own_context(caplog):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
 
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4), provider)
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4), provider)
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]), provider)
         try:
             async with grpc.aio.insecure_channel(gw.server.address) as ch:
@@ -391,7 +395,7 @@ def test_a_request_waits_for_a_restarting_worker_instead_of_failing():
     ("no healthy worker"); now it waits (up to worker_wait_s, never past its deadline) and is served."""
 
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         address = worker.server.address
         gw = await start_gateway(GatewayConfig(port=0, workers=[address], poll_interval_s=0.1, worker_wait_s=20))
         try:
@@ -404,7 +408,7 @@ def test_a_request_waits_for_a_restarting_worker_instead_of_failing():
                 stub = gateway_pb2_grpc.GatewayServiceStub(ch)
                 waiting = asyncio.ensure_future(stub.Generate(gateway_pb2.GenerateRequest(prompt="37+48-12="), timeout=30))
                 short = await _code(lambda: stub.Generate(gateway_pb2.GenerateRequest(prompt="1+1="), timeout=1))
-                restarted = await start_worker(WorkerConfig(port=int(address.rsplit(":", 1)[1]), max_num_seqs=4))
+                restarted = await start_worker(WorkerConfig(engine_process=False, port=int(address.rsplit(":", 1)[1]), max_num_seqs=4))
                 try:
                     return await waiting, short
                 finally:

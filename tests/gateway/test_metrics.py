@@ -1,5 +1,9 @@
 """Prometheus metrics of the gateway and the worker, scraped over HTTP as Prometheus would."""
 
+# In-process workers here run their engine as a thread (engine_process=False): these tests are about metrics, not
+# the engine process boundary, which tests/worker/test_engine_process.py and every CLI-started worker cover;
+# a second interpreter importing torch per worker would add about 2 s to each start.
+
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +31,7 @@ def test_metrics_are_scraped_from_both_services():
     wport, gport = free_port(), free_port()
 
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, metrics_port=wport))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, metrics_port=wport))
         gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], metrics_port=gport))
         try:
             async with AsyncClient(gateway.server.address) as c:

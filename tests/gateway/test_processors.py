@@ -1,5 +1,9 @@
 """Pre- and post-processors through the real sandbox, worker and gateway (in one process)."""
 
+# In-process workers here run their engine as a thread (engine_process=False): these tests are about the processors, not
+# the engine process boundary, which tests/worker/test_engine_process.py and every CLI-started worker cover;
+# a second interpreter importing torch per worker would add about 2 s to each start.
+
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +40,7 @@ raw_tokens = true
 
     async def main():
         sandbox = await start_sandbox(SandboxConfig(port=0, store_dir=tmp_path / "store"), provider)
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4), provider)
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4), provider)
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], tenants_file=tenants,
                                                sandbox_address=sandbox.server.address), provider)
         dead = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], sandbox_address="127.0.0.1:1",

@@ -2,6 +2,10 @@
 while an urgent forecast is above the threshold; routing follows predicted TTFT; and when the
 predictor is down or slow, nothing fails."""
 
+# In-process workers here run their engine as a thread (engine_process=False): these tests are about the gateway and the predictor, not
+# the engine process boundary, which tests/worker/test_engine_process.py and every CLI-started worker cover;
+# a second interpreter importing torch per worker would add about 2 s to each start.
+
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +43,7 @@ async def trained_slo(seconds: int = 600):
 def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecast():
     async def main():
         slo, windows = await trained_slo()
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=8))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
         gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address))
         peak = max(windows, key=lambda w: w.queue_depth)
         stop = asyncio.Event()
@@ -90,7 +94,7 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
 
 def test_gateway_carries_on_when_the_predictor_is_down():
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         dead = f"127.0.0.1:{free_port()}"
         gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=dead))
         try:

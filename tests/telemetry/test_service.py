@@ -2,6 +2,10 @@
 worker become heatmap cells whose counts and quantiles match the spans themselves; malformed OTLP is
 counted and skipped; the aggregates survive a restart."""
 
+# In-process workers here run their engine as a thread (engine_process=False): these tests are about telemetry, not
+# the engine process boundary, which tests/worker/test_engine_process.py and every CLI-started worker cover;
+# a second interpreter importing torch per worker would add about 2 s to each start.
+
 from __future__ import annotations
 
 import asyncio
@@ -56,7 +60,7 @@ def test_heatmap_counts_and_quantiles_equal_those_of_the_spans(tmp_path):
     async def main():
         # 24 blocks of 16 tokens: eight requests of up to 3 blocks each fill it, so admission sees
         # every occupancy from empty to nearly full.
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=8, kv_cache_bytes=24 * 16 * 6144), wp)
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8, kv_cache_bytes=24 * 16 * 6144), wp)
         gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]), gp)
         try:
             async with AsyncClient(gateway.server.address) as client:

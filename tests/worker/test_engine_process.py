@@ -78,7 +78,7 @@ def test_a_served_worker_exits_when_its_engine_dies_and_its_engine_dies_with_it(
         proc, address = start_worker_process()
         try:
             kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True).stdout.split()
-            engines = [int(k) for k in kids if "spawn_main" in open(f"/proc/{k}/cmdline").read()]
+            engines = [int(k) for k in kids if "cotserve.worker.engine_process" in open(f"/proc/{k}/cmdline").read()]
             assert len(engines) == 1, kids
             (engine,) = engines
             os.kill(engine if victim == "engine" else proc.pid, signal.SIGKILL)

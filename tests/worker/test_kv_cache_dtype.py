@@ -1,6 +1,10 @@
 """`--kv-cache-dtype`: every setting serves through the gateway; FP8 pages take about a quarter of
 fp32's bytes and keep the demo model's accuracy."""
 
+# In-process workers here run their engine as a thread (engine_process=False): these tests are about the KV cache formats, not
+# the engine process boundary, which tests/worker/test_engine_process.py and every CLI-started worker cover;
+# a second interpreter importing torch per worker would add about 2 s to each start.
+
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +31,7 @@ def test_every_kv_cache_dtype_serves_through_the_gateway():
     async def main():
         seen = {}
         for name in ("auto", "fp32", "fp16", "bf16", "fp8_e4m3"):
-            worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype=name, kv_cache_bytes=8_000_000))
+            worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, kv_cache_dtype=name, kv_cache_bytes=8_000_000))
             gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
             try:
                 async with AsyncClient(gateway.server.address) as client:
@@ -72,7 +76,7 @@ def test_topk_pages_serve_and_read_everything_when_a_sequence_is_short():
         texts = {}
         for dtype, topk, dense in (("auto", 0, ()), ("auto", 8, ()), ("fp8_e4m3", 8, ()), ("auto", 2, ()), ("fp8_e4m3", 2, ()),
                                    ("auto", 2, (0, 1, 2, 3))):
-            worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype=dtype, kv_topk_pages=topk,
+            worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, kv_cache_dtype=dtype, kv_topk_pages=topk,
                                                      kv_cache_bytes=8_000_000, block_size=4, kv_topk_dense_layers=dense))
             gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
             try:
@@ -101,8 +105,8 @@ def test_topk_pages_serve_and_read_everything_when_a_sequence_is_short():
 def test_skip_layers_keep_their_cache_at_full_precision():
     async def main():
         # the engine in this process, so that the test can look at its runner's caches
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype="fp8_e4m3", kv_skip_layers=(0, 3),
-                                                 kv_cache_bytes=8_000_000, engine_process=False))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, kv_cache_dtype="fp8_e4m3",
+                                                 kv_skip_layers=(0, 3), kv_cache_bytes=8_000_000))
         try:
             caches = worker.engine.runner.kv_caches
             assert [len(c) for c in caches] == [2, 4, 4, 2] and caches[0][0].dtype == caches[3][0].dtype == torch.float32
@@ -126,7 +130,7 @@ def test_skip_layers_keep_their_cache_at_full_precision():
 
 def test_stats_report_the_kv_bytes_in_use():
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4, kv_cache_dtype="fp8_e4m3", kv_topk_pages=2,
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, kv_cache_dtype="fp8_e4m3", kv_topk_pages=2,
                                                  kv_cache_bytes=2_000_000))
         try:
             async with grpc.aio.insecure_channel(worker.server.address) as ch:
