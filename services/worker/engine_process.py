@@ -190,7 +190,7 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
     send(EngineReady(econfig, r.kv_dtype, frozenset(r.skip_layers), r.topk_pages, loaded.revision, loaded.dtype,
                      str(loaded.device), engine.stats()))
     engine.start()
-    sink: Sink = pending.append  # called on the engine thread, flushed by `flush` on the same thread
+    sink: Sink = pending.append  # called on the engine thread only, and flushed by `flush` on that thread
     try:
         while True:
             try:
@@ -201,8 +201,8 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
                 try:
                     engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt,
                                   cmd.budget)
-                except ValueError as exc:  # the front checked already; a race with nothing: report, do not die
-                    pending.append(RequestOutput(cmd.request_id, 0, "", None, error=str(exc)))
+                except ValueError as exc:  # the front checked already; should it still happen: report, do not die
+                    send(StepOutputs([RequestOutput(cmd.request_id, 0, "", None, error=str(exc))], engine.stats()))
             elif isinstance(cmd, AbortRequest):
                 engine.abort(cmd.request_id)
             elif isinstance(cmd, SetPolicy):

@@ -24,12 +24,12 @@ from cotserve.common.errors import InvalidArgument, Unavailable
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
-from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.engine import Engine, RequestOutput
 from cotserve.worker.engine_process import EngineDied, EngineProcess
 from cotserve.worker.sizing import engine_config, resolve_device
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
-from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_block, kv_bytes_per_token, resolve_kv_dtype
+from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_block, kv_bytes_per_token
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.requests import check_text_length, generate_from_pb, max_token_chars, output_to_pb
@@ -299,8 +299,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     return
         finally:
             phases.close(time.time_ns())
-            if not finished:  # cancelled by the client, deadline, or server shutdown
-                self.engine.abort(request_id)
+            if not finished and self._engine is not None:  # cancelled by the client, deadline, or server shutdown
+                self._engine.abort(request_id)  # (a dead engine's front forgets the request; nothing to raise)
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.InfoResponse:
         lm, ec = self.loaded, self.engine.config
