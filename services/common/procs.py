@@ -109,6 +109,8 @@ class Child:
 
     def start(self) -> None:
         self.starts += 1
+        if self.log_file is not None:  # a restart: the previous process had its own copy of the descriptor
+            self.log_file.close()  # type: ignore[attr-defined]
         env = {**os.environ, **(self.env or {})}
         argv = self.argv
         if self.argv_for is not None:
