@@ -97,18 +97,6 @@ def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
     return BaselineResult(f"cotserve engine only, batch {batch_size}", num_requests, seconds, counts["tokens"])
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (from /proc; 0 when it is gone)."""
-    import os
-
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def engine_child(pid: int) -> int | None:
     """The engine process of the worker `pid` (its `python -m cotserve.worker.engine_process` child), if any."""
     import subprocess

@@ -52,11 +52,12 @@ def bench_baseline(
     cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process."""
     from rich.table import Table
 
-    from cotserve.bench.baseline import cpu_seconds, engine_child, run_engine_only, run_transformers
+    from cotserve.bench.baseline import engine_child, run_engine_only, run_transformers
     from cotserve.bench.throughput import prompt_of_tokens, run_level, table
     from cotserve.common.procs import free_port, wait_serving
     from cotserve.sdk import AsyncClient
     from cotserve.worker.server import DEMO_MODEL
+    from cotserve.worker.utilization import process_cpu_seconds
 
     console = wide_console()
     model_dir = model or DEMO_MODEL
@@ -84,12 +85,12 @@ def bench_baseline(
                 prompt = await prompt_of_tokens(c, prompt_tokens)
                 ids = await c.tokenize(prompt)
                 await c.generate(prompt, max_new_tokens=4)
-            cpu_before.update({name: cpu_seconds(pid) for name, pid in procs.items()})
+            cpu_before.update({name: process_cpu_seconds(pid) for name, pid in procs.items()})
             return prompt, ids, await run_level(address, concurrency, prompt, max_new_tokens, requests)
 
         console.print(f"cotserve: {requests} requests at concurrency {concurrency} ...", style="dim")
         prompt, ids, level = asyncio.run(ours())
-        cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
+        cpu = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
     finally:
         for child in reversed(children):
             child.stop(5.0)

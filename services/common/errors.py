@@ -24,6 +24,22 @@ class InvalidArgument(CotserveError):
     code = "INVALID_ARGUMENT"
 
 
+class Unauthenticated(CotserveError):
+    """No credential, or one this service does not know."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(CotserveError):
+    """The caller is known but may not do this (a class, a module, a read-only resource)."""
+
+    code = "PERMISSION_DENIED"
+
+
+class AlreadyExists(CotserveError):
+    code = "ALREADY_EXISTS"
+
+
 class NotFound(CotserveError):
     code = "NOT_FOUND"
 

@@ -18,6 +18,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cotserve.common.lifetime import follow_parent
 from cotserve.common.server import ADDRESS_FILE_ENV
 
 
@@ -49,19 +50,10 @@ def redis_ready(url: str) -> Callable[[], bool]:
 PARENT_ENV = "COTSERVE_SUPERVISOR_PID"
 
 
-def _set_pdeathsig() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-_EXEC_SHIM = (  # die_with_supervisor, then exec the binary (PR_SET_PDEATHSIG survives exec); no heavy imports
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)\n"
-    f"os.getppid() == int(os.environ.pop({PARENT_ENV!r})) or os._exit(1)\n"
+_EXEC_SHIM = (  # die with the supervisor, then exec the binary (PR_SET_PDEATHSIG survives exec)
+    "import os, sys\n"
+    "from cotserve.common.lifetime import follow_parent\n"
+    f"follow_parent(int(os.environ.pop({PARENT_ENV!r})))\n"
     "os.execv(sys.argv[1], sys.argv[1:])\n")
 
 
@@ -71,11 +63,8 @@ def die_with_supervisor() -> None:
     Done here rather than in a pre-exec hook, because forking a process that runs gRPC threads
     with a Python pre-exec hook can hang in gRPC's fork handlers."""
     parent = os.environ.pop(PARENT_ENV, None)
-    if parent is None:
-        return
-    _set_pdeathsig()
-    if os.getppid() != int(parent):
-        os._exit(1)  # the supervisor died before we could ask to follow it
+    if parent is not None:
+        follow_parent(int(parent))
 
 
 @dataclass

@@ -47,6 +47,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
                         trailing_metadata=(("error-id", error_id),))
 
 
+_INFRASTRUCTURE = ("/grpc.health", "/grpc.reflection")  # methods the interceptors leave as gRPC made them
+
+
 class _Undecodable:
     """What a request that failed to parse becomes, so the handler can answer INVALID_ARGUMENT
     (gRPC itself would answer a deserializer's exception with a bare UNKNOWN/INTERNAL)."""
@@ -82,7 +85,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        if handler is None or details.method.startswith(("/grpc.health", "/grpc.reflection")):
+        if handler is None or details.method.startswith(_INFRASTRUCTURE):
             return handler
         method = details.method
         kwargs = dict(request_deserializer=_tolerant(handler.request_deserializer),
@@ -142,7 +145,7 @@ class StreamCloser(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
-        if handler is None or not handler.unary_stream or details.method.startswith(("/grpc.health", "/grpc.reflection")):
+        if handler is None or not handler.unary_stream or details.method.startswith(_INFRASTRUCTURE):
             return handler
         inner = handler.unary_stream
 

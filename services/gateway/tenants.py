@@ -26,7 +26,8 @@ from typing import Iterable, Mapping
 
 import tomli_w
 
-from cotserve.common.errors import CotserveError
+from cotserve.common.auth import bearer
+from cotserve.common.errors import PermissionDenied, Unauthenticated
 from cotserve.common.sampling import SlaClass
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -34,14 +35,6 @@ _LIMITS = ("requests_per_min", "tokens_per_min", "max_concurrent")
 DEFAULT_CLASSES = frozenset({SlaClass.INTERACTIVE, SlaClass.BATCH})
 """What a tenant in the file may use unless its `sla_classes` says otherwise: REALTIME jumps every queue,
 so it is granted explicitly."""
-
-
-class Unauthenticated(CotserveError):
-    code = "UNAUTHENTICATED"
-
-
-class PermissionDenied(CotserveError):
-    code = "PERMISSION_DENIED"
 
 
 def hash_key(key: str) -> str:
@@ -92,17 +85,12 @@ class TenantRegistry:
         gateway would honour is not something a client should be able to play with."""
         if self.is_open:
             return OPEN_TENANT
-        pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
-        values = [v for k, v in pairs if k.lower() == "authorization"]
-        if len(values) > 1:
-            raise Unauthenticated(f"authorization: sent {len(values)} times; send exactly one `authorization: Bearer <key>`")
-        header = values[0] if values else ""
-        if isinstance(header, bytes):
-            header = header.decode("utf-8", "replace")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key, sent = bearer(metadata)
+        if sent > 1:
+            raise Unauthenticated(f"authorization: sent {sent} times; send exactly one `authorization: Bearer <key>`")
+        if key is None:
             raise Unauthenticated("authorization: missing API key (send `authorization: Bearer <key>`)")
-        tenant = self._by_hash.get(hash_key(key.strip()))
+        tenant = self._by_hash.get(hash_key(key))
         if tenant is None:
             raise Unauthenticated("authorization: unknown API key")
         return tenant

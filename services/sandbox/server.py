@@ -23,7 +23,8 @@ import wasmtime
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import CotserveError, InvalidArgument, NotFound
+from cotserve.common.auth import bearer
+from cotserve.common.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from cotserve.common.paths import cache_dir
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
@@ -37,17 +38,6 @@ SHIPPED_DIR = Path(__file__).parent / "modules"
 ADMIN_TOKEN_FILE = "admin-token"
 MAX_MODULE_BYTES = 16 << 20
 
-
-class Unauthenticated(CotserveError):
-    code = "UNAUTHENTICATED"
-
-
-class PermissionDenied(CotserveError):
-    code = "PERMISSION_DENIED"
-
-
-class AlreadyExists(CotserveError):
-    code = "ALREADY_EXISTS"
 _LIMIT_FIELDS = ("fuel", "memory_bytes", "timeout_ms", "max_output_bytes")
 
 
@@ -119,13 +109,10 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
 
     def _admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
         """UNAUTHENTICATED unless the call carries exactly one `authorization: Bearer <admin token>`."""
-        values = [v for k, v in (context.invocation_metadata() or ()) if k.lower() == "authorization"]
-        scheme, _, given = (values[0] if len(values) == 1 else "").partition(" ")
-        if isinstance(given, str):
-            given = given.strip().encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._token):
+        key, sent = bearer(context.invocation_metadata() or ())
+        if key is None or not hmac.compare_digest(key.encode(), self._token):
             audit.warning("refused %s from %s: %s", action, context.peer(),
-                          "no admin token" if not values else "wrong admin token" if len(values) == 1 else "several tokens")
+                          "no admin token" if not sent else "wrong admin token" if sent == 1 else "several tokens")
             raise Unauthenticated(f"authorization: {action} needs the sandbox's admin token "
                                   "(`authorization: Bearer <token>`, one header)")
 

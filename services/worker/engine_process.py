@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from cotserve.common.lifetime import follow_parent
 from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.engine import EngineConfig, EngineStats, RequestOutput, Sink, check_submit
 from cotserve.worker.sequence import SamplingParams, SlaClass
@@ -117,21 +118,10 @@ class EngineFailed:
 
 
 # ---- the child --------------------------------------------------------------------------------
-def _die_with_parent(parent: int) -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
     """The engine process: take the config, load the model, size the KV pool, serve commands until Shutdown or the
     pipe closes."""
-    _die_with_parent(parent)
+    follow_parent(parent)
     try:
         cfg = commands.recv()
     except (EOFError, OSError):

@@ -15,6 +15,16 @@ import time
 log = logging.getLogger("cotserve.worker")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (from /proc; 0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class UtilizationProbe:
     def __init__(self, device: str, cores: int | None = None, pids: tuple[int, ...] = ()) -> None:
         self.cores = max(1, cores or os.cpu_count() or 1)
@@ -32,16 +42,8 @@ class UtilizationProbe:
         self._last = (time.monotonic(), self._cpu_s())
 
     def _cpu_s(self) -> float:
-        """CPU seconds of this process and of `pids` (user + system, from /proc)."""
-        total = time.process_time()
-        for pid in self.pids:
-            try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            except (OSError, ValueError, IndexError):
-                pass
-        return total
+        """CPU seconds of this process and of `pids`."""
+        return time.process_time() + sum(process_cpu_seconds(pid) for pid in self.pids)
 
     @staticmethod
     def _rss(pid: str) -> int:

@@ -12,14 +12,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.utilization import process_cpu_seconds
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import start_worker as start_worker_process
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_killing_the_engine_fails_in_flight_calls_with_the_reason_and_health_turns_not_serving():
@@ -33,9 +28,9 @@ def test_killing_the_engine_fails_in_flight_calls_with_the_reason_and_health_tur
             async with grpc.aio.insecure_channel(worker.server.address) as ch:
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 health = health_pb2_grpc.HealthStub(ch)
-                idle_before = _cpu_seconds(pid)
+                idle_before = process_cpu_seconds(pid)
                 await asyncio.sleep(1.0)
-                out["idle_cpu_s"] = _cpu_seconds(pid) - idle_before
+                out["idle_cpu_s"] = process_cpu_seconds(pid) - idle_before
                 req = worker_pb2.GenerateRequest(prompt_text="37+48-12=")
                 req.sampling.max_new_tokens = 200
                 req.sampling.ignore_eos = True

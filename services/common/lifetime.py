@@ -1,0 +1,20 @@
+"""A child process that ends with its parent: the one helper every supervised process calls (services started
+by `up` or a benchmark, the exec shim in front of foreign binaries, a worker's engine process). It imports
+nothing heavy, so that a shim can call it before it execs."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+
+def follow_parent(parent: int) -> None:
+    """Ask the kernel to SIGTERM this process when its parent dies, even by SIGKILL (Linux; the request
+    survives exec), and end now if `parent` is already gone (it died before we could ask)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
