@@ -21,10 +21,9 @@ references are what they are tested against, and what the worker runs on the CPU
 
 from __future__ import annotations
 
-import logging
-import os
-
 import torch
+
+from cotserve.kernels.cpu_compile import CompiledOnCpu
 
 E4M3_MAX = 448.0
 FP8 = torch.float8_e4m3fn
@@ -49,34 +48,9 @@ def dequantize_ref(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return (half.float() * (scale.float() * 256.0)[..., None]).to(dtype)
 
 
-_cpu_dequantize = None  # chosen at the first CPU call: compiled, or the eager reference
-
-
-def dequantize_fast(payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`dequantize_ref` compiled by torch.compile on the CPU: inductor fuses the bit shuffling, the
-    conversion and the scaling into one vectorised loop (several times faster than eager, same
-    results bit for bit). Eager on other devices, when COTSERVE_TORCH_COMPILE=0, or when compiling
-    fails (no C++ compiler): then a warning says so once."""
-    global _cpu_dequantize
-    if payload.device.type != "cpu":
-        return dequantize_ref(payload, scale, dtype)
-    if _cpu_dequantize is None:
-        _cpu_dequantize = dequantize_ref
-        if os.environ.get("COTSERVE_TORCH_COMPILE", "1") != "0":
-            import torch._inductor.config as inductor_config
-
-            # compile in this process, without inductor's pool of compile worker processes: a serving
-            # process should not grow helpers for one small kernel that compiles in seconds
-            inductor_config.compile_threads = 1
-            _cpu_dequantize = torch.compile(dequantize_ref, dynamic=True)
-    if _cpu_dequantize is dequantize_ref:
-        return dequantize_ref(payload, scale, dtype)
-    try:
-        return _cpu_dequantize(payload, scale, dtype)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager reference is always right
-        _cpu_dequantize = dequantize_ref
-        logging.getLogger(__name__).warning("torch.compile unavailable for FP8 dequantization, running eager: %s", exc)
-        return dequantize_ref(payload, scale, dtype)
+dequantize_fast = CompiledOnCpu(dequantize_ref)
+"""`dequantize_ref` compiled by inductor on the CPU: the bit shuffling, the conversion and the scaling
+fused into one vectorised loop (several times faster than eager, same results bit for bit)."""
 
 
 def e4m3_error_bound(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -233,18 +207,10 @@ def decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     selected `pages` [batch, kv_heads, k]; FP8 pages are dequantized as they are gathered, and with
     a selection only the selected pages are gathered (what the kernel reads, and on the CPU what
     makes top-k cheaper)."""
-    from cotserve.kernels.paged_attention import paged_attention_ref
-
     if query.shape[0] == 0:
         return torch.empty_like(query)
     if pages is None:
-        ones = torch.ones_like(context_lens)
-        q = query.unsqueeze(1)
-        if k_cache.dtype == FP8:
-            out = paged_attention_fp8_ref(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, ones, scale)
-        else:
-            out = paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, ones, scale)
-        return out.squeeze(1)
+        return _decode_all_pages_padded(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     batch, num_heads, dim = query.shape
     block_size, kv_heads, k = k_cache.shape[1], k_cache.shape[2], pages.shape[2]
     blocks = block_tables.gather(1, pages.reshape(batch, kv_heads * k)).view(batch, kv_heads, k, 1)
@@ -267,3 +233,47 @@ def decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ values.float()
     return out.reshape(batch, num_heads, dim).to(query.dtype)
+
+
+def decode_all_pages_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode query per row ([batch, heads, dim]) over every page of its block table
+    ([batch, max_blocks], padded with any valid block), written to be read in place: token t of row b
+    is slot (block_tables[b, t // block_size], t % block_size), keys at or past the row's context
+    length are masked, FP8 pages are dequantized as they are read. Compiled (`decode_all_pages`),
+    this is one loop nest over the cache; eager, it gathers the pages like any reference."""
+    batch, num_heads, dim = query.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    t = torch.arange(block_tables.shape[1] * block_size, device=query.device)
+    blocks = block_tables[:, t // block_size]  # [batch, T]
+    offsets = (t % block_size).expand_as(blocks)
+    keys, values = k_cache[blocks, offsets], v_cache[blocks, offsets]  # [batch, T, kv_heads, dim]
+    if k_cache.dtype == FP8:
+        keys, values = dequantize_ref(keys, k_scale[blocks, offsets]), dequantize_ref(values, v_scale[blocks, offsets])
+    q = query.float().view(batch, 1, kv_heads, num_heads // kv_heads, dim)
+    scores = (keys.float()[:, :, :, None, :] * q).sum(-1) * scale  # [batch, T, kv_heads, group]
+    scores = scores.masked_fill((t[None, :] >= context_lens[:, None])[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * values.float()[:, :, :, None, :]).sum(1)  # [batch, kv_heads, group, dim]
+    return out.reshape(batch, num_heads, dim).to(query.dtype)
+
+
+decode_all_pages = CompiledOnCpu(decode_all_pages_ref)
+"""`decode_all_pages_ref` compiled by inductor on the CPU (what the worker runs there for decode rows)."""
+
+
+def _decode_all_pages_padded(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                             context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None,
+                             v_scale: torch.Tensor | None) -> torch.Tensor:
+    """`decode_all_pages` on at least two rows of at least two pages: torch specialises sizes of 1, so
+    one row or one page would each compile a variant of their own (seconds each) where padding costs
+    a row of a few pages. Padding rows attend to one key of block 0; their outputs are dropped."""
+    batch, width = block_tables.shape
+    if batch < 2 or width < 2:
+        rows, cols = max(0, 2 - batch), max(0, 2 - width)
+        query = torch.nn.functional.pad(query, (0, 0, 0, 0, 0, rows))
+        block_tables = torch.nn.functional.pad(block_tables, (0, cols, 0, rows))
+        context_lens = torch.nn.functional.pad(context_lens, (0, rows), value=1)
+    out = decode_all_pages(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    return out[:batch]

@@ -57,8 +57,6 @@ def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
                     batch_size: int) -> BaselineResult:
     """cotserve's engine alone, in this process (no gRPC, no gateway, no worker front): `num_requests` greedy
     requests, all submitted at once, batched `batch_size` at a time by the scheduler (continuous batching)."""
-    import threading
-
     from cotserve.common.sampling import SamplingParams
     from cotserve.worker.engine import Engine
     from cotserve.worker.models.loader import load_model
@@ -68,32 +66,26 @@ def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
     loaded = load_model(model_dir)
     engine = Engine(loaded, engine_config(WorkerConfig(model=model_dir, max_num_seqs=batch_size), loaded))
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-    lock, done = threading.Lock(), threading.Event()
     counts = {"tokens": 0, "finished": 0}
+    start = 0.0
 
-    def sink(out) -> None:
-        with lock:
-            counts["tokens"] += 1
-            if out.is_last or out.error:
-                counts["finished"] += 1
-                if counts["finished"] == total:
-                    done.set()
+    def sink(out) -> None:  # on the engine's loop, which runs on this thread (as in the engine process)
+        nonlocal start
+        if out.request_id == "warm-up":
+            if out.is_last:  # warmed up: the measured requests, all at once
+                start = time.perf_counter()
+                for i in range(num_requests):
+                    engine.submit(f"r{i}", prompt_ids, params, sink)
+            return
+        counts["tokens"] += 1
+        if out.is_last or out.error:
+            counts["finished"] += 1
+            if counts["finished"] == num_requests:
+                engine.stop()
 
-    engine.start()
-    try:
-        total = 1
-        engine.submit("warm-up", prompt_ids, SamplingParams(max_new_tokens=2, ignore_eos=True), sink)
-        done.wait(60)
-        done.clear()
-        counts.update(tokens=0, finished=0)
-        total = num_requests
-        start = time.perf_counter()
-        for i in range(num_requests):
-            engine.submit(f"r{i}", prompt_ids, params, sink)
-        done.wait(600)
-        seconds = time.perf_counter() - start
-    finally:
-        engine.stop()
+    engine.submit("warm-up", prompt_ids, SamplingParams(max_new_tokens=2, ignore_eos=True), sink)
+    engine.run()
+    seconds = time.perf_counter() - start
     return BaselineResult(f"cotserve engine only, batch {batch_size}", num_requests, seconds, counts["tokens"])
 
 

@@ -299,17 +299,22 @@ class Engine:
         return self._stats
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="cotserve-engine", daemon=True)
+        """Run the loop on a thread of its own (the in-process engine; the engine process uses `run`)."""
+        self._thread = threading.Thread(target=self.run, name="cotserve-engine", daemon=True)
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """End the loop after its current step (from any thread); joins the thread `start` made."""
         self._stopping.set()
         self._inbox.put(None)
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
 
     # ---- engine thread ---------------------------------------------------------------------
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """The engine loop, on the calling thread, until `stop`. Run it on the thread that built the engine
+        when you can: torch's CPU kernels keep one OpenMP thread team per calling thread, and two teams on
+        the same cores (the builder's, idle, and the loop's) made a step up to twice as slow."""
         while not self._stopping.is_set():
             self._drain_inbox(block=not self.scheduler.has_work())
             if self.scheduler.has_work():

@@ -179,31 +179,39 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
     r = engine.runner
     send(EngineReady(econfig, r.kv_dtype, frozenset(r.skip_layers), r.topk_pages, loaded.revision, loaded.dtype,
                      str(loaded.device), engine.stats()))
-    engine.start()
     sink: Sink = pending.append  # called on the engine thread only, and flushed by `flush` on that thread
-    try:
-        while True:
-            try:
-                cmd = commands.recv()
-            except (EOFError, OSError):
-                break  # the front is gone
-            if isinstance(cmd, AddRequest):
+
+    def read_commands() -> None:
+        try:
+            while True:
                 try:
-                    engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt,
-                                  cmd.budget)
-                except ValueError as exc:  # the front checked already; should it still happen: report, do not die
-                    send(StepOutputs([RequestOutput(cmd.request_id, 0, "", None, error=str(exc))], engine.stats()))
-            elif isinstance(cmd, AbortRequest):
-                engine.abort(cmd.request_id)
-            elif isinstance(cmd, SetPolicy):
-                engine.set_routing_policy(cmd.policy)
-            elif isinstance(cmd, TakeExpertLoad):
-                ticket = cmd.ticket
-                engine.request_expert_load(lambda load, t=ticket: send(ExpertLoad(t, load)))
-            elif isinstance(cmd, Shutdown):
-                break
+                    cmd = commands.recv()
+                except (EOFError, OSError):
+                    break  # the front is gone
+                if isinstance(cmd, AddRequest):
+                    try:
+                        engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt,
+                                      cmd.budget)
+                    except ValueError as exc:  # the front checked already; should it still happen: report, do not die
+                        send(StepOutputs([RequestOutput(cmd.request_id, 0, "", None, error=str(exc))], engine.stats()))
+                elif isinstance(cmd, AbortRequest):
+                    engine.abort(cmd.request_id)
+                elif isinstance(cmd, SetPolicy):
+                    engine.set_routing_policy(cmd.policy)
+                elif isinstance(cmd, TakeExpertLoad):
+                    ticket = cmd.ticket
+                    engine.request_expert_load(lambda load, t=ticket: send(ExpertLoad(t, load)))
+                elif isinstance(cmd, Shutdown):
+                    break
+        finally:
+            engine.stop()
+
+    # commands are read on a helper thread (pure Python: it only queues them) and the loop runs here, on the
+    # thread that built the engine and compiled its kernels (see Engine.run)
+    threading.Thread(target=read_commands, name="cotserve-engine-commands", daemon=True).start()
+    try:
+        engine.run()
     finally:
-        engine.stop()
         # nothing left to flush or close: skip the interpreter's (torch's) slow teardown
         logging.shutdown()
         os._exit(0)

@@ -99,8 +99,8 @@ class ModelRunner:
             else:
                 self.kv_caches.append((zeros(shape, dtype), zeros(shape, dtype)))
         self.scale = cfg.head_dim ** -0.5
-        if any(len(entry) == 4 for entry in self.kv_caches) and self.device.type == "cpu":
-            self._warm_up_dequantize(cfg)
+        if self.device.type == "cpu":
+            self._warm_up_kernels(loaded.dtype)
         self.topk_pages = topk_pages
         self.topk_dense_layers = topk_dense_layers  # layers that read every page despite top-k (Quest: the first two)
         # per-page key min/max, kept only when decode selects pages ([num_blocks, kv_heads, dim] x2 per layer)
@@ -154,17 +154,28 @@ class ModelRunner:
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
 
-    @staticmethod
-    def _warm_up_dequantize(cfg: ModelConfig) -> None:
-        """Compile the CPU FP8 dequantization now (seconds, cached on disk by torch) rather than
-        during the first requests: gathered pages are [rows, kv_heads, tokens, head_dim], and a
-        single row is a shape class of its own (torch specialises sizes of 1)."""
+    @torch.inference_mode()
+    def _warm_up_kernels(self, model_dtype: torch.dtype) -> None:
+        """Compile the CPU kernels now (seconds; inductor caches the code on disk, so a restart is quicker)
+        rather than in the first requests: decode attention once per cache format in use (every shape
+        reuses that code), FP8 dequantization for one and for several rows (torch specialises a size of 1)."""
         from cotserve.kernels.kv_fp8 import dequantize_fast
 
-        with torch.inference_mode():
-            for rows in (1, 2):
-                shape = (rows, cfg.num_kv_heads, 3)
-                dequantize_fast(torch.zeros(*shape, cfg.head_dim, dtype=FP8), torch.ones(shape, dtype=FP8_SCALE_DTYPE))
+        cfg = self.config
+        done: set[torch.dtype] = set()
+        for entry in self.kv_caches:
+            if entry[0].dtype in done:
+                continue
+            done.add(entry[0].dtype)
+            scales = (entry[2], entry[3]) if len(entry) == 4 else (None, None)
+            query = torch.zeros(2, cfg.num_heads, cfg.head_dim, dtype=model_dtype, device=self.device)
+            tables = torch.zeros(2, 3, dtype=torch.int64, device=self.device)
+            ones = torch.ones(2, dtype=torch.int64, device=self.device)
+            self.kernels.decode_attention(query, entry[0], entry[1], tables, ones, self.scale, *scales)
+            if len(entry) == 4:
+                for rows in (1, 2):
+                    shape = (rows, cfg.num_kv_heads, 3)
+                    dequantize_fast(torch.zeros(*shape, cfg.head_dim, dtype=FP8), torch.ones(shape, dtype=FP8_SCALE_DTYPE))
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by block: payloads, FP8 scales, page bounds."""
