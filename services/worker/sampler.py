@@ -1,4 +1,4 @@
-"""Logits to token ids, per request: greedy, temperature, top-k, top-p, seed, logprobs.
+"""Logits to token ids for the whole batch: greedy, temperature, top-k, top-p, seed, logprobs.
 
 A seeded request draws from its own `torch.Generator`, advanced once per token, so its output
 does not depend on what else shares the batch.
@@ -46,41 +46,63 @@ class Sampler:
         banned: list[int | None] | None = None,  # per row: a token it may not sample (or None)
         want_logprobs: list[bool] | None = None,  # per row: the sampled token's logprob is needed (default: params.logprobs)
     ) -> SampleResult:
+        """The whole batch in a few tensor operations: bans, greedy argmax, temperature, top-k and top-p
+        (each row with its own values), softmax and logprobs. Only the draw itself is per row for a
+        seeded request (its own generator, so its tokens do not depend on the batch); every unseeded
+        row draws in one call from the shared generator."""
         logits = logits.float()
         if banned is not None and any(t is not None for t in banned):
+            rows = [r for r, t in enumerate(banned) if t is not None]
             logits = logits.clone()
-            for row, token in enumerate(banned):
-                if token is not None:
-                    logits[row, token] = float("-inf")
-        greedy = logits.argmax(dim=-1).tolist()
+            logits[rows, [banned[r] for r in rows]] = float("-inf")
+        tokens = logits.argmax(dim=-1)
+        scaled = logits  # what each row's logprob is taken over: the filtered, tempered logits when sampling
+        sampled = [r for r, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            dev = logits.device
+            rows = torch.tensor(sampled, device=dev)
+            temps = torch.tensor([params[r].temperature for r in sampled], device=dev)
+            filtered = self._filtered(logits.index_select(0, rows) / temps[:, None], [params[r] for r in sampled])
+            probs = torch.softmax(filtered, dim=-1).cpu()
+            drawn = torch.empty(len(sampled), dtype=torch.int64)
+            shared = [i for i, r in enumerate(sampled) if params[r].seed is None]
+            if shared:
+                drawn[shared] = torch.multinomial(probs[shared], 1, generator=self._shared).squeeze(1)
+            for i, r in enumerate(sampled):
+                if params[r].seed is not None:
+                    drawn[i] = torch.multinomial(probs[i], 1, generator=self._generator(seq_ids[r], params[r]))[0]
+            tokens = tokens.clone()
+            tokens[rows] = drawn.to(dev)
+            scaled = logits.clone()
+            scaled[rows] = filtered
         wants = want_logprobs if want_logprobs is not None else [p.logprobs for p in params]
-        out_ids: list[int] = []
-        out_lp: list[float | None] = []
-        for row, (seq_id, p) in enumerate(zip(seq_ids, params)):
-            if p.is_greedy:
-                token = greedy[row]
-                scaled = logits[row]
-            else:
-                scaled = self._filtered(logits[row] / p.temperature, p)
-                probs = torch.softmax(scaled, dim=-1).cpu()
-                token = int(torch.multinomial(probs, 1, generator=self._generator(seq_id, p)))
-            out_ids.append(token)
-            if wants[row]:
-                out_lp.append(float(torch.log_softmax(scaled, dim=-1)[token]))
-            else:
-                out_lp.append(None)
-        return SampleResult(out_ids, out_lp)
+        out_lp: list[float | None] = [None] * len(params)
+        asked = [r for r, w in enumerate(wants) if w]
+        if asked:
+            idx = torch.tensor(asked, device=logits.device)
+            lp = torch.log_softmax(scaled.index_select(0, idx), dim=-1).gather(1, tokens.index_select(0, idx)[:, None])
+            for r, value in zip(asked, lp.squeeze(1).tolist()):
+                out_lp[r] = value
+        return SampleResult(tokens.tolist(), out_lp)
 
     @staticmethod
-    def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:  # [vocab]
-        if p.top_k and p.top_k < logits.shape[-1]:
-            kth = torch.topk(logits, p.top_k).values[-1]
+    def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:  # [rows, vocab]
+        """Top-k then top-p, each row with its own k and p (k = 0 and p = 1 leave a row as it is)."""
+        vocab = logits.shape[-1]
+        ks = [p.top_k if p.top_k and p.top_k < vocab else vocab for p in params]
+        top_ps = [p.top_p for p in params]
+        if min(ks) == vocab and min(top_ps) >= 1.0:
+            return logits
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        if min(ks) < vocab:
+            # keep every logit at least the k-th largest (ties with it stay, as with a threshold)
+            kth = sorted_logits.gather(1, torch.tensor(ks, device=logits.device)[:, None] - 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if min(top_ps) < 1.0:
+            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+            p_sorted = torch.softmax(sorted_logits, dim=-1)
+            drop = p_sorted.cumsum(dim=-1) - p_sorted >= torch.tensor(top_ps, device=logits.device)[:, None]
+            drop &= torch.tensor([p < 1.0 for p in top_ps], device=logits.device)[:, None]
+            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
         return logits
