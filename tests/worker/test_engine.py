@@ -157,3 +157,53 @@ def test_top_k_and_top_p_only_sample_allowed_tokens():
     assert probs[0] < 0.7 < probs[0] + probs[1]
     picks_p = {s.sample(logits, [1], [SamplingParams(temperature=1.0, top_p=0.7)]).token_ids[0] for _ in range(200)}
     assert picks_p == {0, 1}
+
+
+def _one_row(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
+    """The sampler's rule for one row, spelled out: greedy, or temperature then top-k (ties with the k-th
+    kept) then top-p (the smallest prefix reaching the mass), a draw from the row's generator; the logprob
+    under the distribution it drew from."""
+    if p.is_greedy:
+        token = int(logits.argmax())
+        return token, float(torch.log_softmax(logits, -1)[token])
+    x = logits / p.temperature
+    if p.top_k and p.top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        s, order = torch.sort(x, descending=True)
+        probs = torch.softmax(s, -1)
+        s = s.masked_fill(probs.cumsum(-1) - probs >= p.top_p, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(0, order, s)
+    token = int(torch.multinomial(torch.softmax(x, -1), 1, generator=gen))
+    return token, float(torch.log_softmax(x, -1)[token])
+
+
+def test_the_batch_sampler_gives_each_seeded_row_what_it_would_draw_alone():
+    """Rows of every kind in one batch (greedy, seeded with top-k / top-p / both, one banned token): each
+    seeded row's tokens and logprobs are those of the one-row rule with its own generator, step after step."""
+    torch.manual_seed(0)
+    vocab = 50
+    params = [SamplingParams(), SamplingParams(temperature=0.7, seed=1, logprobs=True),
+              SamplingParams(temperature=1.3, top_k=5, seed=2, logprobs=True),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=3, logprobs=True),
+              SamplingParams(temperature=0.9, top_k=7, top_p=0.6, seed=4, logprobs=True),
+              SamplingParams(temperature=1.0, logprobs=True),  # unseeded: the shared generator
+              SamplingParams(logprobs=True)]
+    s = Sampler(torch.device("cpu"))
+    gens = {r: torch.Generator().manual_seed(p.seed) for r, p in enumerate(params) if p.seed is not None}
+    for _ in range(20):
+        logits = torch.randn(len(params), vocab) * 3
+        banned = [None, 4, None, None, None, None, int(logits[6].argmax())]
+        got = s.sample(logits, list(range(len(params))), params, banned)
+        for r, p in enumerate(params):
+            row = logits[r].clone()
+            if banned[r] is not None:
+                row[banned[r]] = float("-inf")
+            if r in gens:
+                assert (got.token_ids[r], pytest.approx(got.logprobs[r], abs=1e-5)) == _one_row(row, p, gens[r])
+            elif p.is_greedy:
+                assert got.token_ids[r] == int(row.argmax())  # the banned best token is never taken
+                assert got.logprobs[r] == (pytest.approx(float(torch.log_softmax(row, -1)[got.token_ids[r]]), abs=1e-5)
+                                           if p.logprobs else None)
+            else:
+                assert got.logprobs[r] == pytest.approx(float(torch.log_softmax(row / p.temperature, -1)[got.token_ids[r]]), abs=1e-5)
