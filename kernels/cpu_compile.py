@@ -8,7 +8,10 @@ lie, so the compiled function *is* the reference, only fused (same math; float s
 differently, within 1e-6).
 
 Compiled with dynamic shapes: a new batch size or context length reuses the compiled code (sizes
-0 and 1 are specialised by torch, so a few variants exist; `ModelRunner` compiles them at start).
+0 and 1 are specialised by torch, so callers pad them away or compile a variant each). The worker
+compiles at start on a helper thread (`warm_up`) and serves with the eager reference meanwhile: a
+restarted worker answers at once rather than after the compiler (about 4 s with inductor's on-disk
+cache warm, 10-15 s cold on 2 cores).
 `COTSERVE_TORCH_COMPILE=0` runs everything eager; so does a machine where compiling fails (no C++
 compiler), after one warning.
 """
@@ -17,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Generic, ParamSpec, TypeVar
+import threading
+from contextlib import contextmanager
+from typing import Callable, Generic, Iterator, ParamSpec, TypeVar
 
 import torch
 
@@ -34,30 +39,76 @@ def compile_enabled() -> bool:
 
 class CompiledOnCpu(Generic[P, R]):
     """`fn` compiled on first use with CPU tensors, eager on other devices; eager for good after a
-    compile failure. The device is that of the first argument."""
+    compile failure. The device is that of the first argument.
+
+    `warm_up` compiles ahead of use (seconds): a server calls it on a helper thread at start, and every
+    call meanwhile runs the eager reference instead of waiting for the compiler."""
 
     def __init__(self, fn: Callable[P, R]) -> None:
         self.fn = fn
         self._compiled: Callable[P, R] | None = None
         self._failed = False
+        self._warming = False
+        self._lock = threading.Lock()
+
+    @property
+    def ready(self) -> bool:
+        """Calls run the compiled code (False while compiling, and when compiling is off or failed)."""
+        return self._compiled is not None and not self._warming and not self._failed and compile_enabled()
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        if self._failed or args[0].device.type != "cpu" or not compile_enabled():
+        if self._failed or self._warming or args[0].device.type != "cpu" or not compile_enabled():
             return self.fn(*args, **kwargs)
         if self._compiled is None:
-            import torch._inductor.config as inductor_config
-            import torch.fx.experimental._config as fx_config
+            self._compiled = self._compile()
+        return self._run(self._compiled, *args, **kwargs)
 
-            # compile in this process, without inductor's pool of compile worker processes: a serving
-            # process should not grow helpers for a few small kernels
-            inductor_config.compile_threads = 1
-            # no "duck sizing": two sizes that happen to be equal on the first call (2 rows, 2 pages)
-            # must not become a guard that recompiles on the first call where they differ
-            fx_config.use_duck_shape = False
-            self._compiled = torch.compile(self.fn, dynamic=True)
+    def warm_up(self, *args: P.args, **kwargs: P.kwargs) -> None:
+        """Compile by running once on `args` (CPU tensors of the shapes to come); calls from other threads
+        run eager until it is done. Nothing to do when compiled already, compiling elsewhere, or off."""
+        if not compile_enabled() or args[0].device.type != "cpu":
+            return
+        with self._lock:
+            if self._compiled is not None or self._failed or self._warming:
+                return
+            self._warming = True
         try:
-            return self._compiled(*args, **kwargs)
+            compiled = self._compile()
+            self._run(compiled, *args, **kwargs)
+            self._compiled = compiled
+        finally:
+            self._warming = False
+
+    def _compile(self) -> Callable[P, R]:
+        import torch._inductor.config as inductor_config
+        import torch.fx.experimental._config as fx_config
+
+        # compile in this process, without inductor's pool of compile worker processes: a serving
+        # process should not grow helpers for a few small kernels
+        inductor_config.compile_threads = 1
+        # no "duck sizing": two sizes that happen to be equal on the first call (2 rows, 2 pages)
+        # must not become a guard that recompiles on the first call where they differ
+        fx_config.use_duck_shape = False
+        return torch.compile(self.fn, dynamic=True)
+
+    def _run(self, compiled: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: the eager reference is always right
             self._failed = True
             log.warning("torch.compile unavailable for %s, running eager: %s", self.fn.__name__, exc)
             return self.fn(*args, **kwargs)
+
+
+@contextmanager
+def compile_setting(enabled: bool) -> Iterator[None]:
+    """COTSERVE_TORCH_COMPILE on or off for the duration (a benchmark compares both in one process)."""
+    old = os.environ.get("COTSERVE_TORCH_COMPILE")
+    os.environ["COTSERVE_TORCH_COMPILE"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("COTSERVE_TORCH_COMPILE", None)
+        else:
+            os.environ["COTSERVE_TORCH_COMPILE"] = old

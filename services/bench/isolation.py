@@ -50,14 +50,15 @@ class RunResult:
 async def _one(client: AsyncClient, prompt: str, cls: str, max_new_tokens: int, rec: RequestRecord) -> None:
     start = last = time.perf_counter()
     try:
-        async for _ in client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, sla=cls, timeout_s=120):
+        async for chunk in client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, sla=cls, timeout_s=120):
             now = time.perf_counter()
             if rec.ttft_ms is None:
                 rec.ttft_ms = (now - start) * 1000
-            else:
-                rec.itl_ms.append((now - last) * 1000)
+                rec.itl_ms.extend([0.0] * (len(chunk.token_ids) - 1))
+            else:  # a merged chunk's tokens: the first waited, the rest came with it
+                rec.itl_ms.extend([(now - last) * 1000] + [0.0] * (len(chunk.token_ids) - 1))
             last = now
-            rec.tokens += 1
+            rec.tokens += len(chunk.token_ids)
     except CotserveError as err:
         rec.error = err.code.name
 
@@ -78,8 +79,8 @@ async def _open_loop(client: AsyncClient, rate_per_s: float, stop_at: float, cls
 async def _flood_loop(client: AsyncClient, stop: asyncio.Event, prompt: str, max_new_tokens: int, counter: list[int]) -> None:
     while not stop.is_set():
         try:
-            async for _ in client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, sla="batch", timeout_s=300):
-                counter[0] += 1
+            async for chunk in client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, sla="batch", timeout_s=300):
+                counter[0] += len(chunk.token_ids)
                 if stop.is_set():
                     return
         except ResourceExhausted as err:

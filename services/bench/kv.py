@@ -16,11 +16,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
 from cotserve.common.sampling import SamplingParams
 from cotserve.worker.engine import Engine, EngineConfig
-from cotserve.worker.model_runner import kv_bytes_per_block, kv_bytes_per_token, resolve_kv_dtype
+from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.models.loader import LoadedModel
 
 
@@ -39,13 +37,12 @@ class KvRun:
 def budget_for(loaded: LoadedModel, sequences: int, context: int, block_size: int = 16) -> int:
     """Bytes of a full-precision (fp32) cache that hold `sequences` sequences of `context` tokens."""
     blocks = -(-context // block_size) * sequences
-    return blocks * block_size * kv_bytes_per_token(loaded.config, torch.float32)
+    return blocks * block_size * KvCacheSpec.resolve(loaded.config, loaded.dtype, "fp32", block_size).bytes_per_token
 
 
 def run_one(loaded: LoadedModel, name: str, kv_dtype: str, topk: int, kv_bytes: int, context: int, requests: int,
             prompt_ids: list[int], block_size: int = 16) -> KvRun:
-    num_blocks = kv_bytes // kv_bytes_per_block(loaded.config, resolve_kv_dtype(kv_dtype, loaded.dtype), block_size, loaded.dtype,
-                                                topk_pages=topk)
+    num_blocks = kv_bytes // KvCacheSpec.resolve(loaded.config, loaded.dtype, kv_dtype, block_size, topk_pages=topk).bytes_per_block
     cfg = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=requests,
                        max_num_batched_tokens=2048, max_model_len=loaded.config.max_context, kv_cache_dtype=kv_dtype,
                        kv_topk_pages=topk)

@@ -85,7 +85,7 @@ async def _batch(client: AsyncClient, prompt: str, rec: RequestRecord, result: L
         retry_after_ms = None
         try:
             async for chunk in client.stream(prompt, max_new_tokens=BATCH_NEW_TOKENS, ignore_eos=True, sla="batch", timeout_s=120):
-                rec.tokens += 1
+                rec.tokens += len(chunk.token_ids)
                 if rec.ttft_ms is None:
                     rec.ttft_ms = 0.0  # BATCH latency is not what this benchmark measures
         except ResourceExhausted as err:

@@ -68,11 +68,13 @@ async def run_level(address: str, concurrency: int, prompt: str, max_new_tokens:
             async with sem:
                 start = last = time.perf_counter()
                 first = True
-                async for _ in client.stream(prompt, model=model, max_new_tokens=max_new_tokens, ignore_eos=True, sla="batch"):
+                async for chunk in client.stream(prompt, model=model, max_new_tokens=max_new_tokens, ignore_eos=True, sla="batch"):
                     now = time.perf_counter()
+                    # a merged chunk's tokens: the first waited, the rest came with it
                     (ttft if first else itl).append((now - (start if first else last)) * 1000)
+                    itl.extend([0.0] * (len(chunk.token_ids) - 1))
                     first, last = False, now
-                    tokens += 1
+                    tokens += len(chunk.token_ids)
 
         began = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(num_requests)))

@@ -21,6 +21,7 @@ from cotserve.common.sampling import (
     sla_from_pb,
 )
 from cotserve.common.server import DEFAULT_MAX_MESSAGE_BYTES, Server, ServiceSpec, run_until_signalled
+from cotserve.common.streams import ReadAhead, coalesce
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.admission import AdmissionConfig, QueueDeadlineExceeded
@@ -165,15 +166,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             return request_salt
         return f"tenant:{tenant.name}\x00{request_salt}"
 
-    async def _counted(self, request, context: grpc.aio.ServicerContext,
-                       state: dict | None = None) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+    async def _counted(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """`_relay`, counted in `cotserve_gateway_requests_total` by final status."""
         labels = {"model": request.model or "unknown", "sla_class": "UNKNOWN", "tenant": "default"}
         code = "OK"
         try:
             tenant = self._authenticate(context)
             labels["tenant"] = tenant.name
-            async for chunk in self._relay(request, context, labels, tenant, {} if state is None else state):
+            async for chunk in self._relay(request, context, labels, tenant):
                 yield chunk
         except CotserveError as exc:
             code = exc.code
@@ -215,7 +215,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return model, sla, wreq
 
     async def _relay(self, request, context: grpc.aio.ServicerContext, labels: dict[str, str],
-                     tenant: Tenant, state: dict) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+                     tenant: Tenant) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """Authenticated already; then validation, the class grant, quota, the pre-processor, and the stream
         (admission inside it), in that order: nothing a tenant may not have costs a sandbox run or a worker slot."""
         start = time.monotonic()
@@ -238,7 +238,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         # With a post-processor the client sees only its output: token ids, logprobs and the worker's own
         # reasoning/answer split would give the rewritten text back, unless the tenant may have raw tokens.
         withhold = bool(request.post_processor) and not tenant.raw_tokens
-        state["withheld"] = withhold
         generated, used_tokens = 0, None
         completion: dict[int, list[str]] = {}  # per sample
         try:
@@ -246,7 +245,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 wreq.prompt_text = await self.processors.apply("pre_processor", request.pre_processor, request.prompt, tenant,
                                                                context.time_remaining())
             async for out in self._stream(start, model, sla, wreq, context):
-                generated += 1
+                generated += max(1, len(out.token_ids))
                 if out.HasField("usage"):
                     used_tokens = out.usage.prompt_tokens + out.usage.completion_tokens
                 if request.post_processor:
@@ -254,8 +253,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                     completion.setdefault(out.index, []).append(out.text)
                     out.text = ""
                     if withhold:
-                        out.token_id = 0
-                        for name in ("logprob", "reasoning_text", "answer_text"):
+                        for name in ("token_ids", "logprobs", "reasoning_text", "answer_text"):
                             out.ClearField(name)
                     if out.finish_reason:
                         out.text = await self.processors.apply("post_processor", request.post_processor,
@@ -334,7 +332,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             worker.in_flight += 1
             if slo is not None:
                 slo.arrival(model, worker.address, sla)
-            call = None
+            call, reader = None, None
             first_at: float | None = None
             last_at = sent_at
             reasons: dict[int, str] = {}  # each sample's finish reason
@@ -342,64 +340,70 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
                 m.queue.labels(model, sla.name).observe(gateway_queue_ms / 1000)
                 call = worker.stub.Generate(wreq, timeout=context.time_remaining())
-                async for chunk in call:
+                reader = ReadAhead(call)
+                while (pending := await reader.pending()) is not None:
                     now = time.monotonic()
-                    if chunk.index == 0:  # inter-token latency of one sample (the others arrive in the same steps)
-                        if first_at is not None:
-                            worker.admission.observe_itl(sla, (now - last_at) * 1000)
-                            itl_h.observe(now - last_at)
+                    outs = []
+                    for chunk in pending:
+                        k = max(1, len(chunk.token_ids))
+                        if chunk.index == 0:  # inter-token latency of one sample (the others arrive in the same steps)
+                            if first_at is not None:
+                                per_token = (now - last_at) / k  # a merged chunk's tokens share the wait
+                                worker.admission.observe_itl(sla, per_token * 1000)
+                                for _ in range(k):
+                                    itl_h.observe(per_token)
+                                if slo is not None:
+                                    slo.token(model, worker.address, sla, per_token * 1000)
+                            last_at = now
+                        if first_at is None:
+                            first_at = now
+                            ttft_h.observe(now - start)
                             if slo is not None:
-                                slo.token(model, worker.address, sla, (now - last_at) * 1000)
-                        last_at = now
-                    if first_at is None:
-                        first_at = now
-                        ttft_h.observe(now - start)
-                        if slo is not None:
-                            slo.first_token(model, worker.address, sla, (now - start) * 1000)
-                        span.set_attribute("cotserve.ttft_ms", (now - start) * 1000)
-                        span.set_attributes({
-                            "cotserve.queue_ms": (sent_at - start) * 1000 + chunk.timing.queue_ms,
-                            "cotserve.kv_used_fraction_at_admission": chunk.timing.kv_used_fraction_at_admission,
-                        })
-                    out = gateway_pb2.GenerateStreamResponse(
-                        text=chunk.text, token_id=chunk.token_id, finish_reason=chunk.finish_reason, index=chunk.index,
-                        part=chunk.part,
-                    )
-                    if chunk.HasField("reasoning_text"):
-                        out.reasoning_text, out.answer_text = chunk.reasoning_text, chunk.answer_text
-                    if chunk.HasField("logprob"):
-                        out.logprob = chunk.logprob
-                    if chunk.finish_reason:
-                        reasons[chunk.index] = finish_reason_name(chunk.finish_reason)
-                    if chunk.HasField("self_consistency"):
-                        out.self_consistency.CopyFrom(chunk.self_consistency)
-                        span.set_attributes({"cotserve.vote.samples_used": chunk.self_consistency.samples_used,
-                                             "cotserve.vote.samples_cancelled": chunk.self_consistency.samples_cancelled,
-                                             "cotserve.vote.stop_reason": chunk.self_consistency.stop_reason})
-                    if chunk.HasField("usage"):  # the stream's last chunk
-                        m.e2e.labels(model, sla.name).observe(now - start)
-                        out.usage.CopyFrom(chunk.usage)
-                        out.timing.queue_ms = (sent_at - start) * 1000 + chunk.timing.queue_ms
-                        out.timing.ttft_ms = (first_at - start) * 1000
-                        out.timing.total_ms = (now - start) * 1000
-                        out.timing.kv_used_fraction_at_admission = chunk.timing.kv_used_fraction_at_admission
-                        n_out = chunk.usage.completion_tokens
-                        if slo is not None:
-                            slo.finished(model, worker.address, sla, sent_unix_ms, prompt_bytes,
-                                         chunk.usage.prompt_tokens, max_new, n_out, (first_at - start) * 1000,
-                                         (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else 0.0,
-                                         in_flight_at_start, queued_at_arrival)
-                        span.set_attributes({
-                            "cotserve.e2e_ms": out.timing.total_ms,
-                            **({"cotserve.tpot_ms": (now - first_at) * 1000 / (n_out - 1)} if n_out > 1 else {}),
-                            "gen_ai.usage.input_tokens": chunk.usage.prompt_tokens,
-                            "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
-                            "cotserve.cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
-                            "cotserve.reasoning_tokens": chunk.usage.reasoning_tokens,
-                            "cotserve.probe_tokens": chunk.usage.probe_tokens,
-                            "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
-                        })
-                    yield out
+                                slo.first_token(model, worker.address, sla, (now - start) * 1000)
+                            span.set_attribute("cotserve.ttft_ms", (now - start) * 1000)
+                            span.set_attributes({
+                                "cotserve.queue_ms": (sent_at - start) * 1000 + chunk.timing.queue_ms,
+                                "cotserve.kv_used_fraction_at_admission": chunk.timing.kv_used_fraction_at_admission,
+                            })
+                        out = gateway_pb2.GenerateStreamResponse(
+                            text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs,
+                            finish_reason=chunk.finish_reason, index=chunk.index, part=chunk.part,
+                        )
+                        if chunk.HasField("reasoning_text"):
+                            out.reasoning_text, out.answer_text = chunk.reasoning_text, chunk.answer_text
+                        if chunk.finish_reason:
+                            reasons[chunk.index] = finish_reason_name(chunk.finish_reason)
+                        if chunk.HasField("self_consistency"):
+                            out.self_consistency.CopyFrom(chunk.self_consistency)
+                            span.set_attributes({"cotserve.vote.samples_used": chunk.self_consistency.samples_used,
+                                                 "cotserve.vote.samples_cancelled": chunk.self_consistency.samples_cancelled,
+                                                 "cotserve.vote.stop_reason": chunk.self_consistency.stop_reason})
+                        if chunk.HasField("usage"):  # the stream's last chunk
+                            m.e2e.labels(model, sla.name).observe(now - start)
+                            out.usage.CopyFrom(chunk.usage)
+                            out.timing.queue_ms = (sent_at - start) * 1000 + chunk.timing.queue_ms
+                            out.timing.ttft_ms = (first_at - start) * 1000
+                            out.timing.total_ms = (now - start) * 1000
+                            out.timing.kv_used_fraction_at_admission = chunk.timing.kv_used_fraction_at_admission
+                            n_out = chunk.usage.completion_tokens
+                            if slo is not None:
+                                slo.finished(model, worker.address, sla, sent_unix_ms, prompt_bytes,
+                                             chunk.usage.prompt_tokens, max_new, n_out, (first_at - start) * 1000,
+                                             (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else 0.0,
+                                             in_flight_at_start, queued_at_arrival)
+                            span.set_attributes({
+                                "cotserve.e2e_ms": out.timing.total_ms,
+                                **({"cotserve.tpot_ms": (now - first_at) * 1000 / (n_out - 1)} if n_out > 1 else {}),
+                                "gen_ai.usage.input_tokens": chunk.usage.prompt_tokens,
+                                "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
+                                "cotserve.cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
+                                "cotserve.reasoning_tokens": chunk.usage.reasoning_tokens,
+                                "cotserve.probe_tokens": chunk.usage.probe_tokens,
+                                "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
+                            })
+                        outs.append(out)
+                    for out in coalesce(outs):
+                        yield out
                 return
             except grpc.aio.AioRpcError as err:
                 code = err.code()
@@ -419,6 +423,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 worker.admission.release(sla, service_ms=(time.monotonic() - sent_at) * 1000)
                 if call is not None:
                     call.cancel()  # the client went away or we failed: free the worker's pages now
+                if reader is not None:
+                    reader.close()
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         async for chunk in self._counted(request, context):
@@ -428,17 +434,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         resp = gateway_pb2.GenerateResponse()
         choices: dict[int, gateway_pb2.Choice] = {}
         texts: dict[int, list[str]] = {}
-        state: dict = {}
-        async for chunk in self._counted(request, context, state):
+        async for chunk in self._counted(request, context):
             choice = choices.get(chunk.index)
             if choice is None:
                 choice = choices[chunk.index] = gateway_pb2.Choice(index=chunk.index)
             texts.setdefault(chunk.index, []).append(chunk.text)
-            if not state["withheld"] and chunk.finish_reason != common_pb2.FINISH_REASON_CANCELLED:
-                # (a cancelled sample's last chunk has no token)
-                choice.token_ids.append(chunk.token_id)
-            if chunk.HasField("logprob"):
-                choice.logprobs.append(chunk.logprob)
+            choice.token_ids.extend(chunk.token_ids)  # (none when withheld, none on a cancelled sample's last chunk)
+            choice.logprobs.extend(chunk.logprobs)
             if chunk.finish_reason:
                 choice.finish_reason = chunk.finish_reason
             if chunk.HasField("reasoning_text"):

@@ -146,9 +146,13 @@ class GenerateResult:
 
 @dataclass(slots=True, frozen=True)
 class StreamChunk:
+    """One or more tokens of one sample, all reasoning or all answer. While the client keeps up a chunk holds one
+    token; a client that reads slower than the model generates gets what was pending merged into fewer chunks
+    (nothing dropped, order kept): `text` is their text, `token_ids` and `logprobs` have one entry per token."""
+
     text: str
-    token_id: int
-    logprob: float | None
+    token_ids: list[int]  # empty on a sample cancelled by a settled vote, and when a post-processor withholds them
+    logprobs: list[float] | None  # one per token, when asked for
     finish_reason: str | None  # set on each sample's last chunk
     usage: Usage | None  # the stream's last chunk only
     timing: Timing | None  # the stream's last chunk only
@@ -197,7 +201,7 @@ def result_from_pb(r: gateway_pb2.GenerateResponse) -> GenerateResult:
 
 def chunk_from_pb(c: gateway_pb2.GenerateStreamResponse) -> StreamChunk:
     last = c.HasField("usage")
-    return StreamChunk(c.text, c.token_id, c.logprob if c.HasField("logprob") else None, _FINISH[c.finish_reason],
+    return StreamChunk(c.text, list(c.token_ids), list(c.logprobs) if c.logprobs else None, _FINISH[c.finish_reason],
                        _usage(c.usage) if last else None, _timing(c.timing) if last else None, c.index, _PARTS[c.part],
                        _opt(c, "reasoning_text"), _opt(c, "answer_text"), _vote(c))
 

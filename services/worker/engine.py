@@ -26,7 +26,8 @@ from typing import Callable
 from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.block_manager import BlockManager, cache_root
 from cotserve.worker.detokenizer import IncrementalDetokenizer
-from cotserve.worker.model_runner import ModelRunner, resolve_kv_dtype
+from cotserve.worker.kv_spec import KvCacheSpec
+from cotserve.worker.model_runner import ModelRunner
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.models.moe import RoutingPolicy
 from cotserve.worker.reasoning import (
@@ -206,6 +207,12 @@ class _TakeLoad:
 _Command = _Add | _Abort | _Policy | _TakeLoad | None  # None only wakes the loop (stop)
 
 
+def kv_spec_of(config: EngineConfig, loaded: LoadedModel) -> KvCacheSpec:
+    """The KV cache format `config`'s settings describe for this model."""
+    return KvCacheSpec.resolve(loaded.config, loaded.dtype, config.kv_cache_dtype, config.block_size, config.kv_skip_layers,
+                               config.kv_topk_pages, config.kv_topk_dense_layers)
+
+
 def check_submit(config: EngineConfig, has_reasoning: bool, prompt_len: int, params: SamplingParams,
                  budget: ReasoningParams) -> None:
     """ValueError for a request this engine can never serve: longer than the whole KV pool, more samples than a
@@ -237,12 +244,12 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.batch_min_share, by_class=config.scheduling == "priority",
                                    max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent)
-        self.runner = ModelRunner(loaded, config.num_blocks, config.block_size, resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype),
-                                  config.kv_topk_pages, frozenset(config.kv_skip_layers), frozenset(config.kv_topk_dense_layers))
+        self.kv_spec = kv_spec_of(config, loaded)
+        self.runner = ModelRunner(loaded, config.num_blocks, self.kv_spec)
         self.sampler = Sampler(loaded.device)
         # everything besides tokens and salt that decides a KV block's contents (the MoE policy
         # version joins it per sequence): blocks of another format or model never match
-        self._cache_identity = (loaded.revision, str(self.runner.kv_dtype), tuple(sorted(config.kv_skip_layers)),
+        self._cache_identity = (loaded.revision, self.kv_spec.dtype_name, tuple(sorted(self.kv_spec.skip_layers)),
                                 config.block_size)
         self._prompt_tokens_computed = 0
         self._kv_blocks_peak = 0

@@ -85,9 +85,7 @@ class Shutdown:
 @dataclass(slots=True, frozen=True)
 class EngineReady:
     config: EngineConfig
-    kv_dtype: Any  # torch.dtype
-    skip_layers: frozenset[int]
-    topk_pages: int
+    kv_spec: Any  # KvCacheSpec (kept a forward reference: the front imports no torch-heavy modules eagerly)
     revision: str
     dtype: Any  # torch.dtype of the weights
     device: str
@@ -176,9 +174,7 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
 
     engine.after_iteration = flush
     engine.policy_listeners.append(lambda version: send(PolicyApplied(version)))
-    r = engine.runner
-    send(EngineReady(econfig, r.kv_dtype, frozenset(r.skip_layers), r.topk_pages, loaded.revision, loaded.dtype,
-                     str(loaded.device), engine.stats()))
+    send(EngineReady(econfig, engine.kv_spec, loaded.revision, loaded.dtype, str(loaded.device), engine.stats()))
     sink: Sink = pending.append  # called on the engine thread only, and flushed by `flush` on that thread
 
     def read_commands() -> None:
@@ -218,15 +214,6 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
 
 
 # ---- the front --------------------------------------------------------------------------------
-@dataclass(slots=True, frozen=True)
-class RunnerInfo:
-    """What the servicer reads of the engine's model runner: the KV cache's format."""
-
-    kv_dtype: Any
-    skip_layers: frozenset[int]
-    topk_pages: int
-
-
 class EngineDied(RuntimeError):
     """The engine process is gone; the message says how."""
 
@@ -241,7 +228,7 @@ class EngineProcess:
     on_death: Callable[[str], None] | None = None
     loaded: Any = None  # the front's LoadedModel (config and tokenizer, no weights), set by the server
     config: EngineConfig | None = None
-    runner: RunnerInfo | None = None
+    kv_spec: Any = None  # KvCacheSpec, from the engine process
     policy_version: int = 0
     policy_listeners: list[Callable[[int], None]] = field(default_factory=list)
     revision: str = ""
@@ -292,7 +279,7 @@ class EngineProcess:
             raise RuntimeError(first.reason)
         assert isinstance(first, EngineReady)
         self.config, self._stats = first.config, first.stats
-        self.runner = RunnerInfo(first.kv_dtype, first.skip_layers, first.topk_pages)
+        self.kv_spec = first.kv_spec
         self.revision, self.dtype, self.device = first.revision, first.dtype, first.device
         self._reader = threading.Thread(target=self._read, name="cotserve-engine-reader", daemon=True)
         self._reader.start()

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from cotserve.common.sampling import SamplingParams
-from cotserve.worker.model_runner import ModelRunner, layer_kv_bytes_per_token, page_bounds_bytes
+from cotserve.worker.kv_spec import KvCacheSpec
+from cotserve.worker.model_runner import ModelRunner
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.scheduler import ScheduledBatch, ScheduledSeq
 from cotserve.worker.sequence import Sequence
@@ -53,15 +54,15 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
                     chunk: int = 512) -> tuple[torch.Tensor, float]:
     """([len(tokens) - prefill, vocab] log-probabilities of each next token, mean KV bytes read per decode step)."""
     blocks = -(-len(tokens) // block_size) + 1
-    runner = ModelRunner(loaded, blocks, block_size, cfg.kv_dtype or loaded.dtype, cfg.topk_pages, cfg.skip_layers,
-                         cfg.topk_dense_layers)
+    spec = KvCacheSpec.resolve(loaded.config, loaded.dtype, cfg.kv_dtype or loaded.dtype, block_size, cfg.skip_layers,
+                               cfg.topk_pages, cfg.topk_dense_layers)
+    runner = ModelRunner(loaded, blocks, spec)
     seq = Sequence("kv-eval", prompt_ids=list(tokens[:prefill]), params=SamplingParams())
     seq.block_table = list(range(blocks))
     out, read = [], []
-    c = loaded.config
-    layer_pages = [block_size * b for b in layer_kv_bytes_per_token(c, runner.kv_dtype, loaded.dtype, cfg.skip_layers)]
-    sparse = [bool(cfg.topk_pages) and layer not in cfg.topk_dense_layers for layer in range(c.num_layers)]
-    bounds_bytes = page_bounds_bytes(c)  # one layer's page key min/max: read for every page scored
+    layer_pages = [block_size * b for b in spec.layer_bytes_per_token()]
+    sparse = [not layer.dense for layer in spec.layers]
+    bounds_bytes = spec.page_bounds_bytes  # one layer's page key min/max: read for every page scored
     while seq.num_computed_tokens < prefill:
         n = min(chunk, prefill - seq.num_computed_tokens)
         logits = runner.execute(ScheduledBatch([ScheduledSeq(seq, n)]))

@@ -12,7 +12,7 @@ from cotserve.common.sampling import (
 )
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.common.v1 import common_pb2
-from cotserve.worker.engine import RequestOutput, VoteResult
+from cotserve.worker.engine import NO_TOKEN, RequestOutput, VoteResult
 from cotserve.worker.v1 import worker_pb2
 
 
@@ -95,12 +95,14 @@ def check_budget(budget: ReasoningParams, fmt: ReasoningFormat | None) -> None:
 
 
 def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
-    msg = worker_pb2.GenerateResponse(token_id=max(0, out.token_id), text=out.text, index=out.index, part=out.part)
+    msg = worker_pb2.GenerateResponse(text=out.text, index=out.index, part=out.part)
+    if out.token_id != NO_TOKEN:
+        msg.token_ids.append(out.token_id)
     if out.reasoning_text is not None:
         msg.reasoning_text = out.reasoning_text
         msg.answer_text = out.answer_text or ""
     if out.logprob is not None:
-        msg.logprob = out.logprob
+        msg.logprobs.append(out.logprob)
     if out.finish_reason is not None:
         msg.finish_reason = finish_reason_to_pb(out.finish_reason)
     if out.is_last:

@@ -23,13 +23,14 @@ from opentelemetry.sdk.trace import TracerProvider
 from cotserve.common.errors import InvalidArgument, Unavailable
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
+from cotserve.common.streams import coalesce
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.engine import Engine, RequestOutput
 from cotserve.worker.engine_process import EngineDied, EngineProcess
 from cotserve.worker.sizing import engine_config, resolve_device
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
-from cotserve.worker.model_runner import KV_CACHE_DTYPES, kv_bytes_per_block, kv_bytes_per_token
+from cotserve.worker.kv_spec import KV_CACHE_DTYPES
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.requests import check_text_length, generate_from_pb, max_token_chars, output_to_pb
@@ -216,8 +217,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._token_chars = max_token_chars(loaded.tokenizer)
         pid = getattr(engine, "pid", None)
         self._probe = UtilizationProbe(str(loaded.device), pids=(pid,) if pid else ())
-        r, ec = engine.runner, engine.config
-        self._block_bytes = kv_bytes_per_block(loaded.config, r.kv_dtype, ec.block_size, loaded.dtype, r.skip_layers, r.topk_pages)
+        self._block_bytes = engine.kv_spec.bytes_per_block
 
     @property
     def engine(self) -> Engine | EngineProcess:
@@ -268,39 +268,55 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         reasons: dict[int, str] = {}  # finish reason per sample
         phases = _PhaseSpans(self.tracer, span, time.time_ns())
         try:
-            while True:
-                out = await outputs.get()
-                for name, ts in out.events:
-                    span.add_event(name, timestamp=ts)
-                    phases.on_event(name, ts)
-                if out.timing is not None:
-                    span.set_attribute("cotserve.kv_used_fraction_at_admission", out.timing.kv_used_fraction_at_admission)
-                if out.error is not None:
-                    finished = True
-                    raise Unavailable(f"request {request_id} failed: {out.error}")
-                if out.finish_reason is not None:
-                    reasons[out.index] = out.finish_reason
-                if out.is_last:
-                    span.set_attributes({"gen_ai.usage.output_tokens": out.completion_tokens,
-                                         "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
-                                         "cotserve.cached_prompt_tokens": out.cached_prompt_tokens,
-                                         "cotserve.reasoning_tokens": out.reasoning_tokens,
-                                         "cotserve.probe_tokens": out.probe_tokens,
-                                         "cotserve.early_exits": out.early_exits,
-                                         "cotserve.preemptions": phases.preemptions})
-                    if out.vote is not None:
-                        span.set_attributes({"cotserve.vote.samples_used": out.vote.samples_used,
-                                             "cotserve.vote.samples_cancelled": out.vote.samples_cancelled,
-                                             "cotserve.vote.samples_saved": out.vote.samples_saved,
-                                             "cotserve.vote.stop_reason": out.vote.stop_reason})
-                yield output_to_pb(out)
-                if out.is_last:
-                    finished = True
-                    return
+            while not finished:
+                # everything the engine produced since the last write: one message per sample and part
+                # when this stream's reader fell behind (common/streams), one per token otherwise
+                pending = [await outputs.get()]
+                while not outputs.empty():
+                    pending.append(outputs.get_nowait())
+                messages: list[worker_pb2.GenerateResponse] = []
+                failure: str | None = None
+                for out in pending:
+                    for name, ts in out.events:
+                        span.add_event(name, timestamp=ts)
+                        phases.on_event(name, ts)
+                    if out.timing is not None:
+                        span.set_attribute("cotserve.kv_used_fraction_at_admission", out.timing.kv_used_fraction_at_admission)
+                    if out.error is not None:
+                        failure, finished = out.error, True
+                        break
+                    if out.finish_reason is not None:
+                        reasons[out.index] = out.finish_reason
+                    if out.is_last:
+                        finished = True
+                        self._annotate_last(span, out, reasons, phases.preemptions)
+                    messages.append(output_to_pb(out))
+                    if out.is_last:
+                        break
+                for message in coalesce(messages):
+                    yield message
+                if failure is not None:  # (the tokens produced before it went out first)
+                    raise Unavailable(f"request {request_id} failed: {failure}")
         finally:
             phases.close(time.time_ns())
             if not finished and self._engine is not None:  # cancelled by the client, deadline, or server shutdown
                 self._engine.abort(request_id)  # (a dead engine's front forgets the request; nothing to raise)
+
+    @staticmethod
+    def _annotate_last(span: trace.Span, out: RequestOutput, reasons: dict[int, str], preemptions: int) -> None:
+        """The request span's summary, from the request's last output."""
+        span.set_attributes({"gen_ai.usage.output_tokens": out.completion_tokens,
+                             "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
+                             "cotserve.cached_prompt_tokens": out.cached_prompt_tokens,
+                             "cotserve.reasoning_tokens": out.reasoning_tokens,
+                             "cotserve.probe_tokens": out.probe_tokens,
+                             "cotserve.early_exits": out.early_exits,
+                             "cotserve.preemptions": preemptions})
+        if out.vote is not None:
+            span.set_attributes({"cotserve.vote.samples_used": out.vote.samples_used,
+                                 "cotserve.vote.samples_cancelled": out.vote.samples_cancelled,
+                                 "cotserve.vote.samples_saved": out.vote.samples_saved,
+                                 "cotserve.vote.stop_reason": out.vote.stop_reason})
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.InfoResponse:
         lm, ec = self.loaded, self.engine.config
@@ -311,9 +327,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_experts=lm.config.num_experts, num_experts_per_tok=lm.config.num_experts_per_tok,
             max_token_chars=self._token_chars,
             kv_cache=worker_pb2.KvCacheInfo(
-                dtype=str(self.engine.runner.kv_dtype).removeprefix("torch."), block_size_tokens=ec.block_size,
-                total_blocks=ec.num_blocks, bytes_per_token=kv_bytes_per_token(lm.config, self.engine.runner.kv_dtype, lm.dtype,
-                                                                    self.engine.runner.skip_layers),
+                dtype=self.engine.kv_spec.dtype_name, block_size_tokens=ec.block_size,
+                total_blocks=ec.num_blocks, bytes_per_token=self.engine.kv_spec.bytes_per_token,
             ),
         )
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from cotserve.worker.engine import EngineConfig
-from cotserve.worker.model_runner import kv_bytes_per_block, resolve_kv_dtype
+from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.models.loader import LoadedModel
 
 
@@ -38,8 +38,8 @@ def engine_config(cfg: Any, loaded: LoadedModel) -> EngineConfig:
         bad = [layer for layer in getattr(cfg, field) if not 0 <= layer < loaded.config.num_layers]
         if bad:
             raise ValueError(f"{field}: {bad} out of range, the model's layers are 0..{loaded.config.num_layers - 1}")
-    per_block = kv_bytes_per_block(loaded.config, resolve_kv_dtype(cfg.kv_cache_dtype, loaded.dtype), cfg.block_size, loaded.dtype,
-                                   cfg.kv_skip_layers, cfg.kv_topk_pages)
+    per_block = KvCacheSpec.resolve(loaded.config, loaded.dtype, cfg.kv_cache_dtype, cfg.block_size, cfg.kv_skip_layers,
+                                    cfg.kv_topk_pages, cfg.kv_topk_dense_layers).bytes_per_block
     budget = cfg.kv_cache_bytes
     if budget is None:
         if loaded.device.type == "cuda":

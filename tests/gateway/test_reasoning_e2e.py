@@ -23,8 +23,8 @@ def test_reasoning_and_answer_come_apart(client):
     assert (r.choices[0].reasoning_text, r.choices[0].answer_text) == ("37+48=85. 85-12=73.", "73")
     assert r.usage.reasoning_tokens == 14 == r.token_ids.index(1450) + 1  # <think>, 12 thinking tokens, </think>
     chunks = list(client.stream("37+48-12=", max_new_tokens=64))
-    parts = [c.part for c in chunks]
-    assert parts == ["reasoning"] * 14 + ["answer"] * (len(chunks) - 14)
+    parts = [c.part for c in chunks for _ in c.token_ids]  # per token (a chunk holds one or more of one part)
+    assert parts == ["reasoning"] * 14 + ["answer"] * (len(parts) - 14)
     assert "".join(c.text for c in chunks if c.part == "reasoning") == "<think>37+48=85. 85-12=73.</think>"
     assert (chunks[-1].reasoning_text, chunks[-1].answer_text) == ("37+48=85. 85-12=73.", "73")
 

@@ -56,7 +56,9 @@ def test_a_stream_of_samples_carries_indexes_finish_reasons_and_one_usage(stack)
         assert "".join(ch.text for ch in mine) == unary.choices[i].text
         assert [ch.finish_reason for ch in mine][:-1] == [None] * (len(mine) - 1) and mine[-1].finish_reason == "stop"
     assert [ch.usage is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
-    assert chunks[-1].usage.completion_tokens == len(chunks) and chunks[-1].timing.total_ms > 0
+    assert chunks[-1].usage.completion_tokens == sum(len(ch.token_ids) for ch in chunks) and chunks[-1].timing.total_ms > 0
+    for i in range(3):
+        assert [t for ch in chunks if ch.index == i for t in ch.token_ids] == unary.choices[i].token_ids
 
 
 def test_tenants_never_hit_each_others_cached_blocks(stack):

@@ -36,8 +36,8 @@ def test_streaming_yields_typed_chunks(client):
     assert all(isinstance(c, StreamChunk) for c in chunks)
     assert "".join(c.text for c in chunks) == ANSWER
     assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["stop"]
-    assert chunks[-1].usage.completion_tokens == len(chunks) and chunks[-1].timing.total_ms > 0
-    assert all(c.logprob is not None and c.logprob <= 0 for c in chunks)
+    assert chunks[-1].usage.completion_tokens == sum(len(c.token_ids) for c in chunks) and chunks[-1].timing.total_ms > 0
+    assert all(len(c.logprobs) == len(c.token_ids) >= 1 and all(lp <= 0 for lp in c.logprobs) for c in chunks)
     assert chunks[0].usage is None and chunks[0].timing is None
 
 

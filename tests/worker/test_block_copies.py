@@ -13,6 +13,7 @@ import torch
 from cotserve.common.sampling import SamplingParams
 from cotserve.kernels import dispatch
 from cotserve.worker.block_manager import BlockManager
+from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.model_runner import ModelRunner
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.scheduler import ScheduledBatch, ScheduledSeq
@@ -36,7 +37,7 @@ def loaded():
 
 
 def runner_for(loaded, kernels, num_blocks=12, kv_dtype=FP8, topk=2):
-    runner = ModelRunner(loaded, num_blocks, BS, kv_dtype, topk)
+    runner = ModelRunner(loaded, num_blocks, KvCacheSpec.resolve(loaded.config, loaded.dtype, kv_dtype, BS, topk_pages=topk))
     object.__setattr__(runner, "kernels", dispatch.triton_kernels() if kernels == "triton" else kernels)
     return runner
 

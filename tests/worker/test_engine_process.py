@@ -28,9 +28,14 @@ def test_killing_the_engine_fails_in_flight_calls_with_the_reason_and_health_tur
             async with grpc.aio.insecure_channel(worker.server.address) as ch:
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 health = health_pb2_grpc.HealthStub(ch)
-                idle_before = process_cpu_seconds(pid)
-                await asyncio.sleep(1.0)
-                out["idle_cpu_s"] = process_cpu_seconds(pid) - idle_before
+                # the engine compiles its CPU kernels on a helper thread after start: idle means after that
+                settle_by = time.monotonic() + 120
+                while True:
+                    idle_before = process_cpu_seconds(pid)
+                    await asyncio.sleep(1.0)
+                    out["idle_cpu_s"] = process_cpu_seconds(pid) - idle_before
+                    if out["idle_cpu_s"] < 0.1 or time.monotonic() > settle_by:
+                        break
                 req = worker_pb2.GenerateRequest(prompt_text="37+48-12=")
                 req.sampling.max_new_tokens = 200
                 req.sampling.ignore_eos = True

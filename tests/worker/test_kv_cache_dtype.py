@@ -108,8 +108,10 @@ def test_skip_layers_keep_their_cache_at_full_precision():
         worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, kv_cache_dtype="fp8_e4m3",
                                                  kv_skip_layers=(0, 3), kv_cache_bytes=8_000_000))
         try:
-            caches = worker.engine.runner.kv_caches
-            assert [len(c) for c in caches] == [2, 4, 4, 2] and caches[0][0].dtype == caches[3][0].dtype == torch.float32
+            caches = worker.engine.runner.caches
+            assert [c.k.dtype for c in caches] == [torch.float32, torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32]
+            assert [c.k_scale is not None for c in caches] == [False, True, True, False]
+            assert worker.engine.kv_spec.skip_layers == {0, 3}
             async with grpc.aio.insecure_channel(worker.server.address) as ch:
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 info = await stub.Info(worker_pb2.InfoRequest())

@@ -53,7 +53,7 @@ def test_streaming_generate(stub):
     last = chunks[-1]
     assert last.finish_reason == common_pb2.FINISH_REASON_STOP
     assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
-    assert last.usage.prompt_tokens == 6 and last.usage.completion_tokens == len(chunks)
+    assert last.usage.prompt_tokens == 6 and last.usage.completion_tokens == sum(len(c.token_ids) for c in chunks)
     assert 0 <= last.timing.queue_ms <= last.timing.ttft_ms <= last.timing.total_ms
     assert chunks[0].timing.ttft_ms > 0
 
@@ -64,7 +64,8 @@ def test_prompt_token_ids_logprobs_and_length(stub):
     chunks = list(stub.Generate(req))
     assert "".join(c.text for c in chunks) == "<think>37+48"  # <think>, 37, +, 48
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert all(c.HasField("logprob") and c.logprob <= 0 for c in chunks)
+    assert all(len(c.logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.logprobs) for c in chunks)
+    assert sum(len(c.logprobs) for c in chunks) == 4
 
 
 def test_tokenize(stub):
@@ -171,7 +172,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_cleanly():
             proc.send_signal(signal.SIGTERM)
             rest = list(call)
         assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-        assert 1 + len(rest) == 120 and first.text
+        assert sum(len(c.token_ids) for c in [first, *rest]) == 120 and first.text
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:

@@ -77,15 +77,15 @@ Global___GenerateStreamRequest: _TypeAlias = GenerateStreamRequest  # noqa: Y015
 
 @_typing.final
 class GenerateStreamResponse(_message.Message):
-    """One streamed chunk of one sample; each sample's last chunk carries its finish_reason, the stream's last chunk
-    usage and timing.
+    """One streamed chunk of one sample: one or more tokens of the same part. Each sample's last chunk carries its
+    finish_reason, the stream's last chunk usage and timing.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TEXT_FIELD_NUMBER: _builtins.int
-    TOKEN_ID_FIELD_NUMBER: _builtins.int
-    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
@@ -96,10 +96,6 @@ class GenerateStreamResponse(_message.Message):
     SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta."""
-    token_id: _builtins.int
-    """The generated token (0 on the last chunk of a sample cancelled by a settled self-consistency vote: it has none)."""
-    logprob: _builtins.float
-    """Its log-probability, when asked for."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last chunk of each sample."""
     index: _builtins.int
@@ -110,6 +106,17 @@ class GenerateStreamResponse(_message.Message):
     """On each sample's last chunk, for a reasoning model: its thinking, without the markers."""
     answer_text: _builtins.str
     """On each sample's last chunk, for a reasoning model: its answer."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The generated tokens of this chunk, in order: one or more (a reader that falls behind gets what was pending
+        merged into one chunk, never dropped); none on the last chunk of a sample cancelled by a settled
+        self-consistency vote, and none when a post-processor rewrites the text (unless the tenant has raw_tokens).
+        """
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Their log-probabilities (one per token id), when asked for."""
+
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Token counts, on the last chunk of the stream only (the prompt once, completion tokens of every sample)."""
@@ -126,8 +133,8 @@ class GenerateStreamResponse(_message.Message):
         self,
         *,
         text: _builtins.str = ...,
-        token_id: _builtins.int = ...,
-        logprob: _builtins.float | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
@@ -137,20 +144,16 @@ class GenerateStreamResponse(_message.Message):
         answer_text: _builtins.str | None = ...,
         self_consistency: _common_pb2.SelfConsistencyResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "logprob", b"logprob", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
-    _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
-    _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
     _WhichOneofReturnType__reasoning_text: _TypeAlias = _typing.Literal["reasoning_text"]  # noqa: Y015
     _WhichOneofArgType__reasoning_text: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__answer_text) -> _WhichOneofReturnType__answer_text | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_text) -> _WhichOneofReturnType__reasoning_text | None: ...
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cotserve.kernels.dispatch import KernelSet
+from cotserve.worker.kv_spec import KvCacheSpec, LayerCache
 
 
 class AttentionBackend(Protocol):
@@ -67,38 +68,32 @@ class PagedBatch:
 class PagedAttention:
     """Attention that writes new K/V into the paged cache and reads through block tables."""
 
-    kv_caches: list[tuple]  # per layer: (k, v) [num_blocks, block_size, kv_heads, dim], or FP8 (k, v, k_scale, v_scale)
+    caches: list[LayerCache]  # per layer
+    spec: KvCacheSpec
     batch: PagedBatch
     kernels: KernelSet
     scale: float
-    page_bounds: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: key min/max [num_blocks, kv_heads, dim]
-    topk_pages: int = 0  # decode reads only this many pages per KV head (0: all)
-    dense_layers: frozenset[int] = frozenset()  # layers that read every page even with topk_pages
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b = self.batch
-        entry = self.kv_caches[layer]
-        k_cache, v_cache = entry[0], entry[1]
-        k_scale, v_scale = (entry[2], entry[3]) if len(entry) == 4 else (None, None)
-        bounds = self.page_bounds[layer] if self.page_bounds else (None, None)
-        self.kernels.write_kv(k, v, k_cache, v_cache, b.slot_mapping, k_scale, v_scale, *bounds, b.fresh_page)
+        b, c = self.batch, self.caches[layer]
+        self.kernels.write_kv(k, v, c.k, c.v, b.slot_mapping, c.k_scale, c.v_scale, c.k_min, c.k_max, b.fresh_page)
         out = torch.empty_like(q)
         if b.decode_token_idx.numel():
             dq = q.index_select(0, b.decode_token_idx)  # [num_decode, heads, dim]
             pages = None
-            if self.topk_pages and self.page_bounds and layer not in self.dense_layers:
-                pages = self.kernels.select_pages(dq, *bounds, b.decode_block_tables, b.decode_context_lens,
-                                                  self.topk_pages, k_cache.shape[1])
-            res = self.kernels.decode_attention(dq, k_cache, v_cache, b.decode_block_tables, b.decode_context_lens,
-                                                self.scale, k_scale, v_scale, pages)
+            if not self.spec.layers[layer].dense:
+                pages = self.kernels.select_pages(dq, c.k_min, c.k_max, b.decode_block_tables, b.decode_context_lens,
+                                                  self.spec.topk_pages, self.spec.block_size)
+            res = self.kernels.decode_attention(dq, c.k, c.v, b.decode_block_tables, b.decode_context_lens,
+                                                self.scale, c.k_scale, c.v_scale, pages)
             out.index_copy_(0, b.decode_token_idx, res)
         for start, qlen, table, ctx in b.prefill_rows:
             dev = q.device
             ctx_t, qlen_t = torch.tensor([ctx], device=dev), torch.tensor([qlen], device=dev)
             query = q[start : start + qlen].unsqueeze(0)
-            if k_scale is not None:
-                res = self.kernels.paged_attention_fp8(query, k_cache, v_cache, k_scale, v_scale, table, ctx_t, qlen_t, self.scale)
+            if c.k_scale is not None:
+                res = self.kernels.paged_attention_fp8(query, c.k, c.v, c.k_scale, c.v_scale, table, ctx_t, qlen_t, self.scale)
             else:
-                res = self.kernels.paged_attention(query, k_cache, v_cache, table, ctx_t, qlen_t, self.scale)
+                res = self.kernels.paged_attention(query, c.k, c.v, table, ctx_t, qlen_t, self.scale)
             out[start : start + qlen] = res[0]
         return out

@@ -79,15 +79,15 @@ Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
 @_typing.final
 class GenerateResponse(_message.Message):
-    """One generated token of one sample. Each sample's last chunk carries its finish_reason; the last chunk of
-    the stream carries usage and timing.
+    """One or more generated tokens of one sample, all of the same part. Each sample's last chunk carries its
+    finish_reason; the last chunk of the stream carries usage and timing.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
-    LOGPROB_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
@@ -96,12 +96,8 @@ class GenerateResponse(_message.Message):
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
-    token_id: _builtins.int
-    """The generated token (0 on the last chunk of a sample cancelled by a settled self-consistency vote: it has none)."""
     text: _builtins.str
-    """Text this token completes (may be empty while a multi-byte character or a possible stop string is pending)."""
-    logprob: _builtins.float
-    """Log-probability of the token under the sampling distribution's logits, when asked for."""
+    """Text these tokens complete (may be empty while a multi-byte character or a possible stop string is pending)."""
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last chunk of each sample."""
     index: _builtins.int
@@ -112,6 +108,17 @@ class GenerateResponse(_message.Message):
     """On each sample's last chunk, for a reasoning model: its thinking, without the markers."""
     answer_text: _builtins.str
     """On each sample's last chunk, for a reasoning model: its answer, through the worker's answer extractor."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The generated tokens this chunk carries, in order: one, or several when the reader fell behind and the worker
+        merged what was pending (never dropped); none on the last chunk of a sample cancelled by a settled
+        self-consistency vote.
+        """
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Log-probability of each token under the sampling distribution's logits (one per token id), when asked for."""
+
     @_builtins.property
     def usage(self) -> _common_pb2.Usage:
         """Token counts, on the last chunk of the stream only (the prompt once, completion tokens of every sample)."""
@@ -127,9 +134,9 @@ class GenerateResponse(_message.Message):
     def __init__(
         self,
         *,
-        token_id: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
-        logprob: _builtins.float | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         timing: _common_pb2.Timing | None = ...,
@@ -139,20 +146,16 @@ class GenerateResponse(_message.Message):
         answer_text: _builtins.str | None = ...,
         self_consistency: _common_pb2.SelfConsistencyResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "logprob", b"logprob", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_logprob", b"_logprob", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprob", b"logprob", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_id", b"token_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
-    _WhichOneofReturnType__logprob: _TypeAlias = _typing.Literal["logprob"]  # noqa: Y015
-    _WhichOneofArgType__logprob: _TypeAlias = _typing.Literal["_logprob", b"_logprob"]  # noqa: Y015
     _WhichOneofReturnType__reasoning_text: _TypeAlias = _typing.Literal["reasoning_text"]  # noqa: Y015
     _WhichOneofArgType__reasoning_text: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__answer_text) -> _WhichOneofReturnType__answer_text | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprob) -> _WhichOneofReturnType__logprob | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_text) -> _WhichOneofReturnType__reasoning_text | None: ...
 
