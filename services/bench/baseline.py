@@ -65,6 +65,7 @@ def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
 
     loaded = load_model(model_dir)
     engine = Engine(loaded, engine_config(WorkerConfig(model=model_dir, max_num_seqs=batch_size), loaded))
+    engine.runner.warmed.wait(600)  # the CPU kernels compiled: measure what a warmed-up worker runs
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     counts = {"tokens": 0, "finished": 0}
     start = 0.0
@@ -101,3 +102,39 @@ def engine_child(pid: int) -> int | None:
         except OSError:
             continue
     return None
+
+
+async def ttft_direct_and_via_gateway(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[list[float], list[float]]:
+    """Time to first token (ms) of one request at a time, alternating: straight to the worker over gRPC, and
+    through the gateway with the SDK (what the gateway adds: auth, validation, admission, routing, one more hop)."""
+    import grpc
+
+    from cotserve.common.v1 import common_pb2
+    from cotserve.sdk import AsyncClient
+    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    sampling = common_pb2.SamplingParams(max_new_tokens=1, ignore_eos=True)
+    direct: list[float] = []
+    via: list[float] = []
+    async with AsyncClient(gateway) as client, grpc.aio.insecure_channel(worker) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+
+        async def one_direct() -> float:
+            start, first = time.perf_counter(), None
+            async for _ in stub.Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling)):
+                first = first or time.perf_counter()
+            return (first - start) * 1000
+
+        async def one_via() -> float:
+            start, first = time.perf_counter(), None
+            async for _ in client.stream(prompt, max_new_tokens=1, ignore_eos=True):
+                first = first or time.perf_counter()
+            return (first - start) * 1000
+
+        for _ in range(5):  # warm both paths (connections, caches)
+            await one_direct()
+            await one_via()
+        for _ in range(rounds):
+            direct.append(await one_direct())
+            via.append(await one_via())
+    return direct, via

@@ -47,20 +47,30 @@ def bench_baseline(
     max_new_tokens: int = typer.Option(64, help="Tokens generated per request."),
     requests: int = typer.Option(64, help="Requests for cotserve and for static batching."),
     single_requests: int = typer.Option(16, help="Requests for transformers one-at-a-time."),
+    engine_batches: str = typer.Option("1,8,32", help="Batch sizes of the engine-only rows, each run with the CPU "
+                                       "kernels compiled and eager (COTSERVE_TORCH_COMPILE=0); empty for none."),
+    ttft_rounds: int = typer.Option(50, help="Requests (one at a time) for the gateway-added TTFT, per path; 0: skip."),
 ) -> None:
     """Same workload through cotserve, through cotserve's engine alone and through transformers' generate; prints
-    cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process."""
+    cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process, the
+    engine alone at several batch sizes (compiled and eager kernels), and the TTFT the gateway adds."""
     from rich.table import Table
 
-    from cotserve.bench.baseline import engine_child, run_engine_only, run_transformers
+    from cotserve.bench.baseline import engine_child, run_engine_only, run_transformers, ttft_direct_and_via_gateway
     from cotserve.bench.throughput import prompt_of_tokens, run_level, table
     from cotserve.common.procs import free_port, wait_serving
+    from cotserve.kernels.cpu_compile import compile_setting
     from cotserve.sdk import AsyncClient
     from cotserve.worker.server import DEMO_MODEL
     from cotserve.worker.utilization import process_cpu_seconds
 
     console = wide_console()
     model_dir = model or DEMO_MODEL
+    try:
+        batches = [int(b) for b in engine_batches.split(",") if b.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{engine_batches!r}: give batch sizes separated by commas, e.g. 1,8,32",
+                                 param_hint="--engine-batches") from None
     children = []
     if address is None:
         children, _ = stack(model_dir, free_port(), None, full=False)
@@ -91,6 +101,10 @@ def bench_baseline(
         console.print(f"cotserve: {requests} requests at concurrency {concurrency} ...", style="dim")
         prompt, ids, level = asyncio.run(ours())
         cpu = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
+        ttft = None
+        if children and ttft_rounds:
+            console.print(f"TTFT: {ttft_rounds} requests one at a time, worker direct and via the gateway ...", style="dim")
+            ttft = asyncio.run(ttft_direct_and_via_gateway(address, children[0].address, prompt, ttft_rounds))
     finally:
         for child in reversed(children):
             child.stop(5.0)
@@ -102,8 +116,20 @@ def bench_baseline(
         for name, seconds in cpu.items():
             c.add_row(name, f"{seconds * 1000 / max(1, level.output_tokens):.3f}")
         console.print(c)
+    if ttft is not None:
+        direct, via = (sorted(x) for x in ttft)
+        p50 = [percentile(x, 50) for x in (direct, via)]
+        console.print(f"TTFT p50, one request at a time: worker direct {p50[0]:.2f} ms, via the gateway {p50[1]:.2f} ms: "
+                      f"the gateway adds {p50[1] - p50[0]:.2f} ms (goal <= 1 ms: {'met' if p50[1] - p50[0] <= 1 else 'NOT met'}); "
+                      f"p90 {percentile(direct, 90):.2f} / {percentile(via, 90):.2f} ms")
     console.print(f"cotserve engine only: {requests} requests, batch {concurrency} ...", style="dim")
     engine_only = run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency)
+    engine_rows = []
+    for batch in batches:
+        for compiled in (True, False):
+            console.print(f"cotserve engine only, batch {batch}, {'compiled' if compiled else 'eager'} kernels ...", style="dim")
+            with compile_setting(compiled):
+                engine_rows.append((batch, compiled, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch)))
     console.print(f"transformers: {single_requests} requests one at a time ...", style="dim")
     single = run_transformers(model_dir, ids, max_new_tokens, single_requests, 1)
     console.print(f"transformers: {requests} requests in static batches of {concurrency} ...", style="dim")
@@ -119,6 +145,14 @@ def bench_baseline(
     console.print(t)
     console.print(f"end to end / engine only: {level.output_tokens_per_s / engine_only.output_tokens_per_s:.2f} "
                   "(the serving overhead's share of the engine's rate is one minus this)")
+    if engine_rows:
+        e = Table(title="engine only (this process, one loop): CPU kernels compiled by inductor vs eager")
+        for col in ("batch", "compiled tok/s", "eager tok/s", "compiled / eager"):
+            e.add_column(col, justify="right")
+        by = {(b, c): r.output_tokens_per_s for b, c, r in engine_rows}
+        for batch in batches:
+            e.add_row(str(batch), f"{by[batch, True]:.0f}", f"{by[batch, False]:.0f}", f"{by[batch, True] / by[batch, False]:.2f}x")
+        console.print(e)
 
 
 @bench_app.command("isolation")

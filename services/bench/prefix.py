@@ -22,7 +22,7 @@ from typing import Callable
 
 import grpc
 
-from cotserve.bench.throughput import percentile, prompt_of_tokens
+from cotserve.bench.throughput import prompt_of_tokens
 from cotserve.common.clitools import stack
 from cotserve.common.procs import free_port, wait_serving
 from cotserve.sdk import AsyncClient

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 
@@ -36,12 +37,16 @@ def test_throughput_command_prints_a_row_per_level(demo_gateway):
 
 def test_baseline_command_prints_ratios_against_transformers():
     out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "baseline", "--concurrency", "2",
-                          "--requests", "2", "--single-requests", "1", "--max-new-tokens", "4", "--prompt-tokens", "16"],
+                          "--requests", "2", "--single-requests", "1", "--max-new-tokens", "4", "--prompt-tokens", "16",
+                          "--engine-batches", "3", "--ttft-rounds", "3"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr + out.stdout
     assert "transformers one-at-a-time" in out.stdout and "transformers static batch of 2" in out.stdout
     assert "cotserve engine only, batch 2" in out.stdout and "end to end / engine only: " in out.stdout
-    assert out.stdout.count("x │") == 4  # four ratio cells
+    assert out.stdout.count("x │") == 5  # four ratio cells, and compiled / eager of the engine at batch 3
+    assert re.search(r"│\s+3 │\s+\d+ │\s+\d+ │\s+[\d.]+x │", out.stdout), out.stdout  # the engine-only row, batch 3
+    assert re.search(r"TTFT p50, one request at a time: worker direct [\d.]+ ms, via the gateway [\d.]+ ms: "
+                     r"the gateway adds -?[\d.]+ ms", out.stdout), out.stdout
     for process in ("worker (gRPC front)", "worker (engine process)", "gateway"):  # CPU ms per token of each
         assert process in out.stdout
 
