@@ -58,7 +58,7 @@ def bench_baseline(
 
     from cotserve.bench.baseline import engine_child, run_engine_only, run_transformers, ttft_direct_and_via_gateway
     from cotserve.bench.throughput import prompt_of_tokens, run_level, table
-    from cotserve.common.procs import free_port, wait_serving
+    from cotserve.common.procs import free_port, wait_warm
     from cotserve.kernels.cpu_compile import compile_setting
     from cotserve.sdk import AsyncClient
     from cotserve.worker.server import DEMO_MODEL
@@ -79,7 +79,7 @@ def bench_baseline(
         for child in children:
             child.start()
             console.print(f"starting {child.name} ...", style="dim")
-            wait_serving(child, 120, lambda: None)
+            wait_warm(child, 120)
 
         procs: dict[str, int] = {}
         if children:
@@ -166,7 +166,7 @@ def bench_isolation(
 ) -> None:
     """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
     from cotserve.bench.isolation import RunResult, drive, goals, summarize
-    from cotserve.common.procs import free_port, wait_serving
+    from cotserve.common.procs import free_port, wait_warm
 
     console = wide_console()
     worker_common = ("--max-num-seqs", str(max_num_seqs))
@@ -181,7 +181,7 @@ def bench_isolation(
         try:
             for child in children:
                 child.start()
-                wait_serving(child, 120, lambda: None)
+                wait_warm(child, 120)
             console.print(f"{name}: {duration_s:.0f} s ...", style="dim")
             seconds, records, flood_tokens = asyncio.run(drive(
                 children[-1].address, duration_s=duration_s, flood_concurrency=flood,
@@ -232,7 +232,7 @@ def bench_moe(
 
     from cotserve.bench.moe import make_mixtral, measure_propagation, stop_all
     from cotserve.bench.throughput import percentile
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_serving
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_warm
 
     console = wide_console()
     with tempfile.TemporaryDirectory() as tmp:
@@ -251,7 +251,7 @@ def bench_moe(
         try:
             for child in children:
                 child.start()
-                wait_serving(child, 120, lambda: None)
+                wait_warm(child, 120)
             console.print(f"{workers} workers, {updates} policy updates ...", style="dim")
             times = measure_propagation(router_addr, url, "moe-bench", names, updates,
                                         progress=lambda m: console.print(m, style="dim"))
@@ -275,7 +275,7 @@ def bench_moe_balance(
     import grpc
 
     from cotserve.bench.moe import make_mixtral, mean_kl, stop_all
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_serving
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_warm
     from cotserve.common.v1 import common_pb2
     from cotserve.router import protocol
     from cotserve.router.v1 import router_pb2, router_pb2_grpc
@@ -311,7 +311,7 @@ def bench_moe_balance(
         try:
             for child in children:
                 child.start()
-                wait_serving(child, 120, lambda: None)
+                wait_warm(child, 120)
             loaders = [threading.Thread(target=load_loop, daemon=True) for _ in range(4)]
             for t in loaders:
                 t.start()

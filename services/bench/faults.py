@@ -35,7 +35,7 @@ from typing import Callable
 
 import grpc
 
-from cotserve.common.procs import Child, Supervisor, free_port, wait_serving
+from cotserve.common.procs import Child, Supervisor, free_port, wait_warm
 from cotserve.sdk import AsyncClient, CotserveError
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -234,7 +234,7 @@ def faults(targets: tuple[str, ...], modes: tuple[str, ...], stop_s: float, sett
         for child in children:
             log(f"starting {child.name} ...")
             child.start()
-            wait_serving(child, 180, lambda: None)
+            wait_warm(child, 180)
         supervisor = Supervisor(children, lambda line: log("  supervisor: " + line.splitlines()[0]))
 
         def supervise() -> None:

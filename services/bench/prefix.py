@@ -24,7 +24,7 @@ import grpc
 
 from cotserve.bench.throughput import prompt_of_tokens
 from cotserve.common.clitools import stack
-from cotserve.common.procs import free_port, wait_serving
+from cotserve.common.procs import free_port, wait_warm
 from cotserve.sdk import AsyncClient
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -80,7 +80,7 @@ class Stack:
         for child in self.children:
             self.log(f"  starting {child.name} ...")
             child.start()
-            wait_serving(child, 180, lambda: None)
+            wait_warm(child, 180)
         return self
 
     @property

