@@ -244,7 +244,8 @@ class Engine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.batch_min_share, by_class=config.scheduling == "priority",
-                                   max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent)
+                                   max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent,
+                                   max_model_len=config.max_model_len, eos_token_ids=loaded.eos_token_ids)
         self.kv_spec = kv_spec_of(config, loaded)
         self.runner = ModelRunner(loaded, config.num_blocks, self.kv_spec)
         self.sampler = Sampler(loaded.device)
@@ -486,16 +487,19 @@ class Engine:
         end_ids = self._encode(self.reasoning.end)
         if seq.num_computed_tokens != len(seq) - 1 or len(seq) + len(end_ids) >= self.config.max_model_len:
             return
-        probe = Sequence(seq.request_id, seq.all_token_ids[:-1] + end_ids, SamplingParams(max_new_tokens=ee.probe_max_tokens),
+        probe_params = SamplingParams(max_new_tokens=ee.probe_max_tokens, stop_token_ids=seq.params.stop_token_ids,
+                                      ignore_eos=seq.params.ignore_eos)  # greedy, ending where its sample would
+        probe = Sequence(seq.request_id, seq.all_token_ids[:-1] + end_ids, probe_params,
                          seq.sla_class, index=seq.index, arrival_time=seq.arrival_time, cache_root=seq.cache_root,
                          probe_of=seq, num_forced_tokens=len(end_ids))
         if self.scheduler.fork_probe(seq, probe):
             req.probes.append(probe)
 
-    def _end_probe(self, req: _Request, probe: Sequence, status: SequenceStatus) -> None:
-        """Retire a probe and count the tokens it computed (its forced end marker and decoded tokens)."""
+    def _end_probe(self, req: _Request, probe: Sequence, status: SequenceStatus, computed: int | None = None) -> None:
+        """Retire a probe and count the tokens it computed (its forced end marker and decoded tokens); `computed`:
+        its computed tokens when the scheduler has finished it already (freeing its blocks resets the count)."""
         shared = len(probe.prompt_ids) - probe.num_forced_tokens  # the parent's computed tokens when it forked
-        n = max(0, probe.num_computed_tokens - shared)
+        n = max(0, (probe.num_computed_tokens if computed is None else computed) - shared)
         req.num_probe_tokens += n
         self._probe_tokens_total += n
         if status == SequenceStatus.FINISHED_ABORTED:
@@ -512,13 +516,10 @@ class Engine:
 
     def _probe_token(self, probe: Sequence, token: int, logprob: float | None, now: float) -> None:
         req = self._requests[probe.request_id]
-        probe.output_ids.append(token)
-        if logprob is not None:
-            probe.output_logprobs.append(logprob)
-        if not (token in req.stop_ids or len(probe.output_ids) >= probe.params.max_new_tokens
-                or len(probe) >= self.config.max_model_len):
+        computed = probe.num_computed_tokens
+        if self.scheduler.append_token(probe, token, logprob) is None:
             return
-        self._end_probe(req, probe, SequenceStatus.FINISHED_STOPPED)
+        self._end_probe(req, probe, SequenceStatus.FINISHED_STOPPED, computed)
         parent = probe.probe_of
         tracker = req.trackers[parent.index]
         if parent.is_finished or not tracker.is_thinking:
@@ -535,8 +536,8 @@ class Engine:
         tokens = self._encode(self.reasoning.end) + answer_ids
         tokens = tokens[: max(1, parent.params.max_new_tokens - len(parent.output_ids))]
         for i, t in enumerate(tokens):
-            parent.output_ids.append(t)
-            if self._emit(parent, t, None, now, finish="stop" if i == len(tokens) - 1 else None):
+            ended = self.scheduler.append_token(parent, t)
+            if self._emit(parent, t, None, now, finish="stop" if i == len(tokens) - 1 else ended):
                 return
 
     def _note_thinking(self, tracker: ThinkingTracker) -> None:
@@ -557,8 +558,7 @@ class Engine:
         req.trackers[seq.index].forced_end = True
         ids = self._encode(req.trackers[seq.index].options.forcing_text or self.reasoning.end)
         for token in ids[: seq.params.max_new_tokens - len(seq.output_ids)]:
-            seq.output_ids.append(token)
-            if self._emit(seq, token, None, now):
+            if self._emit(seq, token, None, now, finish=self.scheduler.append_token(seq, token)):
                 return
 
     def _postprocess(self, batch: ScheduledBatch, sampling: list[Sequence], token_ids: list[int],
@@ -583,13 +583,11 @@ class Engine:
                 self._probe_token(seq, token, lp, now)
                 continue
             generated += 1
-            seq.output_ids.append(token)
-            if lp is not None:
-                seq.output_logprobs.append(lp)
+            ended = self.scheduler.append_token(seq, token, lp)  # finished here on a stop token or at its length
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 seq.record("first_token")
-            if self._emit(seq, token, lp if seq.params.logprobs else None, now):
+            if self._emit(seq, token, lp if seq.params.logprobs else None, now, finish=ended):
                 continue
             req = self._requests[seq.request_id]
             if not req.trackers:
@@ -607,8 +605,9 @@ class Engine:
         self._generated_total += generated
 
     def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float, finish: str | None = None) -> bool:
-        """Send one output token of `seq` to its request's sink; True when it finished the sample
-        (`finish` ends it on this token whatever it is)."""
+        """Send one output token of `seq` (appended already, `Scheduler.append_token`) to its request's sink; True
+        when it finished the sample: `finish` is how the scheduler ended it ("stop", "length") or how a reasoning
+        control ends it on this token, and a stop string in the text ends it too."""
         req = self._requests[seq.request_id]
         detok = req.detoks[seq.index]
         tracker = req.trackers[seq.index] if req.trackers else None
@@ -618,8 +617,6 @@ class Engine:
             text = detok.add_token(token)
             if detok.stopped_by_string:
                 finish = "stop"
-            elif finish is None and (len(seq.output_ids) >= seq.params.max_new_tokens or len(seq) >= self.config.max_model_len):
-                finish = "length"
         was_thinking = tracker is not None and tracker.is_thinking
         part = int(tracker.observe(token, text)) if tracker is not None else 0
         if was_thinking and not tracker.is_thinking:

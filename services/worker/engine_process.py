@@ -203,14 +203,18 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
             engine.stop()
 
     # commands are read on a helper thread (pure Python: it only queues them) and the loop runs here, on the
-    # thread that built the engine and compiled its kernels (see Engine.run)
+    # thread that built the engine (see Engine.run)
     threading.Thread(target=read_commands, name="cotserve-engine-commands", daemon=True).start()
+    code = 0
     try:
         engine.run()
+    except BaseException:  # noqa: BLE001 - a bug in the loop: on stderr, and the front reports the exit code
+        traceback.print_exc()
+        code = 1
     finally:
         # nothing left to flush or close: skip the interpreter's (torch's) slow teardown
         logging.shutdown()
-        os._exit(0)
+        os._exit(code)
 
 
 # ---- the front --------------------------------------------------------------------------------

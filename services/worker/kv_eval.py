@@ -57,6 +57,7 @@ def decode_logprobs(loaded: LoadedModel, tokens: list[int], prefill: int, cfg: C
     spec = KvCacheSpec.resolve(loaded.config, loaded.dtype, cfg.kv_dtype or loaded.dtype, block_size, cfg.skip_layers,
                                cfg.topk_pages, cfg.topk_dense_layers)
     runner = ModelRunner(loaded, blocks, spec)
+    runner.warmed.wait(600)  # every configuration on the same (compiled) kernels: comparisons see only the cache format
     seq = Sequence("kv-eval", prompt_ids=list(tokens[:prefill]), params=SamplingParams())
     seq.block_table = list(range(blocks))
     out, read = [], []

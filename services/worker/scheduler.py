@@ -80,7 +80,8 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 batch_min_share: float = 0.1, by_class: bool = True, max_batch_tokens_when_urgent: int = 256) -> None:
+                 batch_min_share: float = 0.1, by_class: bool = True, max_batch_tokens_when_urgent: int = 256,
+                 max_model_len: int = 2**31 - 1, eos_token_ids: frozenset[int] = frozenset()) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 <= batch_min_share <= 1.0:
@@ -92,6 +93,8 @@ class Scheduler:
         self.key = priority if by_class else arrival_order
         self.by_class = by_class
         self.max_batch_tokens_when_urgent = max_batch_tokens_when_urgent
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -181,6 +184,23 @@ class Scheduler:
             item.seq.num_computed_tokens += item.num_tokens
             self.block_manager.register_computed(item.seq)
 
+    def append_token(self, seq: Sequence, token: int, logprob: float | None = None) -> str | None:
+        """After a step, for each token generated for `seq` (sampled, or forced by a reasoning control), in order:
+        the token joins the sequence, and a sequence it ends is finished here (blocks freed): "stop" for one of its
+        stop tokens (its stop_token_ids; end of sequence unless ignore_eos), "length" at max_new_tokens or the
+        model's length; None while it goes on. Stop strings need text, so the engine finishes those (`finish`)."""
+        seq.output_ids.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            return "stop"
+        if len(seq.output_ids) >= p.max_new_tokens or len(seq) >= self.max_model_len:
+            self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+            return "length"
+        return None
+
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` (samples of `parent`'s prompt) join the running batch sharing `parent`'s
         computed blocks; each takes the seat `parent` reserved for it."""
@@ -256,7 +276,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End a sequence with a finished `status` and free its blocks."""
+        """End a sequence with a finished `status` and free its blocks (again on a finished one: only the status)."""
         assert status.is_finished, status
         self._remove(seq)
         seq.status = status

@@ -174,3 +174,22 @@ def test_block_manager_refuses_double_free_and_over_allocation():
     assert bm.num_free_blocks == 2
     bm.free(seq)  # empty table: nothing to free
     assert bm.num_free_blocks == 2
+
+
+def test_append_token_finishes_a_sequence_on_its_stop_tokens_and_at_its_length_and_frees_its_blocks():
+    s = Scheduler(BlockManager(16, 4), 8, 64, max_model_len=12, eos_token_ids=frozenset({1}))
+    stops = Sequence("stops", [5, 6, 7], SamplingParams(max_new_tokens=8, stop_token_ids=[9]))
+    eos = Sequence("eos", [5, 6, 7], SamplingParams(max_new_tokens=8))
+    ignores = Sequence("ignores", [5, 6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    long = Sequence("long", list(range(2, 12)), SamplingParams(max_new_tokens=8))  # 10 prompt tokens, model length 12
+    for seq in (stops, eos, ignores, long):
+        s.add(seq)
+    batch = s.schedule()
+    s.advance(batch)
+    assert s.append_token(stops, 4, -0.5) is None and stops.output_ids == [4] and stops.output_logprobs == [-0.5]
+    assert s.append_token(stops, 9) == "stop" and stops.status == SequenceStatus.FINISHED_STOPPED
+    assert s.append_token(eos, 1) == "stop" and eos.status == SequenceStatus.FINISHED_STOPPED
+    assert s.append_token(ignores, 1) is None  # end of sequence, ignored ...
+    assert s.append_token(ignores, 1) == "length" and ignores.status == SequenceStatus.FINISHED_LENGTH  # ... up to max_new
+    assert s.append_token(long, 3) is None and s.append_token(long, 3) == "length"  # the model's length
+    assert s.running == [] and s.block_manager.num_free_blocks == 16  # every finished sequence's blocks are back
