@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Callable, Generic, Iterator, ParamSpec, TypeVar
@@ -49,12 +50,7 @@ class CompiledOnCpu(Generic[P, R]):
         self._compiled: Callable[P, R] | None = None
         self._failed = False
         self._warming = False
-        self._lock = threading.Lock()
-
-    @property
-    def ready(self) -> bool:
-        """Calls run the compiled code (False while compiling, and when compiling is off or failed)."""
-        return self._compiled is not None and not self._warming and not self._failed and compile_enabled()
+        self._warm_lock = threading.Lock()  # one warm-up at a time (another waits its turn)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if self._failed or self._warming or args[0].device.type != "cpu" or not compile_enabled():
@@ -64,20 +60,20 @@ class CompiledOnCpu(Generic[P, R]):
         return self._run(self._compiled, *args, **kwargs)
 
     def warm_up(self, *args: P.args, **kwargs: P.kwargs) -> None:
-        """Compile by running once on `args` (CPU tensors of the shapes to come); calls from other threads
-        run eager until it is done. Nothing to do when compiled already, compiling elsewhere, or off."""
+        """Compile by running once on `args` (CPU tensors of the shapes and dtypes to come: a new dtype compiles a
+        variant of its own); calls from other threads run eager until it is done. Nothing to do when off."""
         if not compile_enabled() or args[0].device.type != "cpu":
             return
-        with self._lock:
-            if self._compiled is not None or self._failed or self._warming:
+        with self._warm_lock, _gil_handoff():
+            if self._failed:
                 return
             self._warming = True
-        try:
-            compiled = self._compile()
-            self._run(compiled, *args, **kwargs)
-            self._compiled = compiled
-        finally:
-            self._warming = False
+            try:
+                compiled = self._compiled or self._compile()
+                self._run(compiled, *args, **kwargs)
+                self._compiled = compiled
+            finally:
+                self._warming = False
 
     def _compile(self) -> Callable[P, R]:
         import torch._inductor.config as inductor_config
@@ -98,6 +94,31 @@ class CompiledOnCpu(Generic[P, R]):
             self._failed = True
             log.warning("torch.compile unavailable for %s, running eager: %s", self.fn.__name__, exc)
             return self.fn(*args, **kwargs)
+
+
+_handoff_lock = threading.Lock()
+_handoff_users = 0
+_handoff_saved = 0.005
+
+
+@contextmanager
+def _gil_handoff() -> Iterator[None]:
+    """While a compile runs on a helper thread: the compiler is Python-heavy, so hand the GIL back to the serving
+    threads every 0.2 ms (not 5 ms), or each torch op of an engine step may wait that long for it. The first of
+    overlapping users lowers the interval, the last restores it."""
+    global _handoff_users, _handoff_saved
+    with _handoff_lock:
+        if _handoff_users == 0:
+            _handoff_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_handoff_saved, 0.0002))
+        _handoff_users += 1
+    try:
+        yield
+    finally:
+        with _handoff_lock:
+            _handoff_users -= 1
+            if _handoff_users == 0:
+                sys.setswitchinterval(_handoff_saved)
 
 
 @contextmanager

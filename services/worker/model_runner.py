@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 from dataclasses import dataclass
 
@@ -99,10 +98,6 @@ class ModelRunner:
 
         @torch.inference_mode()
         def compile_all() -> None:
-            # the compiler is Python-heavy: while it runs, hand the GIL back to the engine's loop every 0.2 ms
-            # (not 5 ms), or each torch op of a step may wait that long for it
-            interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(interval, 0.0002))
             try:
                 done: set[torch.dtype] = set()
                 for cache in self.caches:
@@ -120,7 +115,6 @@ class ModelRunner:
                             dequantize_fast.warm_up(torch.zeros(*shape, cfg.head_dim, dtype=FP8, device=dev),
                                                     torch.ones(shape, dtype=FP8_SCALE_DTYPE, device=dev))
             finally:
-                sys.setswitchinterval(interval)
                 self.warmed.set()
 
         threading.Thread(target=compile_all, name="cotserve-compile", daemon=True).start()
