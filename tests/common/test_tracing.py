@@ -82,3 +82,18 @@ def test_otlp_exporter_only_when_the_endpoint_is_set():
     assert type(processor.span_exporter).__name__ == "OTLPSpanExporter"
     assert provider.resource.attributes["service.name"] == "custom"
     provider.shutdown()
+
+
+def test_health_reflection_and_worker_polls_are_not_traced_requests_are():
+    from types import SimpleNamespace
+
+    from cotserve.common.tracing import _not_health_or_reflection
+
+    def traced(method):
+        return _not_health_or_reflection(SimpleNamespace(method=method))
+
+    assert not traced("/grpc.health.v1.Health/Check") and not traced(b"/grpc.health.v1.Health/Watch")
+    assert not traced("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+    assert not traced("/cotserve.worker.v1.WorkerService/Stats") and not traced(b"/cotserve.worker.v1.WorkerService/Info")
+    assert traced("/cotserve.worker.v1.WorkerService/Generate") and traced(b"/cotserve.gateway.v1.GatewayService/GenerateStream")
+    assert traced("/cotserve.gateway.v1.GatewayService/Stats")  # only the worker's polls are skipped
