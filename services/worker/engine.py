@@ -156,7 +156,6 @@ class _Request:
     sink: Sink
     samples: list[Sequence]
     detoks: list[IncrementalDetokenizer]
-    stop_ids: frozenset[int] = field(default_factory=frozenset)
     forks: list[Sequence] = field(default_factory=list)  # samples not yet forked from samples[0]
     trackers: list[ThinkingTracker] = field(default_factory=list)  # per sample, for a reasoning model
     reasoning: ReasoningParams = ReasoningParams()
@@ -369,11 +368,9 @@ class Engine:
         if seq.request_id in self._requests:
             sink(RequestOutput(seq.request_id, 0, "", None, error=f"request_id {seq.request_id!r} is already running"))
             return
-        p = seq.params
         seq.cache_root = cache_root(self._cache_identity, self.policy_version, cache_salt)
-        stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.loaded.eos_token_ids)
         vote = VoteState(budget.self_consistency) if budget.self_consistency is not None else None
-        req = _Request(sink, [], [], stop_ids, reasoning=budget, vote=vote, num_unfinished=0)
+        req = _Request(sink, [], [], reasoning=budget, vote=vote, num_unfinished=0)
         self._requests[seq.request_id] = req
         self._start_samples(req, seq, seq.group_size)
 
@@ -524,7 +521,7 @@ class Engine:
         tracker = req.trackers[parent.index]
         if parent.is_finished or not tracker.is_thinking:
             return
-        answer_ids = [t for t in probe.output_ids if t not in req.stop_ids]
+        answer_ids = [t for t in probe.output_ids if not self.scheduler.is_stop_token(probe, t)]
         answer = self.reasoning.answer(self.loaded.tokenizer.decode(answer_ids))
         tracker.probe_answers.append((answer, mean_probability(probe.output_logprobs)))
         if tracker.converged() is None:
@@ -611,7 +608,7 @@ class Engine:
         req = self._requests[seq.request_id]
         detok = req.detoks[seq.index]
         tracker = req.trackers[seq.index] if req.trackers else None
-        if token in req.stop_ids:
+        if self.scheduler.is_stop_token(seq, token):
             finish, text = "stop", ""
         else:
             text = detok.add_token(token)

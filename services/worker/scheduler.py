@@ -192,14 +192,18 @@ class Scheduler:
         seq.output_ids.append(token)
         if logprob is not None:
             seq.output_logprobs.append(logprob)
-        p = seq.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if self.is_stop_token(seq, token):
             self.finish(seq, SequenceStatus.FINISHED_STOPPED)
             return "stop"
-        if len(seq.output_ids) >= p.max_new_tokens or len(seq) >= self.max_model_len:
+        if len(seq.output_ids) >= seq.params.max_new_tokens or len(seq) >= self.max_model_len:
             self.finish(seq, SequenceStatus.FINISHED_LENGTH)
             return "length"
         return None
+
+    def is_stop_token(self, seq: Sequence, token: int) -> bool:
+        """`token` ends `seq`: one of its stop_token_ids, or end of sequence unless it ignores that."""
+        p = seq.params
+        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` (samples of `parent`'s prompt) join the running batch sharing `parent`'s

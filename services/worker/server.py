@@ -287,11 +287,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         break
                     if out.finish_reason is not None:
                         reasons[out.index] = out.finish_reason
+                    messages.append(output_to_pb(out))
                     if out.is_last:
                         finished = True
                         self._annotate_last(span, out, reasons, phases.preemptions)
-                    messages.append(output_to_pb(out))
-                    if out.is_last:
                         break
                 for message in coalesce(messages):
                     yield message
