@@ -109,6 +109,7 @@ async def ttft_direct_and_via_gateway(gateway: str, worker: str, prompt: str, ro
     through the gateway with the SDK (what the gateway adds: auth, validation, admission, routing, one more hop)."""
     import grpc
 
+    from cotserve.bench.throughput import first_token_ms
     from cotserve.common.v1 import common_pb2
     from cotserve.sdk import AsyncClient
     from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -119,17 +120,11 @@ async def ttft_direct_and_via_gateway(gateway: str, worker: str, prompt: str, ro
     async with AsyncClient(gateway) as client, grpc.aio.insecure_channel(worker) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
 
-        async def one_direct() -> float:
-            start, first = time.perf_counter(), None
-            async for _ in stub.Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling)):
-                first = first or time.perf_counter()
-            return (first - start) * 1000
+        def one_direct():
+            return first_token_ms(stub.Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling)))
 
-        async def one_via() -> float:
-            start, first = time.perf_counter(), None
-            async for _ in client.stream(prompt, max_new_tokens=1, ignore_eos=True):
-                first = first or time.perf_counter()
-            return (first - start) * 1000
+        def one_via():
+            return first_token_ms(client.stream(prompt, max_new_tokens=1, ignore_eos=True))
 
         for _ in range(5):  # warm both paths (connections, caches)
             await one_direct()

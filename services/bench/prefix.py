@@ -22,7 +22,7 @@ from typing import Callable
 
 import grpc
 
-from cotserve.bench.throughput import prompt_of_tokens
+from cotserve.bench.throughput import first_token_ms, prompt_of_tokens
 from cotserve.common.clitools import stack
 from cotserve.common.procs import free_port, wait_warm
 from cotserve.sdk import AsyncClient
@@ -51,11 +51,7 @@ async def _worker_stats(address: str) -> worker_pb2.StatsResponse:
 
 
 async def _ttft(client: AsyncClient, prompt: str, max_new_tokens: int, **kwargs) -> float:
-    start = time.perf_counter()
-    first = None
-    async for _ in client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, timeout_s=600, **kwargs):
-        first = first or time.perf_counter()
-    return ((first or time.perf_counter()) - start) * 1000
+    return await first_token_ms(client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, timeout_s=600, **kwargs))
 
 
 def _common_prefix(seqs: list[list[int]]) -> int:

@@ -6,6 +6,7 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass
+from typing import AsyncIterable
 
 from cotserve.sdk import AsyncClient
 
@@ -34,6 +35,14 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[idx]
+
+
+async def first_token_ms(stream: AsyncIterable) -> float:
+    """Milliseconds from now to a stream's first message; the stream is read to its end."""
+    start, first = time.perf_counter(), None
+    async for _ in stream:
+        first = first or time.perf_counter()
+    return ((first or time.perf_counter()) - start) * 1000
 
 
 async def prompt_of_tokens(client: AsyncClient, num_tokens: int, model: str = "") -> str:
