@@ -250,6 +250,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         def sink(out: RequestOutput) -> None:
             mailbox.put(outputs, out)
 
+        arrival_ns = time.time_ns()  # before submit: the engine process may schedule it before this coroutine goes on
         try:
             self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class, call.cache_salt, call.budget)
         except ValueError as exc:
@@ -266,7 +267,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         })
         finished = False
         reasons: dict[int, str] = {}  # finish reason per sample
-        phases = _PhaseSpans(self.tracer, span, time.time_ns())
+        phases = _PhaseSpans(self.tracer, span, arrival_ns)
         try:
             while not finished:
                 # everything the engine produced since the last write: one message per sample and part
