@@ -81,6 +81,7 @@ def serve_worker(
     torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),
     engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", envvar="COTSERVE_ENGINE_PROCESS", help="Run the engine (model, KV cache, scheduler) in a process of its own (the default), or as a thread of the gRPC process (for debugging)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
+    stream_interval: int = typer.Option(1, envvar="COTSERVE_STREAM_INTERVAL", help="Tokens a stream holds before writing them as one message (the first token and the end go out at once); 1 writes every step's token, larger values cut serving CPU per token at the cost of burstier streams."),
 ) -> None:
     """Start one model worker."""
     from cotserve.worker.server import DEMO_MODEL, WorkerConfig, serve
@@ -94,7 +95,7 @@ def serve_worker(
         metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,
         redis_url=redis_url, worker_id=worker_id, enable_prefix_caching=prefix_caching, reasoning_start=reasoning_start,
         reasoning_end=reasoning_end, reasoning_step=reasoning_step, answer_regex=answer_regex,
-        grace_s=grace_s, engine_process=engine_process,
+        grace_s=grace_s, engine_process=engine_process, stream_interval=stream_interval,
     )
     run_service("worker", serve(cfg))
 

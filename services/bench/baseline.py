@@ -54,9 +54,25 @@ def run_transformers(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
 
 
 def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, num_requests: int,
-                    batch_size: int) -> BaselineResult:
+                    batch_size: int, threads: int | None = None) -> BaselineResult:
     """cotserve's engine alone, in this process (no gRPC, no gateway, no worker front): `num_requests` greedy
-    requests, all submitted at once, batched `batch_size` at a time by the scheduler (continuous batching)."""
+    requests, all submitted at once, batched `batch_size` at a time by the scheduler (continuous batching), on
+    `threads` torch threads (default: as this process has them)."""
+    saved = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        result = _run_engine_only(model_dir, prompt_ids, max_new_tokens, num_requests, batch_size)
+    finally:
+        torch.set_num_threads(saved)
+    if threads is None:
+        return result
+    return BaselineResult(f"{result.name}, {threads} torch thread{'s' * (threads > 1)}", result.num_requests,
+                          result.seconds, result.output_tokens)
+
+
+def _run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, num_requests: int,
+                     batch_size: int) -> BaselineResult:
     from cotserve.common.sampling import SamplingParams
     from cotserve.worker.engine import Engine
     from cotserve.worker.models.loader import load_model

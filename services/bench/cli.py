@@ -50,71 +50,86 @@ def bench_baseline(
     engine_batches: str = typer.Option("1,8,32", help="Batch sizes of the engine-only rows, each run with the CPU "
                                        "kernels compiled and eager (COTSERVE_TORCH_COMPILE=0); empty for none."),
     ttft_rounds: int = typer.Option(50, help="Requests (one at a time) for the gateway-added TTFT, per path; 0: skip."),
+    stream_intervals: str = typer.Option("1,8", help="The workers' --stream-interval for the runs through the gateway, "
+                                         "one stack started per value (ignored with --address)."),
 ) -> None:
     """Same workload through cotserve, through cotserve's engine alone and through transformers' generate; prints
-    cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process, the
-    engine alone at several batch sizes (compiled and eager kernels), and the TTFT the gateway adds."""
+    cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process (per
+    stream interval), the engine alone at several batch sizes (compiled and eager kernels), and the TTFT the
+    gateway adds."""
+    import torch
     from rich.table import Table
 
     from cotserve.bench.baseline import engine_child, run_engine_only, run_transformers, ttft_direct_and_via_gateway
-    from cotserve.bench.throughput import prompt_of_tokens, run_level, table
+    from cotserve.bench.throughput import LevelResult, prompt_of_tokens, run_level, table
     from cotserve.common.procs import free_port, wait_warm
     from cotserve.kernels.cpu_compile import compile_setting
     from cotserve.sdk import AsyncClient
-    from cotserve.worker.server import DEMO_MODEL
+    from cotserve.worker.server import DEMO_MODEL, WorkerConfig
     from cotserve.worker.utilization import process_cpu_seconds
 
     console = wide_console()
     model_dir = model or DEMO_MODEL
-    try:
-        batches = [int(b) for b in engine_batches.split(",") if b.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{engine_batches!r}: give batch sizes separated by commas, e.g. 1,8,32",
-                                 param_hint="--engine-batches") from None
-    children = []
-    if address is None:
-        children, _ = stack(model_dir, free_port(), None, full=False)
-        address = children[-1].address
-    try:
-        for child in children:
-            child.start()
-            console.print(f"starting {child.name} ...", style="dim")
-            wait_warm(child, 120)
+    batches = int_list(engine_batches, "1,8,32") if engine_batches.strip() else []
+    intervals: list[int | None] = [None] if address is not None else list(int_list(stream_intervals, "1,8"))
 
-        procs: dict[str, int] = {}
-        if children:
-            procs["worker (gRPC front)"] = children[0].proc.pid
-            engine_pid = engine_child(children[0].proc.pid)
-            if engine_pid is not None:
-                procs["worker (engine process)"] = engine_pid
-            procs["gateway"] = children[-1].proc.pid
-        cpu_before: dict[str, float] = {}
+    def through_gateway(interval: int | None, with_ttft: bool):
+        """One run through a gateway (`address`, or a worker + gateway started here with `interval`): the level's
+        result, CPU seconds per process, the TTFT pairs (or None), the prompt and its token ids."""
+        children = []
+        gateway = address
+        if gateway is None:
+            children, _ = stack(model_dir, free_port(), None, full=False, worker_extra=("--stream-interval", str(interval)))
+            gateway = children[-1].address
+        try:
+            for child in children:
+                child.start()
+                console.print(f"starting {child.name} ...", style="dim")
+                wait_warm(child, 120)
+            procs: dict[str, int] = {}
+            if children:
+                procs["worker (gRPC front)"] = children[0].proc.pid
+                engine_pid = engine_child(children[0].proc.pid)
+                if engine_pid is not None:
+                    procs["worker (engine process)"] = engine_pid
+                procs["gateway"] = children[-1].proc.pid
+            cpu_before: dict[str, float] = {}
 
-        async def ours():
-            async with AsyncClient(address) as c:
-                prompt = await prompt_of_tokens(c, prompt_tokens)
-                ids = await c.tokenize(prompt)
-                await c.generate(prompt, max_new_tokens=4)
-            cpu_before.update({name: process_cpu_seconds(pid) for name, pid in procs.items()})
-            return prompt, ids, await run_level(address, concurrency, prompt, max_new_tokens, requests)
+            async def ours():
+                async with AsyncClient(gateway) as c:
+                    prompt = await prompt_of_tokens(c, prompt_tokens)
+                    ids = await c.tokenize(prompt)
+                    await c.generate(prompt, max_new_tokens=4)
+                cpu_before.update({name: process_cpu_seconds(pid) for name, pid in procs.items()})
+                return prompt, ids, await run_level(gateway, concurrency, prompt, max_new_tokens, requests)
 
-        console.print(f"cotserve: {requests} requests at concurrency {concurrency} ...", style="dim")
-        prompt, ids, level = asyncio.run(ours())
-        cpu = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
-        ttft = None
-        if children and ttft_rounds:
-            console.print(f"TTFT: {ttft_rounds} requests one at a time, worker direct and via the gateway ...", style="dim")
-            ttft = asyncio.run(ttft_direct_and_via_gateway(address, children[0].address, prompt, ttft_rounds))
-    finally:
-        for child in reversed(children):
-            child.stop(5.0)
-    console.print(table([level]))
-    if cpu:
-        c = Table(title=f"CPU time per generated token ({level.output_tokens} tokens)")
+            label = "" if interval is None else f", stream interval {interval}"
+            console.print(f"cotserve: {requests} requests at concurrency {concurrency}{label} ...", style="dim")
+            prompt, ids, level = asyncio.run(ours())
+            cpu = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
+            ttft = None
+            if children and with_ttft:
+                console.print(f"TTFT: {ttft_rounds} requests one at a time, worker direct and via the gateway ...", style="dim")
+                ttft = asyncio.run(ttft_direct_and_via_gateway(gateway, children[0].address, prompt, ttft_rounds))
+            return level, cpu, ttft, prompt, ids
+        finally:
+            for child in reversed(children):
+                child.stop(5.0)
+
+    runs: list[tuple[int | None, LevelResult, dict[str, float]]] = []
+    ttft = None
+    for n, interval in enumerate(intervals):
+        level, cpu, got_ttft, prompt, ids = through_gateway(interval, with_ttft=n == 0 and ttft_rounds > 0)
+        runs.append((interval, level, cpu))
+        ttft = ttft or got_ttft
+    console.print(table([level for _, level, _ in runs]))
+    if runs[0][2]:
+        c = Table(title=f"CPU time per generated token ({runs[0][1].output_tokens} tokens per run)")
         c.add_column("process")
-        c.add_column("CPU ms/token", justify="right")
-        for name, seconds in cpu.items():
-            c.add_row(name, f"{seconds * 1000 / max(1, level.output_tokens):.3f}")
+        for interval, _, _ in runs:
+            c.add_column(f"CPU ms/token, stream interval {interval}", justify="right")
+        for name in runs[0][2]:
+            c.add_row(name, *(f"{cpu.get(name, 0.0) * 1000 / max(1, level.output_tokens):.3f}" for _, level, cpu in runs))
         console.print(c)
     if ttft is not None:
         direct, via = (sorted(x) for x in ttft)
@@ -122,8 +137,13 @@ def bench_baseline(
         console.print(f"TTFT p50, one request at a time: worker direct {p50[0]:.2f} ms, via the gateway {p50[1]:.2f} ms: "
                       f"the gateway adds {p50[1] - p50[0]:.2f} ms (goal <= 1 ms: {'met' if p50[1] - p50[0] <= 1 else 'NOT met'}); "
                       f"p90 {percentile(direct, 90):.2f} / {percentile(via, 90):.2f} ms")
-    console.print(f"cotserve engine only: {requests} requests, batch {concurrency} ...", style="dim")
-    engine_only = run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency)
+    # the engine alone on every core, and on the threads a worker's engine process takes here (all cores but
+    # one, left to the serving processes): what the end-to-end rate is compared with
+    worker_threads = WorkerConfig().cpu_threads
+    console.print(f"cotserve engine only: {requests} requests, batch {concurrency}, on {torch.get_num_threads()} and "
+                  f"on {worker_threads} torch threads ...", style="dim")
+    engine_only = run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency, torch.get_num_threads())
+    engine_as_worker = run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency, worker_threads)
     engine_rows = []
     for batch in batches:
         for compiled in (True, False):
@@ -134,17 +154,26 @@ def bench_baseline(
     single = run_transformers(model_dir, ids, max_new_tokens, single_requests, 1)
     console.print(f"transformers: {requests} requests in static batches of {concurrency} ...", style="dim")
     static = run_transformers(model_dir, ids, max_new_tokens, requests, concurrency)
+    first = runs[0][1]
     t = Table(title=f"{prompt_tokens}+{max_new_tokens} tokens per request, {model_dir.name}")
-    for col in ("system", "requests", "output tok/s", "cotserve ratio"):
+    for col in ("system", "requests", "output tok/s", "cotserve ratio (first row)"):
         t.add_column(col, justify="right")
-    t.add_row(f"cotserve via gateway, concurrency {concurrency}", str(level.num_requests),
-              f"{level.output_tokens_per_s:.1f}", "1.00x")
-    for b in (engine_only, single, static):
+    for interval, level, _ in runs:
+        label = "" if interval is None else f", stream interval {interval}"
+        t.add_row(f"cotserve via gateway, concurrency {concurrency}{label}", str(level.num_requests),
+                  f"{level.output_tokens_per_s:.1f}", f"{first.output_tokens_per_s / level.output_tokens_per_s:.2f}x")
+    for b in (engine_only, engine_as_worker, single, static):
         t.add_row(b.name, str(b.num_requests), f"{b.output_tokens_per_s:.1f}",
-                  f"{level.output_tokens_per_s / b.output_tokens_per_s:.2f}x")
+                  f"{first.output_tokens_per_s / b.output_tokens_per_s:.2f}x")
     console.print(t)
-    console.print(f"end to end / engine only: {level.output_tokens_per_s / engine_only.output_tokens_per_s:.2f} "
-                  "(the serving overhead's share of the engine's rate is one minus this)")
+    for interval, level, _ in runs:
+        label = "" if interval is None else f" (stream interval {interval})"
+        rate = level.output_tokens_per_s
+        console.print(f"end to end{label} / engine only on {worker_threads} thread{'s' * (worker_threads > 1)} (as in the "
+                      f"worker): {rate / engine_as_worker.output_tokens_per_s:.2f}, on all {torch.get_num_threads()}: "
+                      f"{rate / engine_only.output_tokens_per_s:.2f}; / transformers static batch: "
+                      f"{rate / static.output_tokens_per_s:.2f}")
+    console.print("(the serving overhead's share of the engine's rate is one minus the first figure)", style="dim")
     if engine_rows:
         e = Table(title="engine only (this process, one loop): CPU kernels compiled by inductor vs eager")
         for col in ("batch", "compiled tok/s", "eager tok/s", "compiled / eager"):

@@ -142,10 +142,8 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
 
     try:
         device = resolve_device(cfg.device)
-        if cfg.torch_threads is not None:
-            torch.set_num_threads(cfg.torch_threads)
-        elif device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+        if cfg.torch_threads is not None or device.type == "cpu":
+            torch.set_num_threads(cfg.cpu_threads)
         dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         loaded = load_model(cfg.model, device=device, dtype=dtype, name=cfg.served_model_name)
         econfig = engine_config(cfg, loaded)

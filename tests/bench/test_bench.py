@@ -38,12 +38,22 @@ def test_throughput_command_prints_a_row_per_level(demo_gateway):
 def test_baseline_command_prints_ratios_against_transformers():
     out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "baseline", "--concurrency", "2",
                           "--requests", "2", "--single-requests", "1", "--max-new-tokens", "4", "--prompt-tokens", "16",
-                          "--engine-batches", "3", "--ttft-rounds", "3"],
+                          "--engine-batches", "3", "--ttft-rounds", "3", "--stream-intervals", "1,2"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr + out.stdout
     assert "transformers one-at-a-time" in out.stdout and "transformers static batch of 2" in out.stdout
-    assert "cotserve engine only, batch 2" in out.stdout and "end to end / engine only: " in out.stdout
-    assert out.stdout.count("x │") == 5  # four ratio cells, and compiled / eager of the engine at batch 3
+    import os
+
+    worker_threads = max(1, (os.cpu_count() or 2) - 1)  # a worker's engine process takes all cores but one
+    assert f"cotserve engine only, batch 2, {worker_threads} torch thread" in out.stdout
+    for interval in (1, 2):  # a run through the gateway per stream interval, compared with the engine alone
+        assert f"cotserve via gateway, concurrency 2, stream interval {interval}" in out.stdout
+        assert re.search(rf"end to end \(stream interval {interval}\) / engine only on \d+ threads? \(as in the worker\): "
+                         r"[\d.]+, on all \d+: [\d.]+; / transformers static batch: [\d.]+", out.stdout), out.stdout
+    # six ratio cells (two gateway runs, the engine on all cores and on the worker's, transformers twice),
+    # and compiled / eager of the engine at batch 3
+    assert out.stdout.count("x │") == 7
+    assert "CPU ms/token, stream interval 1" in out.stdout and "CPU ms/token, stream interval 2" in out.stdout
     assert re.search(r"│\s+3 │\s+\d+ │\s+\d+ │\s+[\d.]+x │", out.stdout), out.stdout  # the engine-only row, batch 3
     assert re.search(r"TTFT p50, one request at a time: worker direct [\d.]+ ms, via the gateway [\d.]+ ms: "
                      r"the gateway adds -?[\d.]+ ms", out.stdout), out.stdout

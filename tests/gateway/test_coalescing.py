@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import pytest
 
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -54,3 +55,44 @@ def test_a_slow_reader_of_the_worker_gets_every_token_in_order_in_fewer_chunks(d
     # parts never mix in one chunk: the reasoning chunks' texts end where the answer's begin
     parts = [c.part for c in chunks]
     assert parts == sorted(parts)  # reasoning (1) before answer (2), no interleaving
+
+
+def test_a_stream_interval_sends_tokens_in_groups_on_both_hops_from_the_first_token_on(demo_worker):
+    """`--stream-interval 8`: a reader that keeps up still gets the tokens 8 or more to a message through the
+    gateway (the worker holds them; the gateway passes them through), the first one alone and at once; the
+    tokens, texts and logprobs are those of a worker that writes every token."""
+    from tests.conftest import start_gateway, start_worker, stop_process
+
+    req = worker_pb2.GenerateRequest(prompt_text="37+48-12=", sampling=sampling())
+    with grpc.insecure_channel(demo_worker) as ch:
+        every = list(worker_pb2_grpc.WorkerServiceStub(ch).Generate(req, timeout=60))
+    assert len(every) > NEW_TOKENS / 2  # a reader that keeps up with an interval of 1: about one token a message
+    worker, worker_address = start_worker("--stream-interval", "8")
+    try:
+        gateway, gateway_address = start_gateway(worker_address)
+        try:
+            with grpc.insecure_channel(gateway_address) as ch:
+                stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+                chunks = list(stub.GenerateStream(gateway_pb2.GenerateStreamRequest(prompt="37+48-12=", sampling=sampling()),
+                                                  timeout=60))
+        finally:
+            stop_process(gateway)
+    finally:
+        stop_process(worker)
+    assert [t for c in chunks for t in c.token_ids] == [t for c in every for t in c.token_ids]
+    # (the new worker may still run the eager kernels while it compiles: sums associate differently)
+    assert [lp for c in chunks for lp in c.logprobs] == pytest.approx([lp for c in every for lp in c.logprobs], abs=1e-4)
+    assert "".join(c.text for c in chunks) == "".join(c.text for c in every)
+    sizes = [len(c.token_ids) for c in chunks]
+    assert sizes[0] == 1, sizes  # the first token is not held back
+    # the others 8 or more to a message, but where the reasoning part ends (one write, two chunks) and at the end
+    assert sum(1 for n in sizes[1:] if n < 8) <= 3, sizes
+    assert len(chunks) <= 3 + (NEW_TOKENS - 1) // 8, sizes
+    assert chunks[-1].usage.completion_tokens == NEW_TOKENS and chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_a_stream_interval_below_one_is_refused_naming_the_field():
+    from cotserve.worker.server import WorkerConfig
+
+    with pytest.raises(ValueError, match="stream_interval: 0, must be >= 1"):
+        WorkerConfig(stream_interval=0).validate()
