@@ -40,11 +40,11 @@ lint-protos:
 
 ## Retrain the bundled demo model (about 15 minutes on 2 CPU cores).
 demo-model:
-	$(PYTHON) -m cotserve.worker.demo.train --out services/worker/demo/model
+	$(PYTHON) -m cotserve.demo.train --out services/worker/demo/model
 
 ## Retrain the reasoning testbed from the demo model (about 12 minutes on 2 CPU cores).
 testbed-model:
-	$(PYTHON) -m cotserve.worker.demo.train --task testbed --out services/worker/demo/testbed
+	$(PYTHON) -m cotserve.demo.train --task testbed --out services/worker/demo/testbed
 
 ## Rebuild the shipped WASI modules (needs Debian's clang, lld, wasi-libc, libclang-rt-dev-wasm32).
 wasm-modules:

@@ -15,13 +15,14 @@ from typing import Optional
 import typer
 
 from cotserve.bench.cli import bench_app
-from cotserve.common.clitools import fail, run_service, setup_logging, stack
+from cotserve.common.clitools import fail, run_service, setup_logging
+from cotserve.common.topology import stack
 from cotserve.gateway.cli import tenants_app
 from cotserve.router.cli import moe_app
 from cotserve.sandbox.cli import sandbox_app
 from cotserve.slo.cli import slo_app
 from cotserve.telemetry.cli import heatmap_command, trace_app
-from cotserve.worker.kv_cli import kv_app
+from cotserve.kveval.cli import kv_app
 
 app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_show_locals=False)
@@ -131,14 +132,15 @@ def serve_gateway(
 ) -> None:
     """Start one gateway in front of one or more workers."""
     from cotserve.common.sampling import SlaClass
-    from cotserve.gateway.admission import AdmissionConfig, parse_target
+    from cotserve.common.sla import sla_targets
+    from cotserve.gateway.admission import AdmissionConfig
     from cotserve.gateway.server import GatewayConfig, serve
 
     setup_logging()
     try:
         admission = AdmissionConfig(enabled=not no_admission, batch_limit=batch_limit,
                                     max_queue={SlaClass.INTERACTIVE: max_queue_interactive, SlaClass.BATCH: max_queue_batch})
-        admission.targets.update(parse_target(t) for t in sla_target)
+        admission.targets = sla_targets(sla_target)
         cfg = GatewayConfig(host=host, port=port, workers=list(worker), workers_file=workers_file,
                             poll_interval_s=poll_interval_s, grace_s=grace_s, admission=admission,
                             metrics_port=metrics_port, tenants_file=tenants_file, redis_url=redis_url,
@@ -198,13 +200,13 @@ def serve_slo(
     advice_interval_s: float = typer.Option(10.0, help="Seconds between scale-advice rounds."),
     scale_down_below: float = typer.Option(0.2, help="Forecast below which, sustained, replicas may go down."),
     scale_down_after_s: float = typer.Option(300.0, help="Seconds the forecast must stay low before SCALE_DOWN."),
-    sla_target: list[str] = typer.Option([], "--sla-target", help="CLASS=TTFT_MS/ITL_P95_MS, as the gateway's (repeatable; default realtime=250/50, interactive=1000/100, batch=30000/1000)."),
+    sla_target: list[str] = typer.Option([], "--sla-target", envvar="COTSERVE_SLA_TARGETS", help="CLASS=TTFT_MS/ITL_P95_MS, as the gateway's (repeatable; default realtime=250/50, interactive=1000/100, batch=30000/1000)."),
     redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis to publish advice on (cotserve:slo:advice); none: streams and gauges only."),
     metrics_port: int = typer.Option(0, envvar="COTSERVE_SLO_METRICS_PORT", help="Port for Prometheus /metrics with the advice gauges (0 = off)."),
     grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight calls on SIGTERM."),
 ) -> None:
     """Start the SLO predictor: XGBoost violation forecasts, latency predictions, scale advice."""
-    from cotserve.slo.features import parse_targets
+    from cotserve.common.sla import sla_targets
     from cotserve.slo.server import SloConfig, serve
 
     setup_logging()
@@ -212,7 +214,7 @@ def serve_slo(
         cfg = SloConfig(host=host, port=port, horizon_s=horizon_s, threshold=threshold, retrain_interval_s=retrain_interval_s,
                         min_new_windows=min_new_windows, advice_interval_s=advice_interval_s, scale_down_below=scale_down_below,
                         scale_down_after_s=scale_down_after_s, redis_url=redis_url, metrics_port=metrics_port, grace_s=grace_s,
-                        targets=parse_targets(sla_target))
+                        targets=sla_targets(sla_target))
         if no_state:
             cfg.state_dir = None
         elif state_dir is not None:
@@ -286,7 +288,7 @@ def up(
     Each run's logs go to one folder (~/.cache/cotserve/up/<time>-<pid>/, the last five runs kept)."""
     from rich.console import Console
 
-    from cotserve.common.procs import CrashLoop, Supervisor, run_dir, wait_serving
+    from cotserve.common.procs import CrashLoop, Supervisor, run_dir, running, wait_serving
 
     console = Console(stderr=True)
     logs = run_dir()
@@ -302,35 +304,36 @@ def up(
     signal.signal(signal.SIGINT, on_signal)
     failure: str | None = None
     console.print(f"logs: {logs}")
+
+    def wait(child) -> None:  # each service's start, with a ticking status line; Ctrl-C while waiting stops it all
+        started = time.monotonic()
+        with console.status(f"starting {child.name} ...") as status:
+            def progress() -> None:
+                status.update(f"starting {child.name} ... {time.monotonic() - started:.0f}s")
+                if stopping:
+                    raise KeyboardInterrupt
+            wait_serving(child, start_timeout_s, progress)
+        console.print(f"[green]✓[/green] {child.name} ready on {child.address}")
+
     try:
-        for child in children:
-            child.start()
-            started = time.monotonic()
-            with console.status(f"starting {child.name} ...") as status:
-                def progress() -> None:
-                    status.update(f"starting {child.name} ... {time.monotonic() - started:.0f}s")
-                    if stopping:
-                        raise KeyboardInterrupt
-                wait_serving(child, start_timeout_s, progress)
-            console.print(f"[green]✓[/green] {child.name} ready on {child.address}")
-        console.print(f"cotserve is up: gateway on 127.0.0.1:{port} (redis {redis_url})")
-        console.print(f'  try: cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream')
-        console.print(f"  latency heatmaps: http://127.0.0.1:{telemetry_http_port}/  "
-                      f"(or cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)")
-        supervisor = Supervisor(children, lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False),
-                                start_timeout_s=start_timeout_s, max_crashes=max_crashes)
-        while not stopping:
-            supervisor.poll()
-            time.sleep(0.25)
+        with running(children, grace_s=5.0, wait=wait):
+            console.print(f"cotserve is up: gateway on 127.0.0.1:{port} (redis {redis_url})")
+            console.print(f'  try: cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream')
+            console.print(f"  latency heatmaps: http://127.0.0.1:{telemetry_http_port}/  "
+                          f"(or cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)")
+            supervisor = Supervisor(children, lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False),
+                                    start_timeout_s=start_timeout_s, max_crashes=max_crashes)
+            try:
+                while not stopping:
+                    supervisor.poll()
+                    time.sleep(0.25)
+            finally:
+                console.print("stopping ...")
     except (RuntimeError, CrashLoop) as exc:  # a service that would not start, or one that keeps crashing
         failure = str(exc)
     except KeyboardInterrupt:
         pass
-    finally:
-        console.print("stopping ...")
-        for child in reversed(children):
-            child.stop(grace_s=5.0)
-        console.print(f"stopped (logs in {logs})")
+    console.print(f"stopped (logs in {logs})")
     if failure is not None:
         console.print("[red]cotserve up failed:[/red]", end=" ")
         console.print(failure, markup=False, soft_wrap=True, highlight=False)
@@ -446,7 +449,7 @@ def demo_train(
     seed: int = typer.Option(0, help="Seed for weights and data."),
 ) -> None:
     """Train the demo arithmetic model or the reasoning testbed (15-25 minutes on 2 CPU cores)."""
-    from cotserve.worker.demo.train import main as train_main
+    from cotserve.demo.train import main as train_main
 
     train_main(["--out", str(out), "--task", task, "--seed", str(seed), *(["--steps", str(steps)] if steps is not None else [])])
 
@@ -459,7 +462,7 @@ def demo_eval(
     concurrency: int = typer.Option(32, help="Requests in flight at once."),
 ) -> None:
     """Ask a served demo model fresh arithmetic problems (greedy) and print its exact-answer accuracy."""
-    from cotserve.worker.demo.evaluate import evaluate
+    from cotserve.demo.evaluate import evaluate
 
     result = asyncio.run(evaluate(address, n=n, seed=seed, concurrency=concurrency, progress=True))
     typer.echo(f"accuracy {result.correct}/{result.total} = {result.accuracy:.1%} ({result.seconds:.1f}s)")

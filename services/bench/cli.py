@@ -9,8 +9,9 @@ from typing import Optional
 
 import typer
 
-from cotserve.bench.throughput import percentile
-from cotserve.common.clitools import int_list, stack, wide_console
+from cotserve.common.stats import percentile
+from cotserve.common.clitools import int_list, wide_console
+from cotserve.common.topology import stack
 
 
 bench_app = typer.Typer(help="Benchmarks: tables, and ratios against a baseline run in the same process.", no_args_is_help=True)
@@ -62,7 +63,7 @@ def bench_baseline(
 
     from cotserve.bench.baseline import engine_child, run_engine_only, run_transformers, ttft_direct_and_via_gateway
     from cotserve.bench.throughput import LevelResult, prompt_of_tokens, run_level, table
-    from cotserve.common.procs import free_port, wait_warm
+    from cotserve.common.procs import free_port, running
     from cotserve.kernels.cpu_compile import compile_setting
     from cotserve.sdk import AsyncClient
     from cotserve.worker.server import DEMO_MODEL, WorkerConfig
@@ -81,11 +82,7 @@ def bench_baseline(
         if gateway is None:
             children, _ = stack(model_dir, free_port(), None, full=False, worker_extra=("--stream-interval", str(interval)))
             gateway = children[-1].address
-        try:
-            for child in children:
-                child.start()
-                console.print(f"starting {child.name} ...", style="dim")
-                wait_warm(child, 120)
+        with running(children, on_start=lambda child: console.print(f"starting {child.name} ...", style="dim")):
             procs: dict[str, int] = {}
             if children:
                 procs["worker (gRPC front)"] = children[0].proc.pid
@@ -112,9 +109,6 @@ def bench_baseline(
                 console.print(f"TTFT: {ttft_rounds} requests one at a time, worker direct and via the gateway ...", style="dim")
                 ttft = asyncio.run(ttft_direct_and_via_gateway(gateway, children[0].address, prompt, ttft_rounds))
             return level, cpu, ttft, prompt, ids
-        finally:
-            for child in reversed(children):
-                child.stop(5.0)
 
     runs: list[tuple[int | None, LevelResult, dict[str, float]]] = []
     ttft = None
@@ -195,7 +189,7 @@ def bench_isolation(
 ) -> None:
     """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
     from cotserve.bench.isolation import RunResult, drive, goals, summarize
-    from cotserve.common.procs import free_port, wait_warm
+    from cotserve.common.procs import free_port, running
 
     console = wide_console()
     worker_common = ("--max-num-seqs", str(max_num_seqs))
@@ -207,18 +201,12 @@ def bench_isolation(
     results = []
     for name, flood, wargs, gargs in runs:
         children, _ = stack(model, free_port(), None, full=False, worker_extra=wargs, gateway_extra=gargs)
-        try:
-            for child in children:
-                child.start()
-                wait_warm(child, 120)
+        with running(children):
             console.print(f"{name}: {duration_s:.0f} s ...", style="dim")
             seconds, records, flood_tokens = asyncio.run(drive(
                 children[-1].address, duration_s=duration_s, flood_concurrency=flood,
                 interactive_rps=interactive_rps, realtime_rps=realtime_rps))
             results.append(RunResult(name, seconds, records, flood_tokens))
-        finally:
-            for child in reversed(children):
-                child.stop(5.0)
     console.print(summarize(results))
     for line in goals(*results):
         console.print(line)
@@ -259,9 +247,9 @@ def bench_moe(
     """Policy propagation: SetPolicy returning -> every worker has applied that version (p50/p99)."""
     import tempfile
 
-    from cotserve.bench.moe import make_mixtral, measure_propagation, stop_all
-    from cotserve.bench.throughput import percentile
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_warm
+    from cotserve.bench.moe import make_mixtral, measure_propagation
+    from cotserve.common.stats import percentile
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, running
 
     console = wide_console()
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,17 +265,39 @@ def bench_moe(
         router_addr = f"127.0.0.1:{free_port()}"
         children.append(Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1],
                                                                 "--redis-url", url, "--no-balance"), grpc_ready(router_addr)))
-        try:
-            for child in children:
-                child.start()
-                wait_warm(child, 120)
+        with running(children):
             console.print(f"{workers} workers, {updates} policy updates ...", style="dim")
             times = measure_propagation(router_addr, url, "moe-bench", names, updates,
                                         progress=lambda m: console.print(m, style="dim"))
-        finally:
-            stop_all([c.proc for c in reversed(children) if c.proc is not None])
     console.print(f"propagation to all {workers} workers over {updates} updates: p50 {percentile(times, 50):.2f} ms, "
                   f"p99 {percentile(times, 99):.2f} ms, max {max(times):.2f} ms (goal: p99 < 50 ms)")
+
+
+def _watch_balance(router_addr: str, timeout_s: float, console) -> tuple[list, object]:
+    """Poll the router each second for the skewed model's per-layer balancedness until every layer has held
+    >= 0.9 for three polls or `timeout_s` passed: [(seconds, policy version, balancedness per layer)], last policy."""
+    import grpc
+
+    from cotserve.router.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(router_addr) as ch:
+        router = router_pb2_grpc.RouterServiceStub(ch)
+
+        def balance() -> tuple[int, list[float]]:
+            resp = router.GetExpertLoad(router_pb2.GetExpertLoadRequest(model="moe-skewed", window_ms=2000))
+            version = router.GetPolicy(router_pb2.GetPolicyRequest(model="moe-skewed")).policy.version
+            return version, [l.balancedness for l in resp.layers]
+
+        start = time.monotonic()
+        history = []
+        while time.monotonic() - start < timeout_s:
+            time.sleep(1.0)
+            history.append((time.monotonic() - start, *balance()))
+            t_s, version, b = history[-1]
+            console.print(f"  {t_s:5.1f}s  policy v{version}  balancedness {' '.join(f'{x:.3f}' for x in b)}", style="dim")
+            if len(history) >= 3 and all(min(h[2] or [0]) >= 0.9 for h in history[-3:]):
+                break
+        return history, router.GetPolicy(router_pb2.GetPolicyRequest(model="moe-skewed")).policy
 
 
 @bench_app.command("moe-balance")
@@ -303,11 +313,10 @@ def bench_moe_balance(
 
     import grpc
 
-    from cotserve.bench.moe import make_mixtral, mean_kl, stop_all
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, wait_warm
+    from cotserve.bench.moe import make_mixtral, mean_kl
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, running
     from cotserve.common.v1 import common_pb2
-    from cotserve.router import protocol
-    from cotserve.router.v1 import router_pb2, router_pb2_grpc
+    from cotserve.common import moe_protocol as protocol
     from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
     console = wide_console()
@@ -337,34 +346,14 @@ def bench_moe_balance(
                         pass
                     i += 1
 
-        try:
-            for child in children:
-                child.start()
-                wait_warm(child, 120)
+        with running(children):
             loaders = [threading.Thread(target=load_loop, daemon=True) for _ in range(4)]
             for t in loaders:
                 t.start()
-            with grpc.insecure_channel(router_addr) as ch:
-                router = router_pb2_grpc.RouterServiceStub(ch)
-
-                def balance() -> tuple[int, list[float]]:
-                    resp = router.GetExpertLoad(router_pb2.GetExpertLoadRequest(model="moe-skewed", window_ms=2000))
-                    version = router.GetPolicy(router_pb2.GetPolicyRequest(model="moe-skewed")).policy.version
-                    return version, [l.balancedness for l in resp.layers]
-
-                start = time.monotonic()
-                history = []
-                while time.monotonic() - start < timeout_s:
-                    time.sleep(1.0)
-                    history.append((time.monotonic() - start, *balance()))
-                    t_s, version, b = history[-1]
-                    console.print(f"  {t_s:5.1f}s  policy v{version}  balancedness {' '.join(f'{x:.3f}' for x in b)}", style="dim")
-                    if len(history) >= 3 and all(min(h[2] or [0]) >= 0.9 for h in history[-3:]):
-                        break
-                final = router.GetPolicy(router_pb2.GetPolicyRequest(model="moe-skewed")).policy
-        finally:
-            stop.set()
-            stop_all([c.proc for c in reversed(children) if c.proc is not None])
+            try:
+                history, final = _watch_balance(router_addr, timeout_s, console)
+            finally:
+                stop.set()
         first = next((h for h in history if h[2]), None)
         converged = next((h for h in history if h[2] and min(h[2]) >= 0.9), None)
         kl = mean_kl(model_dir, protocol.to_routing(final), prompts)

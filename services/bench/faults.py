@@ -35,7 +35,7 @@ from typing import Callable
 
 import grpc
 
-from cotserve.common.procs import Child, Supervisor, free_port, wait_warm
+from cotserve.common.procs import Child, Supervisor, free_port, running
 from cotserve.sdk import AsyncClient, CotserveError
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -215,7 +215,7 @@ async def run_phase(load: Load, child: Child, target: str, mode: str, worker: Ch
 
 def faults(targets: tuple[str, ...], modes: tuple[str, ...], stop_s: float, settle_s: float, max_new_tokens: int,
            log: Callable[[str], None], log_dir: Path) -> list[PhaseResult]:
-    from cotserve.common.clitools import stack
+    from cotserve.common.topology import stack
     from cotserve.gateway.tenants import add_key
 
     tenants = log_dir / "tenants.toml"
@@ -227,49 +227,51 @@ def faults(targets: tuple[str, ...], modes: tuple[str, ...], stop_s: float, sett
                                 # BATCH deferral on the SLO forecast is a load decision, not a fault: off, so that
                                 # every failure counted here is one a fault caused
                                 gateway_extra=("--tenants-file", str(tenants), "--no-slo-admission"), log_dir=log_dir)
+    with running(children, timeout_s=180, grace_s=3.0, on_start=lambda child: log(f"starting {child.name} ...")):
+        return _with_faults(children, redis_url, targets, modes, stop_s, settle_s, max_new_tokens, (open_key, limited_key), log)
+
+
+def _with_faults(children: list[Child], redis_url: str, targets: tuple[str, ...], modes: tuple[str, ...], stop_s: float,
+                 settle_s: float, max_new_tokens: int, keys: tuple[str, str], log: Callable[[str], None]) -> list[PhaseResult]:
+    """The stack is up: supervise it on a thread (restarts, as `up` does), drive the clients, and fault each target
+    in each mode."""
     by_name = {c.name: c for c in children}
+    open_key, limited_key = keys
     stop = threading.Event()
     failure: list[BaseException] = []
+    supervisor = Supervisor(children, lambda line: log("  supervisor: " + line.splitlines()[0]))
+
+    def supervise() -> None:
+        try:
+            while not stop.is_set():
+                supervisor.poll()
+                time.sleep(0.1)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failure.append(exc)
+
+    clients = [ClientSpec("realtime", "realtime", open_key), ClientSpec("interactive-1", "interactive", open_key),
+               ClientSpec("interactive-2", "interactive", open_key), ClientSpec("batch", "batch", open_key),
+               ClientSpec("limited", "interactive", limited_key),
+               ClientSpec("post", "interactive", open_key, post_processor="strip-think")]
+
+    async def main() -> list[PhaseResult]:
+        load = Load(by_name["gateway"].address, clients, max_new_tokens, no_answer_s=45.0)
+        load.start()
+        results = []
+        try:
+            for target in targets:
+                for mode in modes:
+                    log(f"{target}: {'SIGKILL' if mode == 'kill' else f'SIGSTOP for {stop_s:.0f}s'} ...")
+                    results.append(await run_phase(load, by_name[target], target, mode, by_name["worker"], redis_url,
+                                                   stop_s, settle_s, log))
+                    if failure:
+                        raise failure[0]
+        finally:
+            await load.close()
+        return results
+
+    threading.Thread(target=supervise, name="cotserve-bench-supervisor", daemon=True).start()
     try:
-        for child in children:
-            log(f"starting {child.name} ...")
-            child.start()
-            wait_warm(child, 180)
-        supervisor = Supervisor(children, lambda line: log("  supervisor: " + line.splitlines()[0]))
-
-        def supervise() -> None:
-            try:
-                while not stop.is_set():
-                    supervisor.poll()
-                    time.sleep(0.1)
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                failure.append(exc)
-
-        thread = threading.Thread(target=supervise, name="cotserve-bench-supervisor", daemon=True)
-        thread.start()
-        clients = [ClientSpec("realtime", "realtime", open_key), ClientSpec("interactive-1", "interactive", open_key),
-                   ClientSpec("interactive-2", "interactive", open_key), ClientSpec("batch", "batch", open_key),
-                   ClientSpec("limited", "interactive", limited_key),
-                   ClientSpec("post", "interactive", open_key, post_processor="strip-think")]
-
-        async def main() -> list[PhaseResult]:
-            load = Load(by_name["gateway"].address, clients, max_new_tokens, no_answer_s=45.0)
-            load.start()
-            results = []
-            try:
-                for target in targets:
-                    for mode in modes:
-                        log(f"{target}: {'SIGKILL' if mode == 'kill' else f'SIGSTOP for {stop_s:.0f}s'} ...")
-                        results.append(await run_phase(load, by_name[target], target, mode, by_name["worker"], redis_url,
-                                                       stop_s, settle_s, log))
-                        if failure:
-                            raise failure[0]
-            finally:
-                await load.close()
-            return results
-
         return asyncio.run(main())
     finally:
         stop.set()
-        for child in reversed(children):
-            child.stop(grace_s=3.0)

@@ -15,9 +15,9 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from cotserve.bench.throughput import percentile
+from cotserve.common.stats import percentile
 from cotserve.common.sampling import SlaClass
-from cotserve.gateway.admission import DEFAULT_TARGETS, SlaTarget
+from cotserve.common.sla import DEFAULT_SLA_TARGETS, SlaTarget
 from cotserve.sdk import AsyncClient, CotserveError, ResourceExhausted
 
 
@@ -127,7 +127,7 @@ def summarize(results: list[RunResult]):
         for cls, recs in r.by_class.items():
             ttft = [x.ttft_ms for x in recs if x.ttft_ms is not None]
             itl = [g for x in recs for g in x.itl_ms]
-            missed = sum(x.missed(DEFAULT_TARGETS[cls]) for x in recs) / max(1, len(recs))
+            missed = sum(x.missed(DEFAULT_SLA_TARGETS[cls]) for x in recs) / max(1, len(recs))
             t.add_row(r.name, cls.name, str(len(recs)),
                       f"{percentile(ttft, 50):.1f}/{percentile(ttft, 99):.1f}",
                       f"{percentile(itl, 50):.1f}/{percentile(itl, 99):.1f}",
@@ -141,7 +141,7 @@ def goals(alone: RunResult, on: RunResult, fifo: RunResult) -> list[str]:
         return percentile([x.ttft_ms for x in r.by_class[SlaClass.INTERACTIVE] if x.ttft_ms is not None], 99)
 
     recs = on.by_class[SlaClass.INTERACTIVE]
-    miss = sum(x.missed(DEFAULT_TARGETS[SlaClass.INTERACTIVE]) for x in recs) / max(1, len(recs))
+    miss = sum(x.missed(DEFAULT_SLA_TARGETS[SlaClass.INTERACTIVE]) for x in recs) / max(1, len(recs))
     ratio = p99(on) / p99(alone) if p99(alone) else float("nan")
     share = on.total_tokens_per_s / fifo.total_tokens_per_s if fifo.total_tokens_per_s else float("nan")
     return [

@@ -9,14 +9,13 @@ version in `cotserve:moe:{model}:applied:{worker}`.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from cotserve.worker.demo.tokenizer import VOCAB_SIZE, build_tokenizer
+from cotserve.demo.tokenizer import VOCAB_SIZE, build_tokenizer
 from cotserve.worker.models.config import ModelConfig
 from cotserve.worker.models.llama import LlamaForCausalLM
 
@@ -64,7 +63,7 @@ def measure_propagation(router_address: str, redis_url: str, model: str, workers
     import grpc
     import redis
 
-    from cotserve.router import protocol
+    from cotserve.common import moe_protocol as protocol
     from cotserve.router.v1 import router_pb2, router_pb2_grpc
 
     r = redis.Redis.from_url(redis_url)
@@ -88,20 +87,9 @@ def measure_propagation(router_address: str, redis_url: str, model: str, workers
     return times_ms
 
 
-def stop_all(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 def mean_kl(model_dir: Path, policy, prompts: list[list[int]]) -> float:
     """Mean KL(unbiased || with policy) of next-token distributions over every prompt position."""
-    from cotserve.common.routing import RoutingPolicy
+    from cotserve.common.moe_policy import RoutingPolicy
     from cotserve.worker.models.attention import DenseCausalAttention
     from cotserve.worker.models.loader import load_model
 

@@ -23,8 +23,8 @@ from typing import Callable
 import grpc
 
 from cotserve.bench.throughput import first_token_ms, prompt_of_tokens
-from cotserve.common.clitools import stack
-from cotserve.common.procs import free_port, wait_warm
+from cotserve.common.topology import stack
+from cotserve.common.procs import free_port, running
 from cotserve.sdk import AsyncClient
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -73,10 +73,9 @@ class Stack:
         self.log = log
 
     def __enter__(self) -> "Stack":
-        for child in self.children:
-            self.log(f"  starting {child.name} ...")
-            child.start()
-            wait_warm(child, 180)
+        self._running = running(self.children, timeout_s=180, grace_s=2.0,
+                                on_start=lambda child: self.log(f"  starting {child.name} ..."))
+        self._running.__enter__()
         return self
 
     @property
@@ -88,8 +87,7 @@ class Stack:
         return self.children[-1].address
 
     def __exit__(self, *exc: object) -> None:
-        for child in reversed(self.children):
-            child.stop(grace_s=2.0)
+        self._running.__exit__(*exc)
 
 
 async def _measure(name: str, st: Stack, unique_tokens: int, work) -> RunResult:

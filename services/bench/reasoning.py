@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from cotserve.sdk import AsyncClient, EarlyExit, GenerateResult, Reasoning, SelfConsistency
-from cotserve.worker.demo.arithmetic import Problem, testbed_problems
+from cotserve.demo.arithmetic import Problem, testbed_problems
 
 TESTBED = Path(__file__).resolve().parents[1] / "worker" / "demo" / "testbed"
 PROBLEM_SEED = 20_261_203

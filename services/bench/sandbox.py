@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from cotserve.bench.guard import ATTACKS, ordinary_prompts
-from cotserve.bench.throughput import percentile
+from cotserve.common.stats import percentile
 from cotserve.sandbox.runner import Limits, Outcome, SandboxEngine
 from cotserve.sandbox.server import SHIPPED_DIR, SandboxConfig
 

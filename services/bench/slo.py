@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cotserve.bench.isolation import RequestRecord, _one
-from cotserve.bench.throughput import percentile, prompt_of_tokens
+from cotserve.bench.throughput import prompt_of_tokens
+from cotserve.common.stats import percentile
 from cotserve.common.sampling import SlaClass
-from cotserve.gateway.admission import DEFAULT_TARGETS
+from cotserve.common.sla import DEFAULT_SLA_TARGETS
 from cotserve.sdk import AsyncClient, CotserveError, ResourceExhausted
 
 CYCLE_S = 60
@@ -62,7 +63,7 @@ class LoadResult:
 
     def miss_rate(self, cls: SlaClass) -> float:
         recs = self.of(cls)
-        return sum(r.missed(DEFAULT_TARGETS[cls]) for r in recs) / len(recs) if recs else math.nan
+        return sum(r.missed(DEFAULT_SLA_TARGETS[cls]) for r in recs) / len(recs) if recs else math.nan
 
     def ttft_p99(self, cls: SlaClass) -> float:
         values = [r.ttft_ms for r in self.of(cls) if r.ttft_ms is not None]
@@ -155,8 +156,7 @@ async def _prompts(address: str) -> tuple[list[str], list[str]]:
 
 
 def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progress) -> dict:
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, wait_warm
-    from cotserve.slo.model import Untrained, evaluate
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
     state = Path(tempfile.mkdtemp(prefix="cotserve-bench-slo-"))
     worker_addr, slo_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -174,56 +174,44 @@ def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progr
                                                  "--slo-admission" if admission else "--no-slo-admission"), grpc_ready(addr))
 
     out: dict = {}
-    running: list[Child] = []
+    with running([worker]):
+        with running([slo_child(), gateway_child(admission=False)]) as (_, gw):
+            short, long = asyncio.run(_prompts(gw.address))
+            cap = asyncio.run(capacity(gw.address, short))
+            out["capacity_rps"] = cap
+            progress(f"capacity: {cap:.1f} INTERACTIVE requests/s; recording {duration_s:.0f} s of time-varying load ...")
+            out["recorded"] = asyncio.run(drive(gw.address, duration_s, cap, short, long, seed, progress))
+            time.sleep(2.5)  # the last windows reach the predictor
+            if not _train(slo_addr, state, out):
+                return out
+        with running([slo_child()]):  # loads the models just saved
+            for admission in (False, True):
+                with running([gateway_child(admission)]) as (gw,):
+                    time.sleep(3)  # the gateway's first forecasts
+                    progress(f"replaying {replay_s:.0f} s of bursty load, prediction-driven admission {'on' if admission else 'off'} ...")
+                    out["on" if admission else "off"] = asyncio.run(drive(gw.address, replay_s, cap, short, long, seed + 1, progress))
+    return out
 
-    def start(child: Child) -> Child:
-        child.start()
-        running.append(child)
-        wait_warm(child, 120)
-        return child
 
-    def stop(child: Child) -> None:
-        child.stop(grace_s=5.0)
-        running.remove(child)
+def _train(slo_addr: str, state: Path, out: dict) -> bool:
+    """Export what the predictor recorded, evaluate and train on it, save the models under `state`; into `out` the
+    counts and the evaluation (or why it could not train: then False)."""
+    import grpc
 
+    from cotserve.slo.history import export_all
+    from cotserve.slo.model import Untrained, evaluate
+    from cotserve.slo.v1 import slo_pb2_grpc
+
+    with grpc.insecure_channel(slo_addr) as ch:
+        windows, requests, _ = export_all(slo_pb2_grpc.SloServiceStub(ch))
+    out["windows"], out["requests"] = len(windows), len(requests)
     try:
-        start(worker)
-        slo = start(slo_child())
-        gw = start(gateway_child(admission=False))
-        short, long = asyncio.run(_prompts(gw.address))
-        cap = asyncio.run(capacity(gw.address, short))
-        out["capacity_rps"] = cap
-        progress(f"capacity: {cap:.1f} INTERACTIVE requests/s; recording {duration_s:.0f} s of time-varying load ...")
-        out["recorded"] = asyncio.run(drive(gw.address, duration_s, cap, short, long, seed, progress))
-        time.sleep(2.5)  # the last windows reach the predictor
-
-        import grpc
-
-        from cotserve.slo.history import export_all
-        from cotserve.slo.v1 import slo_pb2_grpc
-
-        with grpc.insecure_channel(slo_addr) as ch:
-            windows, requests, _ = export_all(slo_pb2_grpc.SloServiceStub(ch))
-        out["windows"], out["requests"] = len(windows), len(requests)
-        try:
-            ev, fc, lm = evaluate(windows, requests)
-            out["evaluation"] = ev
-        except Untrained as exc:
-            out["untrained"] = str(exc)
-            return out
-        fc.save(state / "models")
-        if lm.is_trained:
-            lm.save(state / "models")
-        stop(gw)
-        stop(slo)
-        slo = start(slo_child())  # loads the models just saved
-        for admission in (False, True):
-            gw = start(gateway_child(admission))
-            time.sleep(3)  # the gateway's first forecasts
-            progress(f"replaying {replay_s:.0f} s of bursty load, prediction-driven admission {'on' if admission else 'off'} ...")
-            out["on" if admission else "off"] = asyncio.run(drive(gw.address, replay_s, cap, short, long, seed + 1, progress))
-            stop(gw)
-        return out
-    finally:
-        for child in reversed(running):
-            child.stop(grace_s=5.0)
+        ev, fc, lm = evaluate(windows, requests)
+        out["evaluation"] = ev
+    except Untrained as exc:
+        out["untrained"] = str(exc)
+        return False
+    fc.save(state / "models")
+    if lm.is_trained:
+        lm.save(state / "models")
+    return True

@@ -112,7 +112,7 @@ def run(num_batches: int, concurrency: int, progress) -> tuple[ReceiverRun, Rece
     """Both receivers, each in its own process; returns (null, telemetry, telemetry's stats)."""
     import grpc
 
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, wait_serving
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running, wait_serving
     from cotserve.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 
     progress(f"building {num_batches} export requests of up to {BATCH_SPANS} spans ...")
@@ -127,9 +127,7 @@ def run(num_batches: int, concurrency: int, progress) -> tuple[ReceiverRun, Rece
                 grpc_ready(f"127.0.0.1:{tel_port}"))
     stats = {}
     for child in (null, tel):
-        child.start()
-        try:
-            wait_serving(child, 60, lambda: None)
+        with running([child], grace_s=2.0, wait=lambda c: wait_serving(c, 60, lambda: None)):
             progress(f"sending {num_batches * per_batch} spans to the {child.name} ...")
             results.append(asyncio.run(drive(child.address, batches, per_batch, concurrency, child.name)))
             if child is tel:
@@ -137,8 +135,6 @@ def run(num_batches: int, concurrency: int, progress) -> tuple[ReceiverRun, Rece
                     s = telemetry_pb2_grpc.TelemetryServiceStub(ch).GetStats(telemetry_pb2.GetStatsRequest(), timeout=10)
                     stats = {"spans_received": s.spans_received, "spans_malformed": s.spans_malformed,
                              "requests_aggregated": s.requests_aggregated}
-        finally:
-            child.stop(grace_s=2.0)
     return results[0], results[1], stats
 
 

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterable
 
+from cotserve.common.stats import percentile
 from cotserve.sdk import AsyncClient
 
 
@@ -27,14 +28,6 @@ class LevelResult:
     @property
     def output_tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    idx = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[idx]
 
 
 async def first_token_ms(stream: AsyncIterable) -> float:

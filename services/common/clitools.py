@@ -1,12 +1,11 @@
-"""Helpers shared by the `cotserve` commands: logging, error exits, wide tables, the local stack."""
+"""Helpers shared by the `cotserve` commands: logging, error exits, flag parsing, wide tables."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import sys
-from pathlib import Path
-from typing import Callable, Coroutine, NoReturn, Optional
+from typing import Coroutine, NoReturn
 
 import typer
 
@@ -52,57 +51,3 @@ def wide_console():
     from rich.console import Console
 
     return Console() if sys.stdout.isatty() else Console(width=160)
-
-
-def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool = True,
-          worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = (),
-          telemetry_port: int = 4317, telemetry_http_port: int = 8317, log_dir: Optional[Path] = None) -> tuple[list, str]:
-    """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
-    starts only the worker and the gateway. With `full`, the telemetry service starts first and every
-    other service exports its spans to it over OTLP (batched every half second); the gateway reports
-    its windows to the SLO predictor and follows its forecasts.
-
-    Only the ports a user names (the gateway's, telemetry's) are fixed. The internal services bind a
-    free port themselves and report it (`Child.argv_for`); the embedded Redis listens on a unix socket
-    of its own. Start them in order: each one's command line is built when it starts, from the
-    addresses its dependencies reported."""
-    from cotserve.common.procs import Child, grpc_ready, python_cli, redis_socket_child
-
-    def service(name: str, args: Callable[[int], list[str]], env: dict[str, str]) -> Child:
-        return Child(name, "", [], None, env, argv_for=lambda p: python_cli("serve", name, "--port", str(p), *args(p)),
-                     log_dir=log_dir)
-
-    children = []
-    if redis_url is None and full:
-        redis, redis_url = redis_socket_child()
-        redis.log_dir = log_dir
-        children.append(redis)
-    env = {"COTSERVE_REDIS_URL": redis_url} if redis_url else {}
-    if full:
-        telemetry_addr = f"127.0.0.1:{telemetry_port}"
-        children.append(Child("telemetry", telemetry_addr,
-                              python_cli("serve", "telemetry", "--port", str(telemetry_port), "--http-port", str(telemetry_http_port)),
-                              grpc_ready(telemetry_addr), env, log_dir=log_dir))
-        env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{telemetry_addr}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-               "OTEL_BSP_SCHEDULE_DELAY": "500"}
-    # the bundled demo model ends each reasoning step with "."; another model's steps are its operator's to name
-    demo = ["--reasoning-step", "."] if model is None and "--model" not in worker_extra else []
-    model_args = ["--model", str(model)] if model else []
-    worker = service("worker", lambda p: [*demo, *worker_extra, *model_args], env)
-    children.append(worker)
-    gateway_args: list[Child] = []
-    if full:
-        slo = service("slo", lambda p: [], env)
-        router = service("router", lambda p: [], env)
-        sandbox = service("sandbox", lambda p: [], env)
-        children += [slo, router, sandbox]
-        gateway_args = [sandbox, slo]
-    gateway_addr = f"127.0.0.1:{port}"
-
-    def gateway_argv(p: int) -> list[str]:
-        linked = ["--sandbox", gateway_args[0].address, "--slo", gateway_args[1].address] if gateway_args else []
-        return python_cli("serve", "gateway", "--port", str(port), "--worker", worker.address, *linked, *gateway_extra)
-
-    children.append(Child("gateway", gateway_addr, [], grpc_ready(gateway_addr), env, argv_for=gateway_argv,
-                          log_dir=log_dir, port=port))
-    return children, redis_url

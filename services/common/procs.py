@@ -11,9 +11,10 @@ import sys
 import tempfile
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -215,6 +216,27 @@ def wait_warm(child: Child, timeout_s: float) -> None:
     wait_serving(child, timeout_s, lambda: None)
     if child.name.startswith("worker"):
         wait_kernels_ready(child.address, timeout_s)
+
+
+@contextmanager
+def running(children: list[Child], timeout_s: float = 120.0, grace_s: float = 5.0,
+            wait: Callable[[Child], None] | None = None, on_start: Callable[[Child], None] | None = None) -> Iterator[list[Child]]:
+    """The one way the CLI (`up`) and the benchmarks run their processes: start `children` in order, each waited
+    for before the next starts (`wait`, default `wait_warm`: SERVING, and a worker's kernels compiled), yield them,
+    and stop those started in reverse order however the block ends. A child that exits or does not come up in
+    time raises RuntimeError with the tail of its log."""
+    started: list[Child] = []
+    try:
+        for child in children:
+            child.start()
+            started.append(child)
+            if on_start is not None:
+                on_start(child)
+            (wait or (lambda c: wait_warm(c, timeout_s)))(child)
+        yield children
+    finally:
+        for child in reversed(started):
+            child.stop(grace_s)
 
 
 def redis_socket_child() -> tuple[Child, str]:

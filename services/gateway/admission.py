@@ -24,29 +24,18 @@ from dataclasses import dataclass, field
 
 from cotserve.common.errors import ResourceExhausted
 from cotserve.common.sampling import SlaClass
+from cotserve.common.sla import SlaTarget, sla_targets
+from cotserve.common.stats import percentile
 
 
 class QueueDeadlineExceeded(Exception):
     """The request's deadline passed while it waited in the gateway; it never reached a worker."""
 
 
-@dataclass(slots=True, frozen=True)
-class SlaTarget:
-    ttft_ms: float
-    itl_p95_ms: float
-
-
-DEFAULT_TARGETS = {
-    SlaClass.REALTIME: SlaTarget(ttft_ms=250.0, itl_p95_ms=50.0),
-    SlaClass.INTERACTIVE: SlaTarget(ttft_ms=1000.0, itl_p95_ms=100.0),
-    SlaClass.BATCH: SlaTarget(ttft_ms=30000.0, itl_p95_ms=1000.0),
-}
-
-
 @dataclass(slots=True)
 class AdmissionConfig:
     enabled: bool = True  # False: every request goes straight to its worker (a benchmark baseline)
-    targets: dict[SlaClass, SlaTarget] = field(default_factory=lambda: dict(DEFAULT_TARGETS))
+    targets: dict[SlaClass, SlaTarget] = field(default_factory=sla_targets)
     interactive_initial_limit: int = 8
     interactive_min_limit: int = 2
     interactive_max_limit: int = 32
@@ -55,20 +44,6 @@ class AdmissionConfig:
     max_queue: dict[SlaClass, int] = field(default_factory=lambda: {SlaClass.INTERACTIVE: 256, SlaClass.BATCH: 1024})
     min_samples: int = 20
     window_s: float = 2.0
-
-
-def parse_target(text: str) -> tuple[SlaClass, SlaTarget]:
-    """`interactive=1000/100` -> (INTERACTIVE, SlaTarget(ttft_ms=1000, itl_p95_ms=100))."""
-    name, _, values = text.partition("=")
-    ttft, _, itl = values.partition("/")
-    try:
-        cls = SlaClass[name.strip().upper()]
-        target = SlaTarget(float(ttft), float(itl))
-    except (KeyError, ValueError):
-        raise ValueError(f"sla_target: {text!r} is not CLASS=TTFT_MS/ITL_P95_MS (classes: realtime, interactive, batch)") from None
-    if target.ttft_ms <= 0 or target.itl_p95_ms <= 0:
-        raise ValueError(f"sla_target: {text!r}: both targets must be > 0 ms")
-    return cls, target
 
 
 @dataclass(slots=True)
@@ -173,8 +148,7 @@ class Admission:
             self._itl.popleft()
         if len(self._itl) < self.config.min_samples:
             return None
-        ordered = sorted(ms for _, ms in self._itl)
-        return ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        return percentile((ms for _, ms in self._itl), 95)
 
     def on_stats(self, load: WorkerLoad) -> None:
         """Called on every Stats poll: adapt the INTERACTIVE limit, then admit what now fits."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -23,8 +22,9 @@ import grpc
 from cotserve.common.tracing import RECONNECT_OPTIONS
 
 from cotserve.common.sampling import SlaClass
+from cotserve.common.stats import percentile
 from cotserve.common.v1 import common_pb2
-from cotserve.slo.features import worker_total
+from cotserve.common.windows import worker_total
 from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
 
 log = logging.getLogger("cotserve.gateway")
@@ -36,13 +36,6 @@ PB_CLASS = {SlaClass.REALTIME: common_pb2.SLA_CLASS_REALTIME, SlaClass.INTERACTI
 def queued(worker) -> int:
     """Requests of every class waiting in this gateway's admission queues for `worker`."""
     return sum(len(q) for q in worker.admission.queues.values())
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[max(1, math.ceil(q * len(s))) - 1]
 
 
 @dataclass(slots=True)
@@ -139,8 +132,9 @@ class SloLink:
                 per_class.append(slo_pb2.MetricsWindow(
                     start_unix_ms=start_unix_ms, model=w.model, worker=w.address, sla_class=PB_CLASS[cls],
                     arrivals=a.arrivals, completions=a.completions, first_tokens=len(a.ttft),
-                    ttft_p50_ms=_pct(a.ttft, 0.5), ttft_p95_ms=_pct(a.ttft, 0.95), ttft_p99_ms=_pct(a.ttft, 0.99),
-                    itl_p50_ms=_pct(a.itl, 0.5), itl_p95_ms=_pct(a.itl, 0.95), itl_p99_ms=_pct(a.itl, 0.99),
+                    ttft_p50_ms=percentile(a.ttft, 50, empty=0.0), ttft_p95_ms=percentile(a.ttft, 95, empty=0.0), ttft_p99_ms=percentile(a.ttft, 99, empty=0.0),
+                    itl_p50_ms=percentile(a.itl, 50, empty=0.0), itl_p95_ms=percentile(a.itl, 95, empty=0.0),
+                    itl_p99_ms=percentile(a.itl, 99, empty=0.0),
                     queue_depth=waiting_here, in_flight=max(0, self.in_flight[(w.model, w.address, cls)]),
                     kv_used_fraction=(s.kv_blocks_used / total_blocks) if total_blocks else 0.0,
                     preemptions=preemptions, output_tokens_per_s=float(a.tokens),

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from cotserve.common.errors import CotserveError, InvalidArgument, NotFound
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
-from cotserve.router import protocol
+from cotserve.common import moe_protocol as protocol
 from cotserve.router.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("cotserve.router")

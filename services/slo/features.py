@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cotserve.common.sampling import SlaClass
+from cotserve.common.sla import DEFAULT_SLA_TARGETS, SlaTarget
 from cotserve.common.v1 import common_pb2
 from cotserve.slo.v1 import slo_pb2
 
@@ -28,26 +30,6 @@ CLASS_NAMES = ("REALTIME", "INTERACTIVE", "BATCH")
 PB_CLASSES = (common_pb2.SLA_CLASS_REALTIME, common_pb2.SLA_CLASS_INTERACTIVE, common_pb2.SLA_CLASS_BATCH)
 CLASS_INDEX = {pb: i for i, pb in enumerate(PB_CLASSES)}
 LOOKBACK_S = 60
-
-
-@dataclass(slots=True, frozen=True)
-class Target:
-    ttft_ms: float
-    itl_p95_ms: float
-
-
-DEFAULT_TARGETS = (Target(250.0, 50.0), Target(1000.0, 100.0), Target(30000.0, 1000.0))
-
-
-def parse_targets(texts: list[str]) -> tuple[Target, ...]:
-    """The defaults with `CLASS=TTFT_MS/ITL_P95_MS` overrides (the gateway's --sla-target syntax)."""
-    from cotserve.gateway.admission import parse_target
-
-    targets = list(DEFAULT_TARGETS)
-    for text in texts:
-        cls, t = parse_target(text)
-        targets[int(cls)] = Target(t.ttft_ms, t.itl_p95_ms)
-    return tuple(targets)
 
 
 @dataclass(slots=True)
@@ -118,10 +100,15 @@ def build_series(windows, t_end_ms: int | None = None) -> ModelSeries | None:
     return s
 
 
-def violations(s: ModelSeries, targets=DEFAULT_TARGETS) -> np.ndarray:
+def _target_columns(targets: dict[SlaClass, SlaTarget]) -> tuple[np.ndarray, np.ndarray]:
+    """[3, 1] TTFT and ITL p95 targets, in class order."""
+    return (np.array([targets[c].ttft_ms for c in SlaClass])[:, None],
+            np.array([targets[c].itl_p95_ms for c in SlaClass])[:, None])
+
+
+def violations(s: ModelSeries, targets: dict[SlaClass, SlaTarget] = DEFAULT_SLA_TARGETS) -> np.ndarray:
     """[3, n] booleans: the class missed its target in that second."""
-    ttft_t = np.array([t.ttft_ms for t in targets])[:, None]
-    itl_t = np.array([t.itl_p95_ms for t in targets])[:, None]
+    ttft_t, itl_t = _target_columns(targets)
     return (s.first_tokens > 0) & ((s.ttft_p99 > ttft_t) | (s.itl_p95 > itl_t))
 
 
@@ -177,11 +164,10 @@ FEATURES = (
 )
 
 
-def feature_matrix(s: ModelSeries, targets=DEFAULT_TARGETS) -> np.ndarray:
+def feature_matrix(s: ModelSeries, targets: dict[SlaClass, SlaTarget] = DEFAULT_SLA_TARGETS) -> np.ndarray:
     """[3, n, len(FEATURES)]: every class's features at every second."""
     n = s.n
-    ttft_t = np.array([t.ttft_ms for t in targets])[:, None]
-    itl_t = np.array([t.itl_p95_ms for t in targets])[:, None]
+    ttft_t, itl_t = _target_columns(targets)
     ttft_rel, p50_rel, itl_rel = s.ttft_p99 / ttft_t, s.ttft_p50 / ttft_t, s.itl_p95 / itl_t
     viol = violations(s, targets).astype(float)
     all_arr, all_comp = s.arrivals.sum(0), s.completions.sum(0)
@@ -220,35 +206,6 @@ def baseline_score(s: ModelSeries) -> np.ndarray:
 LATENCY_FEATURES = ("prompt_tokens", "max_new_tokens", "is_realtime", "is_interactive", "is_batch",
                     "w_in_flight", "w_queue", "w_waiting", "w_kv_used", "w_arrivals", "w_tokens_per_s",
                     "w_utilization", "w_ttft_p50", "w_itl_p50")
-
-
-def worker_total(windows, worker: str = "", start_unix_ms: int = 0) -> slo_pb2.MetricsWindow:
-    """One worker's windows of one second (one per class) as a single worker-level window: counts
-    and queues summed, latencies the arrival-weighted mean of the classes' p50s."""
-    total = slo_pb2.MetricsWindow(worker=worker, start_unix_ms=start_unix_ms)
-    ttft_w = itl_w = 0.0
-    for w in windows:
-        total.model = total.model or w.model
-        total.arrivals += w.arrivals
-        total.completions += w.completions
-        total.first_tokens += w.first_tokens
-        total.queue_depth += w.queue_depth
-        total.in_flight += w.in_flight
-        total.preemptions = max(total.preemptions, w.preemptions)
-        total.output_tokens_per_s += w.output_tokens_per_s
-        total.worker_waiting = max(total.worker_waiting, w.worker_waiting)
-        total.kv_used_fraction = max(total.kv_used_fraction, w.kv_used_fraction)
-        total.utilization = max(total.utilization, w.utilization)
-        total.utilization_is_cpu = w.utilization_is_cpu
-        total.memory_used_bytes = max(total.memory_used_bytes, w.memory_used_bytes)
-        ttft_w += w.ttft_p50_ms * w.first_tokens
-        itl_w += w.itl_p50_ms * max(w.completions, w.first_tokens)
-    if total.first_tokens:
-        total.ttft_p50_ms = ttft_w / total.first_tokens
-    denom = sum(max(w.completions, w.first_tokens) for w in windows)
-    if denom:
-        total.itl_p50_ms = itl_w / denom
-    return total
 
 
 def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, state: slo_pb2.MetricsWindow) -> list[float]:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cotserve.common.sla import DEFAULT_SLA_TARGETS
+from cotserve.common.windows import worker_total
 from cotserve.slo import features as F
 
 log = logging.getLogger("cotserve.slo")
@@ -48,7 +50,7 @@ class ForecastData:
     violation: np.ndarray     # whether that row's own second violated (for lead times)
 
 
-def forecast_data(windows, horizon_s: int, targets=F.DEFAULT_TARGETS, until_ms: int | None = None) -> ForecastData:
+def forecast_data(windows, horizon_s: int, targets=DEFAULT_SLA_TARGETS, until_ms: int | None = None) -> ForecastData:
     """Every labelled (model, class, second) of the history; with `until_ms`, only rows whose
     horizon ends before it (so a training stretch never peeks past its end)."""
     by_model = defaultdict(list)
@@ -86,7 +88,7 @@ def latency_data(windows, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         ws = by_second.get((r.worker, r.start_unix_ms // 1000 * 1000 - 1000))
         if not ws:
             continue
-        state = F.worker_total(ws)
+        state = worker_total(ws)
         state.in_flight, state.queue_depth = r.in_flight_at_start, r.queued_at_start  # as the gateway saw it then
         X.append(F.latency_row(r.prompt_tokens, r.max_new_tokens, r.sla_class, state))
         ttft.append(math.log1p(r.ttft_ms))
@@ -318,7 +320,7 @@ class Evaluation:
 
 
 def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7, threshold: float = 0.7,
-             targets=F.DEFAULT_TARGETS) -> tuple[Evaluation, Forecaster, LatencyModel]:
+             targets=DEFAULT_SLA_TARGETS) -> tuple[Evaluation, Forecaster, LatencyModel]:
     """Fit on the first `train_fraction` of the time span, evaluate on the rest."""
     windows, requests = list(windows), list(requests)
     if not windows:

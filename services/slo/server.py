@@ -27,7 +27,9 @@ from prometheus_client import CollectorRegistry, Gauge
 from cotserve.common.errors import InvalidArgument
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.paths import cache_dir
+from cotserve.common.sampling import SlaClass
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
+from cotserve.common.sla import SlaTarget, sla_targets
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
 from cotserve.slo import features as F
@@ -57,7 +59,7 @@ class SloConfig:
     max_windows: int = 200_000
     redis_url: str | None = None
     metrics_port: int = 0
-    targets: tuple = F.DEFAULT_TARGETS
+    targets: dict[SlaClass, SlaTarget] = field(default_factory=sla_targets)
     grace_s: float = 5.0
 
     def validate(self) -> None:

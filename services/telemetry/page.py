@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import time
+from typing import Callable
 from urllib.parse import parse_qs, urlsplit
 
 from cotserve.common.v1 import common_pb2
@@ -169,10 +170,10 @@ def _response(writer: asyncio.StreamWriter, status: str, ctype: str, body: bytes
                  "Cache-Control: no-store\r\nConnection: close\r\n\r\n".encode() + body)
 
 
-async def start_http(state, host: str, port: int) -> tuple[asyncio.AbstractServer, int]:
+async def start_http(heatmap: Callable[[telemetry_pb2.GetHeatmapRequest], telemetry_pb2.GetHeatmapResponse],
+                     host: str, port: int) -> tuple[asyncio.AbstractServer, int]:
     """A minimal HTTP/1.1 server on the service's event loop: `/` (the page), `/api/heatmap` (JSON,
-    query: metric, sla, tenant, window_s, model_version) and `/healthz`."""
-    from cotserve.telemetry.server import heatmap
+    query: metric, sla, tenant, window_s, model_version; answered by `heatmap`, the service's own) and `/healthz`."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -190,7 +191,7 @@ async def start_http(state, host: str, port: int) -> tuple[asyncio.AbstractServe
                 try:
                     filters = {"sla": q.get("sla", ""), "tenant": q.get("tenant", ""), "window_s": float(q.get("window_s", 0) or 0)}
                     req = heatmap_request(q.get("metric", "ttft"), model_version=q.get("model_version", ""), **filters)
-                    body, status = heatmap_json(heatmap(state, req), filters), "200 OK"
+                    body, status = heatmap_json(heatmap(req), filters), "200 OK"
                 except ValueError as exc:
                     body, status = {"error": str(exc)}, "400 Bad Request"
                 _response(writer, status, "application/json", json.dumps(body).encode())

@@ -224,7 +224,7 @@ async def start_telemetry(cfg: TelemetryConfig) -> RunningTelemetry:
     if cfg.http_port is not None:
         from cotserve.telemetry.page import start_http
 
-        http, http_port = await start_http(state, cfg.host, cfg.http_port)
+        http, http_port = await start_http(lambda request: heatmap(state, request), cfg.host, cfg.http_port)
     await server.start()
     await server.set_serving()
     running = RunningTelemetry(server, state, cfg, http, http_port, None)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from cotserve.common.sampling import ReasoningParams
+from cotserve.common.stats import percentile
 from cotserve.worker.block_manager import BlockManager, cache_root
 from cotserve.worker.detokenizer import IncrementalDetokenizer
 from cotserve.worker.kv_spec import KvCacheSpec
@@ -172,13 +173,6 @@ class _Request:
         out = tuple(events[self.num_events_sent :])
         self.num_events_sent = len(events)
         return out
-
-
-def _percentile(ordered: list[float], q: float) -> float:
-    """`q`-quantile of already sorted values (0.0 when there are none)."""
-    if not ordered:
-        return 0.0
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @dataclass(slots=True, frozen=True)
@@ -720,15 +714,15 @@ class Engine:
         while self._tokens and now - self._tokens[0][0] > 10.0:
             self._tokens.popleft()
         span = max(1e-3, now - self._tokens[0][0]) if len(self._tokens) > 1 else 1.0
-        steps = sorted(self._step_ms)  # sorted once for both percentiles
+        steps = self._step_ms
         bm = self.block_manager
         self._stats = EngineStats(
             num_running_seqs=len(self.scheduler.running),
             num_waiting_seqs=len(self.scheduler.waiting),
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_free=self.block_manager.num_free_blocks,
-            step_latency_p50_ms=_percentile(steps, 0.5),
-            step_latency_p95_ms=_percentile(steps, 0.95),
+            step_latency_p50_ms=percentile(steps, 50, empty=0.0),
+            step_latency_p95_ms=percentile(steps, 95, empty=0.0),
             generated_tokens_per_s=sum(n for _, n in self._tokens) / span if self._tokens else 0.0,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_requests_finished_total=self._finished_total,

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.router import protocol
+from cotserve.common import moe_protocol as protocol
 from cotserve.worker.engine import Engine
 
 log = logging.getLogger("cotserve.worker.moe")

@@ -33,7 +33,7 @@ from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.kv_spec import KV_CACHE_DTYPES
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
-from cotserve.worker.requests import check_text_length, generate_from_pb, max_token_chars, output_to_pb
+from cotserve.worker.convert import check_text_length, generate_from_pb, max_token_chars, output_to_pb
 from cotserve.worker.utilization import UtilizationProbe
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 

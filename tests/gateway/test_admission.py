@@ -8,7 +8,7 @@ import pytest
 
 from cotserve.common.errors import ResourceExhausted
 from cotserve.common.sampling import SlaClass
-from cotserve.gateway.admission import Admission, AdmissionConfig, QueueDeadlineExceeded, WorkerLoad, parse_target
+from cotserve.gateway.admission import Admission, AdmissionConfig, QueueDeadlineExceeded, WorkerLoad
 
 R, I, B = SlaClass.REALTIME, SlaClass.INTERACTIVE, SlaClass.BATCH
 ROOMY = WorkerLoad(kv_blocks_free=90, kv_blocks_total=100, num_waiting_urgent=0)
@@ -162,10 +162,3 @@ def test_too_few_samples_leave_the_limit_alone():
     a.on_stats(ROOMY)
     assert a.limit[I] == 8
 
-
-def test_parse_target():
-    assert parse_target("interactive=800/80") == (I, parse_target("INTERACTIVE=800/80")[1])
-    assert parse_target("realtime=100/20")[1].itl_p95_ms == 20.0
-    for bad in ("fast=1/2", "interactive=1", "batch=-5/3"):
-        with pytest.raises(ValueError, match="sla_target"):
-            parse_target(bad)

@@ -21,7 +21,7 @@ from cotserve.common.v1 import common_pb2
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.gateway.slo_link import SloLink, SloLinkConfig
 from cotserve.sdk import AsyncClient, ResourceExhausted
-from cotserve.slo.features import worker_total
+from cotserve.common.windows import worker_total
 from cotserve.slo.server import SloConfig, start_slo
 from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
 from cotserve.worker.server import WorkerConfig, start_worker

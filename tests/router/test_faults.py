@@ -9,7 +9,7 @@ import time
 import redis.asyncio as aioredis
 
 from cotserve.common.procs import redis_child
-from cotserve.router import protocol
+from cotserve.common import moe_protocol as protocol
 from cotserve.router.v1 import router_pb2
 from cotserve.worker.sequence import SamplingParams
 from cotserve.worker.server import WorkerConfig, start_worker

@@ -8,7 +8,7 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from cotserve.router import protocol
+from cotserve.common import moe_protocol as protocol
 from cotserve.router.v1 import router_pb2
 from cotserve.sdk import AsyncClient
 from cotserve.worker.server import WorkerConfig, start_worker

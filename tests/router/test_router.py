@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.router import protocol
+from cotserve.common import moe_protocol as protocol
 from cotserve.router.server import (
     RouterConfig, balance_once, balancedness, consume_load, expert_load, proportional_rule, sign_rule, start_router,
 )

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cotserve.common.v1 import common_pb2
+from cotserve.common.windows import worker_total
 from cotserve.slo import features as F
 from cotserve.slo.v1 import slo_pb2
 
@@ -64,11 +65,8 @@ def test_feature_matrix_shape_and_meaning():
 
 
 def test_worker_total_sums_classes_into_one_worker_window():
-    total = F.worker_total([win(0, arrivals=2, in_flight=3, first_tokens=2, ttft_p50_ms=100, kv_used_fraction=0.5),
+    total = worker_total([win(0, arrivals=2, in_flight=3, first_tokens=2, ttft_p50_ms=100, kv_used_fraction=0.5),
                             win(0, cls=common_pb2.SLA_CLASS_BATCH, arrivals=1, in_flight=5, first_tokens=1, ttft_p50_ms=400,
                                 kv_used_fraction=0.5)], "w1", T0)
     assert (total.arrivals, total.in_flight, total.kv_used_fraction) == (3, 8, 0.5)
     assert total.ttft_p50_ms == pytest.approx(200)
-    assert F.parse_targets(["interactive=500/80"])[1] == F.Target(500, 80)
-    with pytest.raises(ValueError, match="sla_target"):
-        F.parse_targets(["gold=1/2"])

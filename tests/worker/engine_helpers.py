@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from cotserve.worker.demo.tokenizer import build_tokenizer
+from cotserve.demo.tokenizer import build_tokenizer
 from cotserve.worker.engine import Engine, RequestOutput
 from cotserve.worker.sequence import SamplingParams
 

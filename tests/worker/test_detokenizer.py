@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cotserve.worker.demo.tokenizer import build_tokenizer
+from cotserve.demo.tokenizer import build_tokenizer
 from cotserve.worker.detokenizer import IncrementalDetokenizer
 
 

@@ -17,7 +17,7 @@ from cotserve.common.v1 import common_pb2
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import Ballot, ReasoningFormat, ThinkingTracker, VoteState, leader_stays_probability, tally
-from cotserve.worker.requests import check_budget
+from cotserve.worker.convert import check_budget
 from cotserve.worker.sequence import SamplingParams
 from cotserve.worker.server import DEMO_MODEL
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from cotserve.worker.demo.arithmetic import problems
+from cotserve.demo.arithmetic import problems
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.sampler import Sampler

@@ -18,13 +18,13 @@ import torch
 from cotserve.common.procs import free_port
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.sdk import AsyncClient
-from cotserve.worker.demo.arithmetic import problems
-from cotserve.worker.demo.evaluate import evaluate
+from cotserve.demo.arithmetic import problems
+from cotserve.demo.evaluate import evaluate
 from cotserve.worker.server import WorkerConfig, start_worker
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import start_worker as start_worker_process
 from tests.conftest import stop_process
-from tests.worker.demo.test_demo_model import FIXED_SAMPLE_SEED
+from tests.demo.test_demo_model import FIXED_SAMPLE_SEED
 
 
 def test_every_kv_cache_dtype_serves_through_the_gateway():

@@ -12,7 +12,7 @@ from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import Part, ReasoningFormat, ThinkingTracker
-from cotserve.worker.requests import check_budget
+from cotserve.worker.convert import check_budget
 from cotserve.worker.sequence import SamplingParams
 from cotserve.worker.server import DEMO_MODEL
 

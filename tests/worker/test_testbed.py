@@ -7,8 +7,8 @@ import torch
 
 from cotserve.bench.reasoning import TESTBED
 from cotserve.common.sampling import EarlyExitParams, ReasoningParams
-from cotserve.worker.demo import arithmetic
-from cotserve.worker.demo.arithmetic import Problem, parse_answer
+from cotserve.demo import arithmetic
+from cotserve.demo.arithmetic import Problem, parse_answer
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import ReasoningFormat

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cotserve.common.routing import LayerRouting, RoutingPolicy
+from cotserve.common.moe_policy import LayerRouting, RoutingPolicy
 
 __all__ = ["Expert", "LayerRouting", "RoutingPolicy", "SparseMoeBlock"]
 from cotserve.worker.models.config import ModelConfig

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cotserve.worker.demo.arithmetic import problems
-from cotserve.worker.kv_eval import CacheConfig, compare, decode_logprobs, windows_of
+from cotserve.demo.arithmetic import problems
+from cotserve.kveval.evaluate import CacheConfig, compare, decode_logprobs, windows_of
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.server import DEMO_MODEL
 

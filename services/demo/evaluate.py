@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 
 from cotserve.common.v1 import common_pb2
-from cotserve.worker.demo.arithmetic import Problem, parse_answer, problems
+from cotserve.demo.arithmetic import Problem, parse_answer, problems
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cotserve.worker.demo.train import main as train
+from cotserve.demo.train import main as train
 from cotserve.worker.models.loader import load_model
 
 

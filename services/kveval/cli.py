@@ -39,7 +39,7 @@ def kv_eval(
     """Perplexity, KL, top-1 agreement and KV bytes read per decode step of each cache configuration against full precision."""
     from rich.table import Table
 
-    from cotserve.worker.kv_eval import evaluate_cache, standard_configs
+    from cotserve.kveval.evaluate import evaluate_cache, standard_configs
 
     console = wide_console()
     loaded, ids = _load(model, text, device)
@@ -72,7 +72,7 @@ def kv_calibrate(
     device: str = typer.Option("auto", help="cpu, cuda, cuda:N or auto."),
 ) -> None:
     """Each layer's sensitivity (output KL when only that layer is FP8) and the skip list for a budget."""
-    from cotserve.worker.kv_eval import calibrate
+    from cotserve.kveval.evaluate import calibrate
 
     loaded, ids = _load(model, text, device)
     if context > min(len(ids), loaded.config.max_context):

@@ -1,6 +1,6 @@
 """Train the long-context test checkpoint: a small Llama that reads Python source, context 2048.
 
-    python -m cotserve.worker.demo.train_longctx --out tests/fixtures/stdlib_llama
+    python -m cotserve.demo.train_longctx --out tests/fixtures/stdlib_llama
 
 Why it exists: a model with random weights attends almost uniformly, so it says nothing about what
 FP8 pages or top-k page selection cost. This one is trained on the Python standard library's own
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from cotserve.worker.demo.train import forward_dense
+from cotserve.demo.train import forward_dense
 from cotserve.worker.models.config import ModelConfig
 from cotserve.worker.models.llama import LlamaForCausalLM
 

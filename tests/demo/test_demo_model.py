@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from cotserve.worker.demo.arithmetic import Problem, parse_answer, problems
-from cotserve.worker.demo.evaluate import evaluate
+from cotserve.demo.arithmetic import Problem, parse_answer, problems
+from cotserve.demo.evaluate import evaluate
 
 FIXED_SAMPLE_SEED = 2024  # a fixed sample of 50, distinct from training's and the 500-problem report's
 

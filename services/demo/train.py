@@ -1,7 +1,7 @@
 """Train the bundled demo model: a tiny Llama that does arithmetic as a chain of thought.
 
-    python -m cotserve.worker.demo.train --out services/worker/demo/model
-    python -m cotserve.worker.demo.train --task testbed --out services/worker/demo/testbed
+    python -m cotserve.demo.train --out services/worker/demo/model
+    python -m cotserve.demo.train --task testbed --out services/worker/demo/testbed
 
 `--task testbed` trains the reasoning testbed instead (see `arithmetic.py`): 3 to 7 operands, a
 backward check before the end of thinking, chains that slip at a fixed rate, and chains cut short
@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from cotserve.worker.demo.arithmetic import (FORCED_RATE, TESTBED_MAX_OPERANDS, TESTBED_MIN_OPERANDS, Problem, parse_answer, problems, random_problem,
-                                             testbed_completion, testbed_problem, testbed_problems)
-from cotserve.worker.demo.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, build_tokenizer, number_tokens
+from cotserve.demo.arithmetic import (FORCED_RATE, TESTBED_MAX_OPERANDS, TESTBED_MIN_OPERANDS, Problem, parse_answer, problems, random_problem,
+                                      testbed_completion, testbed_problem, testbed_problems)
+from cotserve.demo.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, build_tokenizer, number_tokens
+from cotserve.worker.server import DEMO_MODEL
 from cotserve.worker.models.attention import DenseCausalAttention
 from cotserve.worker.models.config import ModelConfig
 from cotserve.worker.models.llama import LlamaForCausalLM
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps is None:
         args.steps = 1400 if args.task == "testbed" else 3000
     if args.init is None and args.task == "testbed":
-        args.init = Path(__file__).resolve().parent / "model"
+        args.init = DEMO_MODEL
     if args.lr is None:
         args.lr = 1.5e-3 if args.task == "testbed" else 3e-3
     if args.batch_size is None:

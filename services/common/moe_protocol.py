@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from cotserve.router.v1 import router_pb2
-from cotserve.common.routing import LayerRouting, RoutingPolicy
+from cotserve.common.moe_policy import LayerRouting, RoutingPolicy
 
 PREFIX = "cotserve:moe"
 LOAD_STREAM_MAXLEN = 10_000

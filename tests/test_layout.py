@@ -1,0 +1,60 @@
+"""The suite's rooms: services import one another only through `common`, `kernels` and the generated `v1` stubs
+(issue 19). A service that needs another's internals is a sign that something belongs in `common`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SERVICES_DIR = Path(__file__).resolve().parents[1] / "services"
+# what every service may import besides itself
+SHARED = {"common", "kernels"}
+# the serving services; `bench`, `demo`, `kveval` and the top-level `cli.py` are tools that drive them, and the SDK
+# is the client (it may read any service's stubs, as every client does)
+SERVICES = {"gateway", "worker", "router", "slo", "sandbox", "telemetry", "sdk", "common"}
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every `cotserve.*` import in a file, lazy ones inside functions included."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "cotserve":  # from cotserve import x
+            out += [(node.lineno, f"cotserve.{a.name}") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("cotserve."):
+            out.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("cotserve.")]
+    return out
+
+
+def violations(root: Path = SERVICES_DIR) -> list[str]:
+    """Every import in a service (or in `common`) that crosses the rule, as `path:line: who imports what`."""
+    found = []
+    for service in sorted(SERVICES):
+        for path in sorted((root / service).rglob("*.py")):
+            if "v1" in path.relative_to(root).parts:
+                continue  # generated stubs import each other's messages
+            for line, module in _imports(path):
+                parts = module.split(".")
+                target = parts[1] if len(parts) > 1 else ""
+                stub = len(parts) > 2 and parts[2] == "v1"
+                allowed = target == service or target in SHARED or stub
+                if not allowed:
+                    found.append(f"{path.relative_to(root)}:{line}: {service} imports {module}")
+    return found
+
+
+def test_services_import_each_other_only_through_common_kernels_and_stubs():
+    assert violations() == []
+
+
+def test_the_rule_catches_an_import_of_another_service(tmp_path):
+    """The check itself: a worker module that reaches into the gateway, lazily, is reported with its line; stubs
+    and `common` are fine; `common` may read stubs but no service's code."""
+    for service in SERVICES:
+        (tmp_path / service).mkdir()
+    (tmp_path / "worker" / "bad.py").write_text("import os\n\ndef f():\n    from cotserve.gateway.admission import Admission\n")
+    (tmp_path / "worker" / "fine.py").write_text("from cotserve.common.stats import percentile\nfrom cotserve.gateway.v1 import gateway_pb2\n")
+    (tmp_path / "common" / "bad.py").write_text("from cotserve import worker\nfrom cotserve.slo.v1 import slo_pb2\n")
+    assert violations(tmp_path) == ["common/bad.py:1: common imports cotserve.worker",
+                                    "worker/bad.py:4: worker imports cotserve.gateway.admission"]
