@@ -4,15 +4,20 @@ PIP := $(PYTHON) -m pip
 
 .PHONY: install install-dev up test browser protos lint-protos demo-model testbed-model wasm-modules clean
 
+# Strict editable mode: `cotserve` is a tree of links (build/__editable__.*) that editors and tools can follow
+# without setuptools' import hooks; a new module appears there at the next `make install` (or `make test`).
+EDITABLE := --config-settings editable_mode=strict
+
 # Keep an installed torch; otherwise take 2.13.0 (on the project's CPU machines pip finds the
 # CPU build on disk). The project's own bound (torch>=2.4) is then already satisfied.
+
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
-	$(PIP) install -q -e .
+	$(PIP) install -q -e . $(EDITABLE)
 
 install-dev:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev]" $(EDITABLE)
 
 ## Start the whole stack on the embedded defaults (bundled demo model), Ctrl-C to stop.
 up: install
@@ -40,7 +45,7 @@ lint-protos:
 
 ## Retrain the bundled demo model (about 15 minutes on 2 CPU cores).
 demo-model:
-	$(PYTHON) -m cotserve.demo.train --out services/worker/demo/model
+	$(PYTHON) -m cotserve.demo.train --out services/worker/demo/cotserve-demo
 
 ## Retrain the reasoning testbed from the demo model (about 12 minutes on 2 CPU cores).
 testbed-model:

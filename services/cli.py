@@ -53,7 +53,7 @@ def _layer_list(text: str, field: str = "kv_skip_layers") -> tuple[int, ...]:
 
 @serve_app.command("worker")
 def serve_worker(
-    model: Optional[Path] = typer.Option(None, envvar="COTSERVE_MODEL", help="Hugging Face checkpoint folder (default: the bundled demo model)."),
+    model: Optional[Path] = typer.Option(None, envvar="COTSERVE_MODEL", help="Hugging Face checkpoint folder, or the repo id (org/name) of a snapshot in the local Hugging Face cache (default: the bundled demo model)."),
     host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
     port: int = typer.Option(50061, envvar="COTSERVE_WORKER_PORT", help="Port to bind (0 picks a free one)."),
     device: str = typer.Option("auto", envvar="COTSERVE_DEVICE", help="cpu, cuda, cuda:N or auto (CUDA when available)."),
@@ -72,7 +72,7 @@ def serve_worker(
     max_num_seqs: int = typer.Option(64, envvar="COTSERVE_MAX_NUM_SEQS", help="Sequences per batch at most."),
     max_num_batched_tokens: int = typer.Option(2048, envvar="COTSERVE_MAX_NUM_BATCHED_TOKENS", help="Tokens per engine step at most (prefill chunk bound)."),
     max_model_len: Optional[int] = typer.Option(None, envvar="COTSERVE_MAX_MODEL_LEN", help="Longest sequence served (default: the model's context)."),
-    served_model_name: Optional[str] = typer.Option(None, envvar="COTSERVE_SERVED_MODEL_NAME", help="Model name clients use (default: the folder's name)."),
+    served_model_name: list[str] = typer.Option([], "--served-model-name", envvar="COTSERVE_SERVED_MODEL_NAME", help="Name clients use for the model (repeatable: the first is the one responses, spans and metrics carry, the others are accepted too; default: the folder's name, or the repo id of a Hugging Face cache snapshot)."),
     metrics_port: int = typer.Option(0, envvar="COTSERVE_WORKER_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
     scheduling: str = typer.Option("priority", envvar="COTSERVE_SCHEDULING", help="priority (SLA class, then arrival) or fifo (arrival only, a benchmark baseline)."),
     redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis of the MoE control plane (MoE models follow their routing policy there)."),
@@ -92,7 +92,7 @@ def serve_worker(
         model=model or DEMO_MODEL, host=host, port=port, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, kv_topk_pages=kv_topk_pages,
         kv_skip_layers=_layer_list(kv_skip_layers), kv_topk_dense_layers=_layer_list(kv_topk_dense_layers, "kv_topk_dense_layers"),
         block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, served_model_name=served_model_name, batch_min_share=batch_min_share, torch_threads=torch_threads,
+        max_model_len=max_model_len, served_model_name=tuple(served_model_name), batch_min_share=batch_min_share, torch_threads=torch_threads,
         metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,
         redis_url=redis_url, worker_id=worker_id, enable_prefix_caching=prefix_caching, reasoning_start=reasoning_start,
         reasoning_end=reasoning_end, reasoning_step=reasoning_step, answer_regex=answer_regex,

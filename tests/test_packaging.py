@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ def test_every_package_is_listed_in_pyproject():
     assert found - listed == set()
 
 
-@pytest.mark.parametrize("name", ["model", "testbed"])
+@pytest.mark.parametrize("name", ["cotserve-demo", "testbed"])
 def test_demo_models_are_package_data_and_small(name):
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert f"demo/{name}/*" in cfg["package-data"]["cotserve.worker"]
@@ -27,3 +28,22 @@ def test_demo_models_are_package_data_and_small(name):
     total = sum(f.stat().st_size for f in folder.iterdir())
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in folder.iterdir()}
     assert total <= 8 * 1024 * 1024, f"demo/{name} is {total} bytes, over 8 MB"
+
+
+def test_the_editable_install_is_a_tree_of_links_editors_can_follow():
+    """`make install` uses setuptools' strict editable mode; when this checkout is installed that way, the link tree
+    holds every module of services/ and kernels/ (a module added since the install needs `make install` again)."""
+    makefile = (ROOT / "Makefile").read_text()
+    assert "EDITABLE := --config-settings editable_mode=strict" in makefile
+    assert "install -q -e . $(EDITABLE)" in makefile and 'install -q -e ".[dev]" $(EDITABLE)' in makefile
+    import cotserve
+
+    tree = Path(cotserve.__file__).parent
+    if not (tree / "__init__.py").is_symlink():
+        pytest.skip("not installed in strict editable mode here")
+    for source, package in ((ROOT / "services", tree), (ROOT / "kernels", tree / "kernels")):
+        for f in source.rglob("*.py"):
+            if "__pycache__" in f.parts:
+                continue
+            link = package / f.relative_to(source)
+            assert link.resolve() == f.resolve(), f"{link} is missing from the editable install: run `make install`"

@@ -29,7 +29,7 @@ def test_generated_code_matches_protos():
 
 def test_stale_generated_code_is_detected(tmp_path, monkeypatch):
     copy = tmp_path / "services"
-    shutil.copytree(ROOT / "services", copy, ignore=shutil.ignore_patterns("__pycache__", "model"))
+    shutil.copytree(ROOT / "services", copy, ignore=shutil.ignore_patterns("__pycache__", "cotserve-demo"))
     target = copy / "worker" / "v1" / "worker_pb2.py"
     target.write_text(target.read_text() + "\n# edited by hand\n")
     monkeypatch.setattr(protogen, "PACKAGE_ROOT", copy)

@@ -1,6 +1,6 @@
 """Train the bundled demo model: a tiny Llama that does arithmetic as a chain of thought.
 
-    python -m cotserve.demo.train --out services/worker/demo/model
+    python -m cotserve.demo.train --out services/worker/demo/cotserve-demo
     python -m cotserve.demo.train --task testbed --out services/worker/demo/testbed
 
 `--task testbed` trains the reasoning testbed instead (see `arithmetic.py`): 3 to 7 operands, a

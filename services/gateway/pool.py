@@ -137,12 +137,15 @@ class WorkerPool:
         return out
 
     def resolve_model(self, name: str) -> str:
-        """The model a request means: its name, or the only model when it names none."""
+        """The model a request means (by its name or one of its aliases), or the only model when it names none."""
         models = self.models()
         if name:
-            if name not in models:
-                raise NotFound(f"model: {name!r} is not served here (served: {', '.join(sorted(models)) or 'none yet'})")
-            return name
+            if name in models:
+                return name
+            for model, workers in models.items():
+                if any(name in w.info.model_aliases for w in workers):
+                    return model
+            raise NotFound(f"model: {name!r} is not served here (served: {', '.join(sorted(models)) or 'none yet'})")
         if len(models) == 1:
             return next(iter(models))
         if not models:

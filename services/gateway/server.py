@@ -470,7 +470,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         for name, workers in sorted(self.pool.models().items()):
             info = workers[0].info
             resp.models.add(name=name, revision=info.model_revision, max_context_tokens=info.max_context_tokens,
-                            num_healthy_workers=sum(w.healthy for w in workers))
+                            num_healthy_workers=sum(w.healthy for w in workers),
+                            aliases=sorted({a for w in workers for a in w.info.model_aliases}))
         return resp
 
     async def Tokenize(self, request: gateway_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.TokenizeResponse:

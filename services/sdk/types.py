@@ -169,6 +169,7 @@ class ModelInfo:
     revision: str
     max_context_tokens: int
     num_healthy_workers: int
+    aliases: tuple[str, ...] = ()  # other names requests may use for it
 
 
 def _usage(u: common_pb2.Usage) -> Usage:
@@ -207,4 +208,4 @@ def chunk_from_pb(c: gateway_pb2.GenerateStreamResponse) -> StreamChunk:
 
 
 def model_from_pb(m: gateway_pb2.ModelEntry) -> ModelInfo:
-    return ModelInfo(m.name, m.revision, m.max_context_tokens, m.num_healthy_workers)
+    return ModelInfo(m.name, m.revision, m.max_context_tokens, m.num_healthy_workers, tuple(m.aliases))

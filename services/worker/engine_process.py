@@ -145,7 +145,7 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
         if cfg.torch_threads is not None or device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads)
         dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-        loaded = load_model(cfg.model, device=device, dtype=dtype, name=cfg.served_model_name)
+        loaded = load_model(cfg.model, device=device, dtype=dtype, **cfg.model_names)
         econfig = engine_config(cfg, loaded)
         reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
                                                   cfg.reasoning_step, cfg.answer_regex)

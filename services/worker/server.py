@@ -38,7 +38,7 @@ from cotserve.worker.utilization import UtilizationProbe
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("cotserve.worker")
-DEMO_MODEL = Path(__file__).parent / "demo" / "model"
+DEMO_MODEL = Path(__file__).parent / "demo" / "cotserve-demo"
 INLINE_TOKENIZE_CHARS = 2048
 """Texts up to this long are tokenized on the event loop (well under a millisecond); longer ones on the
 tokenizer pool, so that one long prompt never delays another request's tokens, Stats or health. The
@@ -50,7 +50,8 @@ class WorkerConfig:
     """Everything `cotserve serve worker` takes; see the CLI for each flag's help."""
 
     model: Path = DEMO_MODEL
-    """Hugging Face checkpoint folder (default: the bundled demo model)."""
+    """Hugging Face checkpoint folder, or the repo id (org/name) of a snapshot in the local Hugging Face cache
+    (default: the bundled demo model)."""
     host: str = "127.0.0.1"
     """Address to bind."""
     port: int = 50061
@@ -89,8 +90,9 @@ class WorkerConfig:
     """Tokens per engine step at most (bounds prefill chunks)."""
     max_model_len: int | None = None
     """Longest sequence served (default: the model's context)."""
-    served_model_name: str | None = None
-    """Name clients use (default: the checkpoint folder's name)."""
+    served_model_name: tuple[str, ...] = ()
+    """Names clients use: the first is the model's name in responses, spans and metrics, the others are accepted
+    too (default: the checkpoint's: its folder's name, or its repo id when it is a Hugging Face cache snapshot)."""
     batch_min_share: float = 0.1
     """Share of each step's token budget kept for BATCH work when there is any (0..1)."""
     metrics_port: int = 0
@@ -114,6 +116,12 @@ class WorkerConfig:
     engine_process: bool = True
     """Run the engine (model, KV cache, scheduler) in a process of its own, so that serving work in this one
     never shares a GIL with the model's steps; False: a thread of this process (as before, for debugging)."""
+
+    @property
+    def model_names(self) -> dict:
+        """`name` and `aliases` for the loaders, from served_model_name (no name: the checkpoint's own)."""
+        names = self.served_model_name
+        return {"name": names[0] if names else None, "aliases": tuple(names[1:])}
 
     @property
     def cpu_threads(self) -> int:
@@ -140,6 +148,9 @@ class WorkerConfig:
             (0.0 <= self.batch_min_share <= 1.0, f"batch_min_share: {self.batch_min_share}, allowed 0..1"),
             (self.torch_threads is None or self.torch_threads >= 1, f"torch_threads: {self.torch_threads}, must be >= 1"),
             (self.stream_interval >= 1, f"stream_interval: {self.stream_interval}, must be >= 1"),
+            (all(n.strip() for n in self.served_model_name), "served_model_name: names must not be empty"),
+            (len(set(self.served_model_name)) == len(self.served_model_name),
+             f"served_model_name: {list(self.served_model_name)} names a model twice"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -341,7 +352,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.InfoResponse:
         lm, ec = self.loaded, self.engine.config
         return worker_pb2.InfoResponse(
-            model_name=lm.name, model_revision=lm.revision, architecture=lm.config.architecture,
+            model_name=lm.name, model_aliases=lm.aliases, model_revision=lm.revision, architecture=lm.config.architecture,
             dtype=str(lm.dtype).removeprefix("torch."), vocab_size=lm.config.vocab_size,
             max_context_tokens=ec.max_model_len, max_num_seqs=ec.max_num_seqs, device=str(lm.device),
             num_experts=lm.config.num_experts, num_experts_per_tok=lm.config.num_experts_per_tok,
@@ -435,7 +446,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     engine: Engine | EngineProcess
     try:
         if cfg.engine_process:
-            loaded = await asyncio.to_thread(load_front, cfg.model, cfg.served_model_name)
+            loaded = await asyncio.to_thread(lambda: load_front(cfg.model, **cfg.model_names))
             reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
                                                       cfg.reasoning_step, cfg.answer_regex)
             engine = EngineProcess(cfg, reasoning, on_death=engine_died)
@@ -444,7 +455,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
             engine.loaded = loaded
             econfig = engine.config
         else:
-            loaded = await asyncio.to_thread(load_model, cfg.model, device=device, dtype=dtype, name=cfg.served_model_name)
+            loaded = await asyncio.to_thread(lambda: load_model(cfg.model, device=device, dtype=dtype, **cfg.model_names))
             econfig = engine_config(cfg, loaded)
             reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
                                                       cfg.reasoning_step, cfg.answer_regex)

@@ -36,26 +36,26 @@ def test_gateway_and_worker_spans_form_one_trace():
     spans = [s for s in exporter.get_finished_spans() if not s.name.endswith(("/Stats", "/Info"))]
     by_id = {s.context.span_id: s for s in spans}
     roots = [s for s in spans if s.parent is None]
-    assert [r.name for r in roots] == ["generate model"]
+    assert [r.name for r in roots] == ["generate cotserve-demo"]
     root = roots[0]
     assert root.kind == SpanKind.SERVER
     assert {s.context.trace_id for s in spans} == {root.context.trace_id}
     a = root.attributes
-    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == "model"
+    assert a["gen_ai.operation.name"] == "text_completion" and a["gen_ai.request.model"] == "cotserve-demo"
     assert a["gen_ai.request.max_tokens"] == 64 and a["gen_ai.request.temperature"] == 0.0
     assert a["gen_ai.usage.input_tokens"] == 6 and a["gen_ai.usage.output_tokens"] == result.usage.completion_tokens
     assert tuple(a["gen_ai.response.finish_reasons"]) == ("stop",)
     assert a["cotserve.sla_class"] == "SLA_CLASS_BATCH" and a["cotserve.worker"] == worker_address
     assert a["cotserve.ttft_ms"] > 0 and a["cotserve.queue_ms"] >= 0
     assert a["cotserve.component"] == "gateway" and a["cotserve.tenant"] == "default"
-    assert a["cotserve.model_version"] == f"model@{revision}"
+    assert a["cotserve.model_version"] == f"cotserve-demo@{revision}"
     assert a["cotserve.e2e_ms"] >= a["cotserve.ttft_ms"]
     assert a["cotserve.tpot_ms"] > 0 and 0 <= a["cotserve.kv_used_fraction_at_admission"] < 1
 
     (client_span,) = [s for s in spans if s.kind == SpanKind.CLIENT]
     assert client_span.parent.span_id == root.context.span_id
     (worker_span,) = [s for s in spans if s.kind == SpanKind.SERVER and s is not root]
-    assert worker_span.name == "generate model"
+    assert worker_span.name == "generate cotserve-demo"
     assert worker_span.parent.span_id == client_span.context.span_id and worker_span.parent.is_remote
     assert [e.name for e in worker_span.events] == ["scheduled", "first_token", "finished"]
     assert worker_span.attributes["cotserve.sla_class"] == "BATCH"

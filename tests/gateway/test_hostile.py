@@ -107,7 +107,7 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_one(tmp_path):
     assert out["gateway_bytes"][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     code, msg = out["gateway_chars"]
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert msg == f"prompt: 900000 characters, at most {context * token_chars} allowed (what model 'model''s context can hold)"
+    assert msg == f"prompt: 900000 characters, at most {context * token_chars} allowed (what model 'cotserve-demo''s context can hold)"
     assert out["stats_max_s"] < 0.5, out["stats_max_s"]
     assert out["ok"].text
 
@@ -171,7 +171,7 @@ def test_every_rpc_is_authenticated_once_and_health_follows_the_workers(tmp_path
 
     out = asyncio.run(main())
     assert out["list_anon"][0] == grpc.StatusCode.UNAUTHENTICATED and out["tok_anon"][0] == grpc.StatusCode.UNAUTHENTICATED
-    assert [m.name for m in out["list"].models] == ["model"] and list(out["tok"].token_ids)
+    assert [m.name for m in out["list"].models] == ["cotserve-demo"] and list(out["tok"].token_ids)
     assert out["twice"] == (grpc.StatusCode.UNAUTHENTICATED,
                             "authorization: sent 2 times; send exactly one `authorization: Bearer <key>`")
     assert out["realtime"] == (grpc.StatusCode.PERMISSION_DENIED,

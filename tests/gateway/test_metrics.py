@@ -49,20 +49,20 @@ def test_metrics_are_scraped_from_both_services():
             await worker.stop()
 
     g, w, worker_address = asyncio.run(main())
-    ok = dict(model="model", tenant="default", code="OK")
+    ok = dict(model="cotserve-demo", tenant="default", code="OK")
     assert value(g, "cotserve_gateway_requests_total", sla_class="INTERACTIVE", **ok) == 2
     assert value(g, "cotserve_gateway_requests_total", sla_class="BATCH", **ok) == 1
-    assert value(g, "cotserve_gateway_requests_total", model="model", sla_class="INTERACTIVE", code="INVALID_ARGUMENT",
+    assert value(g, "cotserve_gateway_requests_total", model="cotserve-demo", sla_class="INTERACTIVE", code="INVALID_ARGUMENT",
                  tenant="default") == 1
-    assert value(g, "cotserve_gateway_ttft_seconds_count", model="model", sla_class="INTERACTIVE") == 2
-    assert value(g, "cotserve_gateway_request_duration_seconds_count", model="model", sla_class="BATCH") == 1
-    assert value(g, "cotserve_gateway_queue_seconds_count", model="model", sla_class="INTERACTIVE") == 2
-    assert value(g, "cotserve_gateway_inter_token_latency_seconds_count", model="model", sla_class="INTERACTIVE") > 0
-    assert value(g, "cotserve_gateway_in_flight_requests", model="model", sla_class="INTERACTIVE") == 0
-    assert value(g, "cotserve_gateway_queued_requests", model="model", sla_class="BATCH") == 0
-    assert value(g, "cotserve_worker_kv_blocks_total", worker=worker_address, model="model") == 4 * 16
-    assert value(g, "cotserve_worker_healthy", worker=worker_address, model="model") == 1
-    assert value(w, "cotserve_worker_kv_blocks_total", model="model") == 4 * 16
-    assert value(w, "cotserve_worker_kv_blocks_used", model="model") == 0
-    assert value(w, "cotserve_worker_requests_finished_total", model="model") == 3
-    assert value(w, "cotserve_worker_generated_tokens_total", model="model") >= 3 * 8
+    assert value(g, "cotserve_gateway_ttft_seconds_count", model="cotserve-demo", sla_class="INTERACTIVE") == 2
+    assert value(g, "cotserve_gateway_request_duration_seconds_count", model="cotserve-demo", sla_class="BATCH") == 1
+    assert value(g, "cotserve_gateway_queue_seconds_count", model="cotserve-demo", sla_class="INTERACTIVE") == 2
+    assert value(g, "cotserve_gateway_inter_token_latency_seconds_count", model="cotserve-demo", sla_class="INTERACTIVE") > 0
+    assert value(g, "cotserve_gateway_in_flight_requests", model="cotserve-demo", sla_class="INTERACTIVE") == 0
+    assert value(g, "cotserve_gateway_queued_requests", model="cotserve-demo", sla_class="BATCH") == 0
+    assert value(g, "cotserve_worker_kv_blocks_total", worker=worker_address, model="cotserve-demo") == 4 * 16
+    assert value(g, "cotserve_worker_healthy", worker=worker_address, model="cotserve-demo") == 1
+    assert value(w, "cotserve_worker_kv_blocks_total", model="cotserve-demo") == 4 * 16
+    assert value(w, "cotserve_worker_kv_blocks_used", model="cotserve-demo") == 0
+    assert value(w, "cotserve_worker_requests_finished_total", model="cotserve-demo") == 3
+    assert value(w, "cotserve_worker_generated_tokens_total", model="cotserve-demo") >= 3 * 8

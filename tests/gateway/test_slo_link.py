@@ -52,7 +52,7 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
             while not stop.is_set():
                 w = slo_pb2.MetricsWindow()
                 w.CopyFrom(peak)
-                w.model, w.worker, w.start_unix_ms = "model", "127.0.0.1:1", int(time.time()) * 1000
+                w.model, w.worker, w.start_unix_ms = "cotserve-demo", "127.0.0.1:1", int(time.time()) * 1000
                 slo.state.report(slo_pb2.ReportWindowsRequest(windows=[w]))
                 await asyncio.sleep(0.5)
 
@@ -75,7 +75,7 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
                 assert (await client.generate("1+2=", max_new_tokens=8, sla="batch")).text  # forecast low: BATCH goes
                 task = asyncio.create_task(overload())
                 deadline = time.monotonic() + 15
-                while gateway.slo.shed_batch("model") is None:
+                while gateway.slo.shed_batch("cotserve-demo") is None:
                     assert time.monotonic() < deadline, f"the forecast never passed the threshold: {gateway.slo.forecasts}"
                     await asyncio.sleep(0.2)
                 with pytest.raises(ResourceExhausted) as err:
@@ -103,7 +103,7 @@ def test_gateway_carries_on_when_the_predictor_is_down():
                     r = await client.generate("37+48-12=", max_new_tokens=32, sla=sla)
                     assert r.text == "<think>37+48=85. 85-12=73.</think> 73"
                 await asyncio.sleep(1.5)
-            assert gateway.slo.reports_failed >= 1 and gateway.slo.shed_batch("model") is None
+            assert gateway.slo.reports_failed >= 1 and gateway.slo.shed_batch("cotserve-demo") is None
             assert len(gateway.slo.backlog) >= 1  # kept for when the predictor is back
         finally:
             await gateway.stop()

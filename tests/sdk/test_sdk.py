@@ -49,7 +49,7 @@ def test_seeded_sampling_is_reproducible_through_the_gateway(client):
 
 def test_list_models_and_tokenize(client):
     (m,) = client.list_models()
-    assert (m.name, m.max_context_tokens, m.num_healthy_workers) == ("model", 256, 1) and len(m.revision) == 12
+    assert (m.name, m.max_context_tokens, m.num_healthy_workers) == ("cotserve-demo", 256, 1) and len(m.revision) == 12
     assert client.tokenize("85-12=") == [0, client.tokenize("85")[1], client.tokenize("-12")[1], client.tokenize("=")[1]]
 
 
@@ -61,7 +61,7 @@ def test_list_models_and_tokenize(client):
     (dict(sla=7), InvalidArgument, "sla_class: unknown value 7 (allowed: REALTIME, INTERACTIVE, BATCH)"),
     (dict(sla="urgent"), InvalidArgument, "sla: 'urgent' is not an SLA class (allowed: realtime, interactive, batch)"),
     (dict(prompt="1+" * 300), InvalidArgument, "prompt: 601 tokens is over the model's context"),
-    (dict(model="gpt-9"), NotFound, "model: 'gpt-9' is not served here (served: model)"),
+    (dict(model="gpt-9"), NotFound, "model: 'gpt-9' is not served here (served: cotserve-demo)"),
     (dict(post_processor="strip-think"), Unavailable,
      "post_processor: strip-think failed and is fail-closed: no sandbox service is configured for this gateway"),
 ])
@@ -110,5 +110,5 @@ def test_async_client_has_the_same_methods(demo_gateway):
 
     r, chunks, models, ids, many = asyncio.run(main())
     assert r.text == ANSWER and "".join(c.text for c in chunks) == ANSWER
-    assert [m.name for m in models] == ["model"] and ids[0] == 0
+    assert [m.name for m in models] == ["cotserve-demo"] and ids[0] == 0
     assert [m.text for m in many] == [f"<think>{i}+{i}={2 * i}.</think> {2 * i}" for i in range(8)]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -82,3 +84,28 @@ def test_missing_shard_is_named(tmp_path):
 def test_missing_folder(tmp_path):
     with pytest.raises(ModelLoadError, match="model folder not found"):
         load_model(tmp_path / "nope")
+
+
+def test_a_hugging_face_cache_snapshot_loads_by_repo_id_and_is_named_after_it(good, tmp_path, monkeypatch):
+    """`--model org/name` finds the snapshot `refs/main` names in the cache (HF_HUB_CACHE), and the snapshot folder
+    given as a path is named after its repo id too, not its 40-hex revision."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-llama"
+    old, new = "a" * 40, "b" * 40
+    for age, rev in ((100, old), (0, new)):
+        shutil.copytree(good, repo / "snapshots" / rev)
+        os.utime(repo / "snapshots" / rev, (time.time() - age, time.time() - age))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(old + "\n")  # main names the older snapshot: taken, not the newest
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    loaded = load_model("acme/tiny-llama")
+    assert loaded.name == "acme/tiny-llama" and loaded.aliases == ()
+    assert load_model(repo / "snapshots" / new).name == "acme/tiny-llama"
+    assert load_model("acme/tiny-llama", name="tiny", aliases=("t",)).name == "tiny"
+    from cotserve.worker.models.loader import resolve_checkpoint
+
+    assert resolve_checkpoint("acme/tiny-llama")[0] == repo / "snapshots" / old
+    (repo / "refs" / "main").unlink()  # no ref: the newest snapshot
+    assert resolve_checkpoint("acme/tiny-llama")[0] == repo / "snapshots" / new
+    with pytest.raises(ModelLoadError, match=f"acme/other: model folder not found, nor a Hugging Face repo id with a snapshot in {cache}"):
+        load_model("acme/other")

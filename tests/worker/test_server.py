@@ -40,7 +40,7 @@ def test_health_and_reflection(demo_worker):
 
 def test_info_describes_model_and_cache(stub):
     info = stub.Info(worker_pb2.InfoRequest())
-    assert (info.model_name, info.architecture, info.dtype, info.device) == ("model", "LlamaForCausalLM", "float32", "cpu")
+    assert (info.model_name, info.architecture, info.dtype, info.device) == ("cotserve-demo", "LlamaForCausalLM", "float32", "cpu")
     assert info.vocab_size == 1464 and info.max_context_tokens == 256 and len(info.model_revision) == 12
     assert info.kv_cache.dtype == "float32" and info.kv_cache.block_size_tokens == 16
     assert info.kv_cache.bytes_per_token == 2 * 4 * 3 * 64 * 4  # K+V, 4 layers, 3 KV heads, head_dim 64, fp32

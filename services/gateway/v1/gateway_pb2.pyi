@@ -374,6 +374,7 @@ class ModelEntry(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_HEALTHY_WORKERS_FIELD_NUMBER: _builtins.int
+    ALIASES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Model name as requests name it."""
     revision: _builtins.str
@@ -382,6 +383,10 @@ class ModelEntry(_message.Message):
     """Longest context a request may use."""
     num_healthy_workers: _builtins.int
     """Healthy workers serving it."""
+    @_builtins.property
+    def aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Other names requests may use for it."""
+
     def __init__(
         self,
         *,
@@ -389,10 +394,11 @@ class ModelEntry(_message.Message):
         revision: _builtins.str = ...,
         max_context_tokens: _builtins.int = ...,
         num_healthy_workers: _builtins.int = ...,
+        aliases: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_context_tokens", b"max_context_tokens", "name", b"name", "num_healthy_workers", b"num_healthy_workers", "revision", b"revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "max_context_tokens", b"max_context_tokens", "name", b"name", "num_healthy_workers", b"num_healthy_workers", "revision", b"revision"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,5 +1,9 @@
 """Load a Hugging Face checkpoint folder into our own model code.
 
+A checkpoint is named by its folder, or by a Hugging Face repo id (`org/name`) whose snapshot is in the local
+Hugging Face cache (`models--org--name/snapshots/REV`, as `huggingface-cli download` leaves it); it is served under
+its folder's name, or its repo id when it is such a snapshot, unless the operator names it.
+
 Input: `config.json`, `model.safetensors` or shards listed in `model.safetensors.index.json`,
 `tokenizer.json`, and optionally `tokenizer_config.json` / `generation_config.json` for special
 tokens and end-of-sequence ids. Every problem is a `ModelLoadError` naming the file.
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,7 @@ class LoadedModel:
     revision: str
     dtype: torch.dtype
     device: torch.device
+    aliases: tuple[str, ...] = ()  # further names requests may use
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -70,6 +76,41 @@ def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise ModelLoadError(f"{f}: cannot read safetensors file ({exc})") from None
     return tensors
+
+
+def hub_cache_dir() -> Path:
+    """Where Hugging Face keeps downloaded models: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = Path(os.environ["HF_HOME"]) if os.environ.get("HF_HOME") else Path.home() / ".cache" / "huggingface"
+    return home / "hub"
+
+
+def _repo_id_of_snapshot(folder: Path) -> str | None:
+    """`org/name` for a folder `.../models--org--name/snapshots/REV`, else None."""
+    parts = folder.resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/")
+    return None
+
+
+def resolve_checkpoint(model: str | Path) -> tuple[Path, str]:
+    """(checkpoint folder, the name it is served under by default) for a folder or a cached Hugging Face repo id.
+    A repo id takes the revision `refs/main` names, else the newest snapshot."""
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        return folder, _repo_id_of_snapshot(folder) or folder.resolve().name
+    repo_id = str(model).strip("/")
+    repo = hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if repo_id and ".." not in repo_id and snapshots.is_dir():
+        ref = repo / "refs" / "main"
+        if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+            return snapshots / ref.read_text().strip(), repo_id
+        found = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+        if found:
+            return found[-1], repo_id
+    raise ModelLoadError(f"{model}: model folder not found, nor a Hugging Face repo id with a snapshot in {hub_cache_dir()}")
 
 
 def checkpoint_revision(folder: Path, files: list[Path]) -> str:
@@ -115,10 +156,11 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     name: str | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> LoadedModel:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ModelLoadError(f"{folder}: model folder not found")
+    """`folder`: a checkpoint folder or a cached repo id (`resolve_checkpoint`); `name` and `aliases`: what requests
+    call it (default: the checkpoint's own name)."""
+    folder, default_name = resolve_checkpoint(folder)
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     cfg = ModelConfig.from_file(folder / "config.json")
@@ -153,18 +195,16 @@ def load_model(
     tokenizer, eos = load_tokenizer(folder, cfg)
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, eos_token_ids=eos,
-        name=name or folder.resolve().name, revision=checkpoint_revision(folder, files),
-        dtype=dtype, device=device,
+        name=name or default_name, revision=checkpoint_revision(folder, files),
+        dtype=dtype, device=device, aliases=tuple(aliases),
     )
 
 
-def load_front(folder: str | Path, name: str | None = None) -> LoadedModel:
+def load_front(folder: str | Path, name: str | None = None, aliases: tuple[str, ...] = ()) -> LoadedModel:
     """What a worker's gRPC process needs of a checkpoint: its config and tokenizer, no weights (those are
     loaded by the engine process; it reports the revision, dtype and device, filled in then)."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise ModelLoadError(f"{folder}: model folder not found")
+    folder, default_name = resolve_checkpoint(folder)
     cfg = ModelConfig.from_file(folder / "config.json")
     tokenizer, eos = load_tokenizer(folder, cfg)
-    return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, eos_token_ids=eos, name=name or folder.resolve().name,
-                       revision="", dtype=torch.float32, device=torch.device("cpu"))
+    return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, eos_token_ids=eos, name=name or default_name,
+                       revision="", dtype=torch.float32, device=torch.device("cpu"), aliases=tuple(aliases))

@@ -230,8 +230,11 @@ class InfoResponse(_message.Message):
     NUM_EXPERTS_FIELD_NUMBER: _builtins.int
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _builtins.int
     MAX_TOKEN_CHARS_FIELD_NUMBER: _builtins.int
+    MODEL_ALIASES_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
-    """Served model name (the checkpoint folder's name unless overridden)."""
+    """Served model name: the first --served-model-name, else the checkpoint's (its folder's name, or the repo id
+    of a Hugging Face cache snapshot).
+    """
     model_revision: _builtins.str
     """Content hash of the checkpoint (config and weight headers), to tell versions apart."""
     architecture: _builtins.str
@@ -258,6 +261,10 @@ class InfoResponse(_message.Message):
     def kv_cache(self) -> Global___KvCacheInfo:
         """The KV cache."""
 
+    @_builtins.property
+    def model_aliases(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Other names requests may use for this model (the further --served-model-name values)."""
+
     def __init__(
         self,
         *,
@@ -273,10 +280,11 @@ class InfoResponse(_message.Message):
         num_experts: _builtins.int = ...,
         num_experts_per_tok: _builtins.int = ...,
         max_token_chars: _builtins.int = ...,
+        model_aliases: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "max_token_chars", b"max_token_chars", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "max_token_chars", b"max_token_chars", "model_aliases", b"model_aliases", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
