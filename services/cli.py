@@ -16,6 +16,7 @@ import typer
 
 from cotserve.bench.cli import bench_app
 from cotserve.common.clitools import fail, run_service, setup_logging
+from cotserve.common.config import serve_command
 from cotserve.common.topology import stack
 from cotserve.gateway.cli import tenants_app
 from cotserve.router.cli import moe_app
@@ -23,6 +24,9 @@ from cotserve.sandbox.cli import sandbox_app
 from cotserve.slo.cli import slo_app
 from cotserve.telemetry.cli import heatmap_command, trace_app
 from cotserve.kveval.cli import kv_app
+from cotserve.router.config import RouterConfig
+from cotserve.telemetry.config import TelemetryConfig
+from cotserve.worker.config import WorkerConfig
 
 app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_show_locals=False)
@@ -44,61 +48,35 @@ app.add_typer(kv_app, name="kv")
 app.command("heatmap")(heatmap_command)
 
 
-def _layer_list(text: str, field: str = "kv_skip_layers") -> tuple[int, ...]:
-    try:
-        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
-    except ValueError:
-        fail("worker", f"{field}: {text!r}, want comma-separated layer numbers such as 0,1")
-
-
-@serve_app.command("worker")
-def serve_worker(
-    model: Optional[Path] = typer.Option(None, envvar="COTSERVE_MODEL", help="Hugging Face checkpoint folder, or the repo id (org/name) of a snapshot in the local Hugging Face cache (default: the bundled demo model)."),
-    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
-    port: int = typer.Option(50061, envvar="COTSERVE_WORKER_PORT", help="Port to bind (0 picks a free one)."),
-    device: str = typer.Option("auto", envvar="COTSERVE_DEVICE", help="cpu, cuda, cuda:N or auto (CUDA when available)."),
-    dtype: str = typer.Option("auto", envvar="COTSERVE_DTYPE", help="auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16."),
-    kv_cache_bytes: Optional[int] = typer.Option(None, envvar="COTSERVE_KV_CACHE_BYTES", help="KV pool size in bytes (default: 5% of available RAM on CPU, 90% of free GPU memory)."),
-    kv_cache_dtype: str = typer.Option("auto", envvar="COTSERVE_KV_CACHE_DTYPE", help="KV cache element type: auto (the model's dtype), fp8_e4m3 (E4M3 with per-token, per-head scales), fp16, bf16 or fp32."),
-    kv_topk_pages: int = typer.Option(0, envvar="COTSERVE_KV_TOPK_PAGES", help="Decode reads only this many KV pages per KV head, chosen by a query-aware bound; the first and last page always (0 = off, else >= 2)."),
-    kv_topk_dense_layers: str = typer.Option("", envvar="COTSERVE_KV_TOPK_DENSE_LAYERS", help="With --kv-topk-pages: comma-separated layers that still read every page (Quest keeps the first two dense: 0,1)."),
-    kv_skip_layers: str = typer.Option("", envvar="COTSERVE_KV_SKIP_LAYERS", help="With fp8_e4m3: comma-separated layers whose cache keeps the model's dtype (e.g. 0,1)."),
-    block_size: int = typer.Option(16, envvar="COTSERVE_BLOCK_SIZE", help="Tokens per KV block."),
-    reasoning_start: Optional[str] = typer.Option(None, envvar="COTSERVE_REASONING_START", help="Text that opens the model's thinking (default: <think>, when the tokenizer has <think> and </think>)."),
-    reasoning_end: Optional[str] = typer.Option(None, envvar="COTSERVE_REASONING_END", help="Text that closes the model's thinking (default: </think>)."),
-    reasoning_step: Optional[str] = typer.Option(None, envvar="COTSERVE_REASONING_STEP", help="Text that ends one reasoning step, e.g. '.' or a newline; needed for max_thinking_steps (default: steps are not counted)."),
-    answer_regex: Optional[str] = typer.Option(None, envvar="COTSERVE_ANSWER_REGEX", help="Regular expression that extracts the answer from the text after the end marker: group 1, else the whole match (default: all that text, stripped)."),
-    prefix_caching: bool = typer.Option(True, "--prefix-caching/--no-prefix-caching", envvar="COTSERVE_PREFIX_CACHING", help="Reuse cached full KV blocks of earlier sequences that start with the same tokens (same cache salt); LRU eviction."),
-    max_num_seqs: int = typer.Option(64, envvar="COTSERVE_MAX_NUM_SEQS", help="Sequences per batch at most."),
-    max_num_batched_tokens: int = typer.Option(2048, envvar="COTSERVE_MAX_NUM_BATCHED_TOKENS", help="Tokens per engine step at most (prefill chunk bound)."),
-    max_model_len: Optional[int] = typer.Option(None, envvar="COTSERVE_MAX_MODEL_LEN", help="Longest sequence served (default: the model's context)."),
-    served_model_name: list[str] = typer.Option([], "--served-model-name", envvar="COTSERVE_SERVED_MODEL_NAME", help="Name clients use for the model (repeatable: the first is the one responses, spans and metrics carry, the others are accepted too; default: the folder's name, or the repo id of a Hugging Face cache snapshot)."),
-    metrics_port: int = typer.Option(0, envvar="COTSERVE_WORKER_METRICS_PORT", help="Port for Prometheus /metrics (0 = off)."),
-    scheduling: str = typer.Option("priority", envvar="COTSERVE_SCHEDULING", help="priority (SLA class, then arrival) or fifo (arrival only, a benchmark baseline)."),
-    redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis of the MoE control plane (MoE models follow their routing policy there)."),
-    worker_id: Optional[str] = typer.Option(None, envvar="COTSERVE_WORKER_ID", help="This worker's name in Redis keys (default: its address)."),
-    max_batch_tokens_when_urgent: int = typer.Option(256, envvar="COTSERVE_MAX_BATCH_TOKENS_WHEN_URGENT", help="BATCH tokens per step at most while urgent work is present."),
-    batch_min_share: float = typer.Option(0.1, envvar="COTSERVE_BATCH_MIN_SHARE", help="Share of each step's token budget kept for BATCH work (0..1)."),
-    torch_threads: Optional[int] = typer.Option(None, envvar="COTSERVE_TORCH_THREADS", help="CPU threads for torch (default on CPU: all cores but one)."),
-    engine_process: bool = typer.Option(True, "--engine-process/--engine-thread", envvar="COTSERVE_ENGINE_PROCESS", help="Run the engine (model, KV cache, scheduler) in a process of its own (the default), or as a thread of the gRPC process (for debugging)."),
-    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight streams on SIGTERM."),
-    stream_interval: int = typer.Option(1, envvar="COTSERVE_STREAM_INTERVAL", help="Tokens a stream holds before writing them as one message (the first token and the end go out at once); 1 writes every step's token, larger values cut serving CPU per token at the cost of burstier streams."),
-) -> None:
-    """Start one model worker."""
-    from cotserve.worker.server import DEMO_MODEL, WorkerConfig, serve
+def _serve_worker(cfg) -> None:
+    from cotserve.worker.server import serve
 
     setup_logging()
-    cfg = WorkerConfig(
-        model=model or DEMO_MODEL, host=host, port=port, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, kv_topk_pages=kv_topk_pages,
-        kv_skip_layers=_layer_list(kv_skip_layers), kv_topk_dense_layers=_layer_list(kv_topk_dense_layers, "kv_topk_dense_layers"),
-        block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, served_model_name=tuple(served_model_name), batch_min_share=batch_min_share, torch_threads=torch_threads,
-        metrics_port=metrics_port, scheduling=scheduling, max_batch_tokens_when_urgent=max_batch_tokens_when_urgent,
-        redis_url=redis_url, worker_id=worker_id, enable_prefix_caching=prefix_caching, reasoning_start=reasoning_start,
-        reasoning_end=reasoning_end, reasoning_step=reasoning_step, answer_regex=answer_regex,
-        grace_s=grace_s, engine_process=engine_process, stream_interval=stream_interval,
-    )
     run_service("worker", serve(cfg))
+
+
+serve_command(serve_app, WorkerConfig, "worker", _serve_worker, "Start one model worker.")
+
+
+def _serve_telemetry(cfg) -> None:
+    from cotserve.telemetry.server import serve
+
+    setup_logging()
+    run_service("telemetry", serve(cfg))
+
+
+serve_command(serve_app, TelemetryConfig, "telemetry", _serve_telemetry,
+              "Start the telemetry service: OTLP trace receiver, latency heatmaps, recent traces.")
+
+
+def _serve_router(cfg) -> None:
+    from cotserve.router.server import serve
+
+    setup_logging()
+    run_service("router", serve(cfg))
+
+
+serve_command(serve_app, RouterConfig, "router", _serve_router, "Start the MoE router (policy over Redis, expert load, balancing).")
 
 
 @serve_app.command("gateway")
@@ -223,54 +201,6 @@ def serve_slo(
     except ValueError as exc:
         fail("slo", exc)
     run_service("slo", serve(cfg))
-
-
-@serve_app.command("telemetry")
-def serve_telemetry(
-    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
-    port: int = typer.Option(4317, envvar="COTSERVE_TELEMETRY_PORT", help="gRPC port of the OTLP trace receiver and TelemetryService (0 picks a free one)."),
-    http_port: Optional[int] = typer.Option(None, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Serve the live heatmap page over HTTP on this port (0 picks a free one; default: no page)."),
-    state_file: Optional[Path] = typer.Option(None, envvar="COTSERVE_TELEMETRY_STATE", help="Where the aggregates are kept across restarts (default: ~/.cache/cotserve/telemetry-state.json)."),
-    no_state: bool = typer.Option(False, "--no-state", help="Keep nothing across restarts."),
-    slot_s: int = typer.Option(10, envvar="COTSERVE_TELEMETRY_SLOT_S", help="Seconds per time slot (the time view's resolution)."),
-    retention_s: int = typer.Option(3600, envvar="COTSERVE_TELEMETRY_RETENTION_S", help="Seconds of data kept; older slots are dropped first."),
-    max_series: int = typer.Option(100_000, envvar="COTSERVE_TELEMETRY_MAX_SERIES", help="Histogram series kept at most (oldest slots dropped beyond it)."),
-    max_traces: int = typer.Option(10_000, envvar="COTSERVE_TELEMETRY_MAX_TRACES", help="Recent traces kept for GetTrace."),
-    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight calls on SIGTERM."),
-) -> None:
-    """Start the telemetry service: OTLP trace receiver, latency heatmaps, recent traces."""
-    from cotserve.telemetry.server import TelemetryConfig, serve
-
-    setup_logging()
-    cfg = TelemetryConfig(host=host, port=port, http_port=http_port, slot_s=slot_s, retention_s=retention_s,
-                          max_series=max_series, max_traces=max_traces, grace_s=grace_s)
-    if no_state:
-        cfg.state_file = None
-    elif state_file is not None:
-        cfg.state_file = state_file
-    run_service("telemetry", serve(cfg))
-
-
-@serve_app.command("router")
-def serve_router(
-    redis_url: str = typer.Option("redis://127.0.0.1:6379/0", envvar="COTSERVE_REDIS_URL", help="Redis of the MoE control plane."),
-    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
-    port: int = typer.Option(50081, envvar="COTSERVE_ROUTER_PORT", help="Port to bind (0 picks a free one)."),
-    balance: bool = typer.Option(True, "--balance/--no-balance", help="Run the load-balancing loop."),
-    balance_interval_s: float = typer.Option(2.0, help="Seconds between balancing rounds."),
-    gamma: float = typer.Option(0.05, help="Bias step of the balancing rule."),
-    rule: str = typer.Option("sign", help="sign: b += gamma*sign(mean-load); proportional: b += gamma*clip((mean-load)/mean, -1, 1)."),
-    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight calls on SIGTERM."),
-) -> None:
-    """Start the MoE router (policy over Redis, expert load, balancing)."""
-    from cotserve.router.server import RouterConfig, serve
-
-    setup_logging()
-    if gamma <= 0 or balance_interval_s <= 0 or rule not in ("sign", "proportional"):
-        fail("router", "gamma and balance_interval_s must be > 0; rule is sign or proportional")
-    cfg = RouterConfig(redis_url=redis_url, host=host, port=port, balance=balance, balance_interval_s=balance_interval_s,
-                       gamma=gamma, rule=rule, grace_s=grace_s)
-    run_service("router", serve(cfg))
 
 
 @app.command("up")

@@ -76,7 +76,7 @@ def _run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
     from cotserve.common.sampling import SamplingParams
     from cotserve.worker.engine import Engine
     from cotserve.worker.models.loader import load_model
-    from cotserve.worker.server import WorkerConfig
+    from cotserve.worker.config import WorkerConfig
     from cotserve.worker.sizing import engine_config
 
     loaded = load_model(model_dir)

@@ -66,7 +66,7 @@ def bench_baseline(
     from cotserve.common.procs import free_port, running
     from cotserve.kernels.cpu_compile import compile_setting
     from cotserve.sdk import AsyncClient
-    from cotserve.worker.server import DEMO_MODEL, WorkerConfig
+    from cotserve.worker.config import DEMO_MODEL, WorkerConfig
     from cotserve.worker.utilization import process_cpu_seconds
 
     console = wide_console()
@@ -457,7 +457,8 @@ def bench_kv(
 
     from cotserve.bench.kv import budget_for, run_one
     from cotserve.worker.models.loader import load_model
-    from cotserve.worker.server import DEMO_MODEL, resolve_device
+    from cotserve.worker.config import DEMO_MODEL
+    from cotserve.worker.sizing import resolve_device
 
     levels = _levels(contexts)
     loaded = load_model(model or DEMO_MODEL, device=resolve_device(device))

@@ -139,7 +139,7 @@ async def parallel_samples(st: Stack, name: str, prompt_tokens: int, n: int, max
 
 
 def default_models() -> list[Path]:
-    from cotserve.worker.server import DEMO_MODEL
+    from cotserve.worker.config import DEMO_MODEL
 
     longctx = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "stdlib_llama"
     return [DEMO_MODEL] + ([longctx] if (longctx / "config.json").exists() else [])

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from cotserve.demo.arithmetic import (FORCED_RATE, TESTBED_MAX_OPERANDS, TESTBED_MIN_OPERANDS, Problem, parse_answer, problems, random_problem,
                                       testbed_completion, testbed_problem, testbed_problems)
 from cotserve.demo.tokenizer import BOS, EOS, PAD, VOCAB_SIZE, build_tokenizer, number_tokens
-from cotserve.worker.server import DEMO_MODEL
+from cotserve.worker.config import DEMO_MODEL
 from cotserve.worker.models.attention import DenseCausalAttention
 from cotserve.worker.models.config import ModelConfig
 from cotserve.worker.models.llama import LlamaForCausalLM

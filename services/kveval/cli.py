@@ -14,7 +14,8 @@ kv_app = typer.Typer(help="The compressed KV cache: quality against full precisi
 
 def _load(model: Optional[Path], text: Path, device: str):
     from cotserve.worker.models.loader import load_model
-    from cotserve.worker.server import DEMO_MODEL, resolve_device
+    from cotserve.worker.config import DEMO_MODEL
+    from cotserve.worker.sizing import resolve_device
 
     loaded = load_model(model or DEMO_MODEL, device=resolve_device(device))
     ids = loaded.tokenizer.encode(text.read_text(errors="replace")).ids

@@ -7,7 +7,7 @@ import asyncio
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -19,6 +19,7 @@ from cotserve.common.errors import CotserveError, InvalidArgument, NotFound
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common import moe_protocol as protocol
+from cotserve.router.config import RouterConfig
 from cotserve.router.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("cotserve.router")
@@ -26,32 +27,6 @@ log = logging.getLogger("cotserve.router")
 
 class Aborted(CotserveError):
     code = "ABORTED"
-
-
-@dataclass(slots=True)
-class RouterConfig:
-    """Everything `cotserve serve router` takes; see the CLI for each flag's help."""
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis of the MoE control plane."""
-    host: str = "127.0.0.1"
-    """Address to bind."""
-    port: int = 50081
-    """Port to bind (0 picks a free one)."""
-    balance: bool = True
-    """Run the balancing loop."""
-    balance_interval_s: float = 2.0
-    """Seconds between balancing rounds."""
-    balance_window_s: float = 10.0
-    """Load window each round looks at."""
-    gamma: float = 0.05
-    """Bias step of the balancing rule."""
-    rule: str = "sign"
-    """sign: b += gamma * sign(mean - load); proportional: b += gamma * clip((mean - load) / mean, -1, 1)."""
-    models: list[str] = field(default_factory=list)
-    """Models to consume load for and balance (default: every model with a registered shape)."""
-    grace_s: float = 5.0
-    """Seconds to drain in-flight calls on SIGTERM."""
 
 
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
@@ -268,6 +243,7 @@ class RunningRouter:
 
 
 async def start_router(cfg: RouterConfig, tracer_provider: TracerProvider | None = None) -> RunningRouter:
+    cfg.validate()
     redis = aioredis.Redis.from_url(cfg.redis_url)
     servicer = RouterServicer(redis, cfg)
     spec = ServiceSpec("cotserve.router.v1.RouterService",

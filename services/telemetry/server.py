@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from cotserve.common.errors import InvalidArgument
-from cotserve.common.paths import cache_dir
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.v1 import common_pb2
+from cotserve.telemetry.config import TelemetryConfig
 from cotserve.telemetry.histogram import bucket_upper_bounds
 from cotserve.telemetry.store import Aggregator, Malformed, TraceStore, any_value, sample_from_attributes
 from cotserve.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
@@ -33,28 +32,6 @@ METRIC_NAMES = {
     telemetry_pb2.LATENCY_METRIC_TPOT: "tpot", telemetry_pb2.LATENCY_METRIC_QUEUE: "queue",
 }
 STATUS_CODE_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
-
-
-@dataclass(slots=True)
-class TelemetryConfig:
-    host: str = "127.0.0.1"
-    port: int = 4317
-    http_port: int | None = None  # None: no HTTP page; 0: a free port
-    state_file: Path | None = field(default_factory=lambda: cache_dir("telemetry-state.json"))  # None: nothing kept across restarts
-    slot_s: int = 10
-    retention_s: int = 3600
-    max_series: int = 100_000
-    max_traces: int = 10_000
-    save_interval_s: float = 10.0
-    grace_s: float = 5.0
-
-    def validate(self) -> None:
-        if self.slot_s < 1:
-            raise ValueError(f"slot_s: must be >= 1, got {self.slot_s}")
-        if self.retention_s < self.slot_s:
-            raise ValueError(f"retention_s: must be >= slot_s ({self.slot_s}), got {self.retention_s}")
-        if self.max_series < 1 or self.max_traces < 1:
-            raise ValueError("max_series and max_traces: must be >= 1")
 
 
 class TelemetryState:

@@ -12,7 +12,8 @@ from opentelemetry.trace import SpanKind
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.sdk import AsyncClient
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 
 
 def test_gateway_and_worker_spans_form_one_trace():

@@ -92,7 +92,7 @@ def test_a_stream_interval_sends_tokens_in_groups_on_both_hops_from_the_first_to
 
 
 def test_a_stream_interval_below_one_is_refused_naming_the_field():
-    from cotserve.worker.server import WorkerConfig
+    from cotserve.worker.config import WorkerConfig
 
     with pytest.raises(ValueError, match="stream_interval: 0, must be >= 1"):
         WorkerConfig(stream_interval=0).validate()

@@ -25,7 +25,8 @@ from cotserve.gateway.tenants import Tenant, TenantRegistry, Unauthenticated, ad
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.common.sampling import SlaClass
 from cotserve.sandbox.server import SandboxConfig, start_sandbox
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 

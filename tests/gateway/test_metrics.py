@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.sdk import AsyncClient, InvalidArgument
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 from tests.conftest import free_port
 
 

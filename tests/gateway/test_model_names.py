@@ -9,7 +9,8 @@ import pytest
 
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.sdk import AsyncClient, NotFound
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 
 
 def test_every_served_name_reaches_the_model_and_the_first_is_its_name():

@@ -15,7 +15,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.sandbox.server import SandboxConfig, start_sandbox
 from cotserve.sdk import AsyncClient, NotFound, PermissionDenied, Unavailable
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 
 
 def test_processors_end_to_end(tmp_path):

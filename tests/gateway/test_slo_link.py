@@ -24,7 +24,8 @@ from cotserve.sdk import AsyncClient, ResourceExhausted
 from cotserve.common.windows import worker_total
 from cotserve.slo.server import SloConfig, start_slo
 from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 from tests.slo.synth import simulate
 
 I, B = common_pb2.SLA_CLASS_INTERACTIVE, common_pb2.SLA_CLASS_BATCH

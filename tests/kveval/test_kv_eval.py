@@ -14,7 +14,7 @@ import torch
 from cotserve.demo.arithmetic import problems
 from cotserve.kveval.evaluate import CacheConfig, compare, decode_logprobs, windows_of
 from cotserve.worker.models.loader import load_model
-from cotserve.worker.server import DEMO_MODEL
+from cotserve.worker.config import DEMO_MODEL
 
 
 def arithmetic_text() -> str:

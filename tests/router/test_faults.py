@@ -12,7 +12,8 @@ from cotserve.common.procs import redis_child
 from cotserve.common import moe_protocol as protocol
 from cotserve.router.v1 import router_pb2
 from cotserve.worker.sequence import SamplingParams
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 from tests.conftest import free_port
 
 

@@ -11,7 +11,8 @@ import redis.asyncio as aioredis
 from cotserve.common import moe_protocol as protocol
 from cotserve.router.v1 import router_pb2
 from cotserve.sdk import AsyncClient
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 
 transformers = pytest.importorskip("transformers")
 

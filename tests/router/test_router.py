@@ -161,7 +161,8 @@ def test_set_policy_reaches_a_worker_in_the_same_trace(redis_url, mixtral):
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from cotserve.worker.server import WorkerConfig, start_worker
+    from cotserve.worker.config import WorkerConfig
+    from cotserve.worker.server import start_worker
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

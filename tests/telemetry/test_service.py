@@ -29,7 +29,8 @@ from cotserve.telemetry.otlpbuild import export_request, gateway_attrs, span
 from cotserve.telemetry.server import TelemetryConfig, start_telemetry
 from cotserve.telemetry.store import kv_bucket
 from cotserve.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 from tests.conftest import start_telemetry as start_telemetry_process
 from tests.telemetry.test_histogram import nearest_rank
 from tests.conftest import stop_process

@@ -18,7 +18,7 @@ from cotserve.worker.model_runner import ModelRunner
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.scheduler import ScheduledBatch, ScheduledSeq
 from cotserve.worker.sequence import Sequence
-from cotserve.worker.server import DEMO_MODEL
+from cotserve.worker.config import DEMO_MODEL
 
 BS = 16
 FP8 = torch.float8_e4m3fn

@@ -19,7 +19,7 @@ from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import Ballot, ReasoningFormat, ThinkingTracker, VoteState, leader_stays_probability, tally
 from cotserve.worker.convert import check_budget
 from cotserve.worker.sequence import SamplingParams
-from cotserve.worker.server import DEMO_MODEL
+from cotserve.worker.config import DEMO_MODEL
 
 PROMPT = "12+30-7+5+61-20="
 BLOCKS = 128

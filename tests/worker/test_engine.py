@@ -12,7 +12,7 @@ from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.sampler import Sampler
 from cotserve.worker.sequence import SamplingParams
-from cotserve.worker.server import DEMO_MODEL
+from cotserve.worker.config import DEMO_MODEL
 from tests.worker.engine_helpers import run_engine
 
 

@@ -11,7 +11,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 from cotserve.worker.utilization import process_cpu_seconds
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import start_worker as start_worker_process

@@ -20,7 +20,8 @@ from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.sdk import AsyncClient
 from cotserve.demo.arithmetic import problems
 from cotserve.demo.evaluate import evaluate
-from cotserve.worker.server import WorkerConfig, start_worker
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import start_worker
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import start_worker as start_worker_process
 from tests.conftest import stop_process

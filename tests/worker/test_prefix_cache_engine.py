@@ -13,7 +13,7 @@ from cotserve.worker.block_manager import cache_root
 from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.sequence import SamplingParams, Sequence
-from cotserve.worker.server import DEMO_MODEL
+from cotserve.worker.config import DEMO_MODEL
 
 BS = 16
 

@@ -14,7 +14,7 @@ from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import Part, ReasoningFormat, ThinkingTracker
 from cotserve.worker.convert import check_budget
 from cotserve.worker.sequence import SamplingParams
-from cotserve.worker.server import DEMO_MODEL
+from cotserve.worker.config import DEMO_MODEL
 
 ANSWER = "<think>37+48=85. 85-12=73.</think> 73"
 

@@ -1,0 +1,116 @@
+"""Settings defined once in a config dataclass: the generated command, its environment variables, its config file
+and their precedence (flag > environment > file > default)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cotserve.common.config import Cli, serve_command, settings
+
+
+@dataclass(slots=True)
+class ToyConfig:
+    port: int = 100
+    """Port to bind."""
+    name: str | None = None
+    """A name (none: the default one)."""
+    fast: bool = True
+    """Go fast."""
+    layers: tuple[int, ...] = ()
+    """Layers, comma-separated."""
+    tags: tuple[str, ...] = ()
+    """Tags (repeatable)."""
+    state: Path | None = Path("/var/toy")
+    """Where state is kept."""
+    ratio: float = 0.5
+    """A share (0..1)."""
+
+    CLI: ClassVar[dict[str, Cli]] = {"port": Cli(env=("TOY_OLD_PORT",)), "fast": Cli(flag="--fast/--slow"),
+                                     "state": Cli(none_flag="--no-state", none_help="Keep nothing.")}
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ratio <= 1:
+            raise ValueError(f"ratio: {self.ratio}, allowed 0..1")
+
+
+def run(args: list[str], env: dict[str, str] | None = None):
+    app, seen = typer.Typer(), []
+    serve_command(app, ToyConfig, "toy", seen.append, "Start the toy.")
+    result = CliRunner().invoke(app, args, env=env or {})
+    return result, (seen[0] if seen else None)
+
+
+def test_every_field_is_a_flag_with_help_and_an_environment_variable():
+    s = settings(ToyConfig, "toy")
+    assert s["port"].envvars == ("COTSERVE_TOY_PORT", "TOY_OLD_PORT") and s["port"].help == "Port to bind."
+    assert s["fast"].flag == "--fast/--slow" and s["layers"].flag == "--layers"
+    result, _ = run(["--help"])
+    for flag in ("--port", "--name", "--fast", "--slow", "--layers", "--tags", "--state", "--no-state", "--ratio", "--config"):
+        assert flag in result.output
+    assert "COTSERVE_TOY_RATIO" in result.output and "A share (0..1)." in result.output
+
+
+def test_values_are_converted_to_the_field_types():
+    result, cfg = run(["--port", "7", "--slow", "--layers", "0,2", "--tags", "a", "--tags", "b", "--no-state"])
+    assert result.exit_code == 0, result.output
+    assert cfg == ToyConfig(port=7, fast=False, layers=(0, 2), tags=("a", "b"), state=None)
+    _, plain = run([])
+    assert plain == ToyConfig()
+
+
+def test_precedence_flag_then_environment_then_file_then_default(tmp_path):
+    conf = tmp_path / "toy.toml"
+    conf.write_text('port = 3\nname = "from-file"\nlayers = [1, 2]\nratio = 0.25\n')
+    _, cfg = run(["--config", str(conf)])
+    assert (cfg.port, cfg.name, cfg.layers, cfg.ratio, cfg.fast) == (3, "from-file", (1, 2), 0.25, True)  # file > default
+    _, cfg = run(["--config", str(conf)], env={"COTSERVE_TOY_PORT": "4", "COTSERVE_TOY_NAME": "from-env"})
+    assert (cfg.port, cfg.name, cfg.ratio) == (4, "from-env", 0.25)  # environment > file
+    _, cfg = run(["--config", str(conf), "--port", "5"], env={"COTSERVE_TOY_PORT": "4"})
+    assert cfg.port == 5  # flag > environment
+    _, cfg = run([], env={"TOY_OLD_PORT": "6"})
+    assert cfg.port == 6  # an earlier release's name still works
+    _, cfg = run([], env={"TOY_OLD_PORT": "6", "COTSERVE_TOY_PORT": "8"})
+    assert cfg.port == 8  # the canonical name first
+
+
+def test_bad_values_and_unknown_file_settings_name_the_setting(tmp_path):
+    result, cfg = run(["--ratio", "2"])
+    assert cfg is None and result.exit_code == 2 and "cotserve toy: ratio: 2.0, allowed 0..1" in result.output
+    result, _ = run(["--layers", "0,x"])
+    assert result.exit_code == 2 and "layers: '0,x', give comma-separated integers" in result.output
+    conf = tmp_path / "toy.toml"
+    conf.write_text("prot = 3\n")
+    result, _ = run(["--config", str(conf)])
+    assert result.exit_code == 2 and "unknown setting(s) prot" in result.output and "toy takes: port, name" in result.output
+
+
+def test_a_field_without_help_is_refused():
+    @dataclass
+    class Undocumented:
+        port: int = 1
+
+    with pytest.raises(TypeError, match="Undocumented.port: no docstring under the field"):
+        settings(Undocumented, "x")
+
+
+def test_the_worker_command_is_generated_from_its_config_with_every_setting():
+    """`cotserve serve worker`: one flag per WorkerConfig field, each with its docstring as help and its
+    environment variable, and the names of earlier releases still read."""
+    from cotserve.cli import app
+    from cotserve.worker.config import WorkerConfig
+
+    known = settings(WorkerConfig, "worker")  # raises when a field has no docstring
+    result = CliRunner().invoke(app, ["serve", "worker", "--help"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    for s in known.values():
+        assert s.flag.split("/")[0] in result.output, s.name
+        assert s.envvars[0] == f"COTSERVE_WORKER_{s.name.upper()}" and s.envvars[0] in result.output, s.name
+        assert s.help
+    assert known["model"].envvars == ("COTSERVE_WORKER_MODEL", "COTSERVE_MODEL")
+    assert known["enable_prefix_caching"].flag == "--prefix-caching/--no-prefix-caching"
