@@ -25,6 +25,7 @@ from cotserve.slo.cli import slo_app
 from cotserve.telemetry.cli import heatmap_command, trace_app
 from cotserve.kveval.cli import kv_app
 from cotserve.router.config import RouterConfig
+from cotserve.slo.config import SloConfig
 from cotserve.telemetry.config import TelemetryConfig
 from cotserve.worker.config import WorkerConfig
 
@@ -165,42 +166,15 @@ def serve_sandbox(
     run_service("sandbox", serve(cfg))
 
 
-@serve_app.command("slo")
-def serve_slo(
-    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
-    port: int = typer.Option(50091, envvar="COTSERVE_SLO_PORT", help="Port to bind (0 picks a free one)."),
-    state_dir: Optional[Path] = typer.Option(None, envvar="COTSERVE_SLO_STATE", help="Folder for the window history and the models (default: ~/.cache/cotserve/slo)."),
-    no_state: bool = typer.Option(False, "--no-state", help="Keep nothing across restarts."),
-    horizon_s: int = typer.Option(30, envvar="COTSERVE_SLO_HORIZON_S", help="Seconds ahead a forecast covers (1..600)."),
-    threshold: float = typer.Option(0.7, envvar="COTSERVE_SLO_THRESHOLD", help="Forecast probability above which to scale up and shed BATCH (0..1)."),
-    retrain_interval_s: float = typer.Option(10.0, help="Seconds between retraining checks."),
-    min_new_windows: int = typer.Option(300, help="New windows needed before retraining (a gateway reports 3 per worker per second)."),
-    advice_interval_s: float = typer.Option(10.0, help="Seconds between scale-advice rounds."),
-    scale_down_below: float = typer.Option(0.2, help="Forecast below which, sustained, replicas may go down."),
-    scale_down_after_s: float = typer.Option(300.0, help="Seconds the forecast must stay low before SCALE_DOWN."),
-    sla_target: list[str] = typer.Option([], "--sla-target", envvar="COTSERVE_SLA_TARGETS", help="CLASS=TTFT_MS/ITL_P95_MS, as the gateway's (repeatable; default realtime=250/50, interactive=1000/100, batch=30000/1000)."),
-    redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Redis to publish advice on (cotserve:slo:advice); none: streams and gauges only."),
-    metrics_port: int = typer.Option(0, envvar="COTSERVE_SLO_METRICS_PORT", help="Port for Prometheus /metrics with the advice gauges (0 = off)."),
-    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight calls on SIGTERM."),
-) -> None:
-    """Start the SLO predictor: XGBoost violation forecasts, latency predictions, scale advice."""
-    from cotserve.common.sla import sla_targets
-    from cotserve.slo.server import SloConfig, serve
+def _serve_slo(cfg) -> None:
+    from cotserve.slo.server import serve
 
     setup_logging()
-    try:
-        cfg = SloConfig(host=host, port=port, horizon_s=horizon_s, threshold=threshold, retrain_interval_s=retrain_interval_s,
-                        min_new_windows=min_new_windows, advice_interval_s=advice_interval_s, scale_down_below=scale_down_below,
-                        scale_down_after_s=scale_down_after_s, redis_url=redis_url, metrics_port=metrics_port, grace_s=grace_s,
-                        targets=sla_targets(sla_target))
-        if no_state:
-            cfg.state_dir = None
-        elif state_dir is not None:
-            cfg.state_dir = state_dir
-        cfg.validate()
-    except ValueError as exc:
-        fail("slo", exc)
     run_service("slo", serve(cfg))
+
+
+serve_command(serve_app, SloConfig, "slo", _serve_slo,
+              "Start the SLO predictor: XGBoost violation forecasts, latency predictions, scale advice.")
 
 
 @app.command("up")

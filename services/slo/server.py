@@ -17,8 +17,7 @@ import logging
 import math
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import numpy as np
@@ -26,13 +25,11 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from cotserve.common.errors import InvalidArgument
 from cotserve.common.metrics import MetricsServer, serve_metrics
-from cotserve.common.paths import cache_dir
-from cotserve.common.sampling import SlaClass
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
-from cotserve.common.sla import SlaTarget, sla_targets
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
 from cotserve.slo import features as F
+from cotserve.slo.config import SloConfig
 from cotserve.slo.history import History, validate_request, validate_window
 from cotserve.slo.model import Forecaster, LatencyModel, Untrained, forecast_data, latency_data
 from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
@@ -41,38 +38,6 @@ log = logging.getLogger("cotserve.slo")
 
 ADVICE_CHANNEL = "cotserve:slo:advice"
 STALE_S = 10  # a model with no window for this long has no forecast
-
-
-@dataclass(slots=True)
-class SloConfig:
-    host: str = "127.0.0.1"
-    port: int = 50091
-    state_dir: Path | None = field(default_factory=lambda: cache_dir("slo"))  # None: nothing kept across restarts
-    horizon_s: int = 30
-    threshold: float = 0.7
-    retrain_interval_s: float = 10.0
-    min_new_windows: int = 300
-    train_window_s: int = 3600
-    advice_interval_s: float = 10.0
-    scale_down_below: float = 0.2
-    scale_down_after_s: float = 300.0
-    max_windows: int = 200_000
-    redis_url: str | None = None
-    metrics_port: int = 0
-    targets: dict[SlaClass, SlaTarget] = field(default_factory=sla_targets)
-    grace_s: float = 5.0
-
-    def validate(self) -> None:
-        checks = [
-            (1 <= self.horizon_s <= 600, f"horizon_s: {self.horizon_s}, must be within 1..600"),
-            (0 < self.threshold < 1, f"threshold: {self.threshold}, must be within (0, 1)"),
-            (0 <= self.scale_down_below < self.threshold, f"scale_down_below: {self.scale_down_below}, must be within [0, threshold)"),
-            (self.retrain_interval_s > 0 and self.advice_interval_s > 0, "retrain_interval_s and advice_interval_s: must be > 0"),
-            (self.min_new_windows >= 1, f"min_new_windows: {self.min_new_windows}, must be >= 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
 
 
 @dataclass(slots=True)

@@ -99,18 +99,40 @@ def test_a_field_without_help_is_refused():
         settings(Undocumented, "x")
 
 
-def test_the_worker_command_is_generated_from_its_config_with_every_setting():
-    """`cotserve serve worker`: one flag per WorkerConfig field, each with its docstring as help and its
-    environment variable, and the names of earlier releases still read."""
-    from cotserve.cli import app
-    from cotserve.worker.config import WorkerConfig
+def _config_class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(__import__(module, fromlist=[name]), name)
 
-    known = settings(WorkerConfig, "worker")  # raises when a field has no docstring
-    result = CliRunner().invoke(app, ["serve", "worker", "--help"], env={"COLUMNS": "400"})
+
+@pytest.mark.parametrize("service, config", [("worker", "cotserve.worker.config.WorkerConfig"),
+                                             ("router", "cotserve.router.config.RouterConfig"),
+                                             ("telemetry", "cotserve.telemetry.config.TelemetryConfig"),
+                                             ("slo", "cotserve.slo.config.SloConfig")])
+def test_each_generated_serve_command_has_every_setting_with_help_and_a_variable(service, config):
+    """`cotserve serve <service> --help`: one flag per config field, each with its docstring as help and its
+    environment variable COTSERVE_<SERVICE>_<FIELD>; and `--config`."""
+    from cotserve.cli import app
+
+    known = settings(_config_class(config), service)  # raises when a field has no docstring
+    result = CliRunner().invoke(app, ["serve", service, "--help"], env={"COLUMNS": "400"})
     assert result.exit_code == 0, result.output
+    assert "--config" in result.output
     for s in known.values():
         assert s.flag.split("/")[0] in result.output, s.name
-        assert s.envvars[0] == f"COTSERVE_WORKER_{s.name.upper()}" and s.envvars[0] in result.output, s.name
+        assert s.envvars[0] == f"COTSERVE_{service.upper()}_{s.name.upper()}" and s.envvars[0] in result.output, s.name
         assert s.help
-    assert known["model"].envvars == ("COTSERVE_WORKER_MODEL", "COTSERVE_MODEL")
-    assert known["enable_prefix_caching"].flag == "--prefix-caching/--no-prefix-caching"
+
+
+def test_earlier_names_and_flags_are_kept():
+    from cotserve.slo.config import SloConfig
+    from cotserve.worker.config import WorkerConfig
+
+    worker = settings(WorkerConfig, "worker")
+    assert worker["model"].envvars == ("COTSERVE_WORKER_MODEL", "COTSERVE_MODEL")
+    assert worker["enable_prefix_caching"].flag == "--prefix-caching/--no-prefix-caching"
+    assert worker["engine_process"].flag == "--engine-process/--engine-thread"
+    # the SLO predictor and the gateway read the same SLA targets from one variable
+    assert settings(SloConfig, "slo")["sla_target"].envvars == ("COTSERVE_SLO_SLA_TARGET", "COTSERVE_SLA_TARGETS")
+    assert SloConfig(sla_target=("interactive=500/80",)).targets[1].ttft_ms == 500
+    with pytest.raises(ValueError, match="sla_target: 'gold=1/2' is not CLASS=TTFT_MS/ITL_P95_MS"):
+        SloConfig(sla_target=("gold=1/2",)).validate()
