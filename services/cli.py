@@ -25,6 +25,7 @@ from cotserve.slo.cli import slo_app
 from cotserve.telemetry.cli import heatmap_command, trace_app
 from cotserve.kveval.cli import kv_app
 from cotserve.router.config import RouterConfig
+from cotserve.sandbox.config import SandboxConfig
 from cotserve.slo.config import SloConfig
 from cotserve.telemetry.config import TelemetryConfig
 from cotserve.worker.config import WorkerConfig
@@ -134,36 +135,14 @@ def serve_gateway(
     run_service("gateway", serve(cfg))
 
 
-@serve_app.command("sandbox")
-def serve_sandbox(
-    host: str = typer.Option("127.0.0.1", envvar="COTSERVE_HOST", help="Address to bind."),
-    port: int = typer.Option(50071, envvar="COTSERVE_SANDBOX_PORT", help="Port to bind (0 picks a free one)."),
-    store_dir: Optional[Path] = typer.Option(None, envvar="COTSERVE_SANDBOX_STORE", help="Folder for modules and compiled artifacts (default: ~/.cache/cotserve/sandbox)."),
-    pool_size: Optional[int] = typer.Option(None, envvar="COTSERVE_SANDBOX_POOL", help="Runs executing at once (default: CPU count, at least 2)."),
-    no_shipped: bool = typer.Option(False, "--no-shipped", help="Do not register the shipped modules at start."),
-    admin_token_file: Optional[Path] = typer.Option(None, envvar="COTSERVE_SANDBOX_ADMIN_TOKEN_FILE", help="File holding the token RegisterModule/DeleteModule need (default: one made at first start in <store-dir>/admin-token, mode 0600)."),
-    grace_s: float = typer.Option(5.0, envvar="COTSERVE_GRACE_S", help="Seconds to drain in-flight runs on SIGTERM."),
-) -> None:
-    """Start the WASI sandbox service."""
-    from cotserve.sandbox.server import SandboxConfig, serve
+def _serve_sandbox(cfg) -> None:
+    from cotserve.sandbox.server import serve
 
     setup_logging()
-    token = None
-    if admin_token_file is not None:
-        try:
-            token = admin_token_file.read_text().strip()
-        except OSError as exc:
-            fail("sandbox", f"admin_token_file: cannot read {admin_token_file}: {exc.strerror}")
-        if len(token) < 16:
-            fail("sandbox", f"admin_token_file: {admin_token_file} holds {len(token)} characters; use at least 16")
-    cfg = SandboxConfig(host=host, port=port, register_shipped=not no_shipped, grace_s=grace_s, admin_token=token)
-    if store_dir is not None:
-        cfg.store_dir = store_dir
-    if pool_size is not None:
-        if pool_size < 1:
-            fail("sandbox", f"pool_size: {pool_size}, must be >= 1")
-        cfg.pool_size = pool_size
     run_service("sandbox", serve(cfg))
+
+
+serve_command(serve_app, SandboxConfig, "sandbox", _serve_sandbox, "Start the WASI sandbox service.")
 
 
 def _serve_slo(cfg) -> None:

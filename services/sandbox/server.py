@@ -15,7 +15,7 @@ import logging
 import os
 import secrets
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -25,9 +25,9 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.auth import bearer
 from cotserve.common.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
-from cotserve.common.paths import cache_dir
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
+from cotserve.sandbox.config import SandboxConfig
 from cotserve.sandbox.registry import ModuleEntry, ModuleExists, ModuleReadOnly, ModuleRegistry
 from cotserve.sandbox.runner import Limits, ModuleRejected, RunResult, SandboxEngine
 from cotserve.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
@@ -41,43 +41,17 @@ MAX_MODULE_BYTES = 16 << 20
 _LIMIT_FIELDS = ("fuel", "memory_bytes", "timeout_ms", "max_output_bytes")
 
 
-@dataclass(slots=True)
-class SandboxConfig:
-    """Everything `cotserve serve sandbox` takes; see the CLI for each flag's help."""
-
-    host: str = "127.0.0.1"
-    """Address to bind."""
-    port: int = 50071
-    """Port to bind (0 picks a free one)."""
-    store_dir: Path = field(default_factory=lambda: cache_dir("sandbox"))
-    """Folder for registered modules and compiled artifacts (kept across restarts)."""
-    pool_size: int = field(default_factory=lambda: max(2, os.cpu_count() or 2))
-    """Runs executing at once."""
-    per_module_concurrency: int | None = None
-    """Runs of one module at once (default: half the pool), so a hostile module delays only its own callers."""
-    default_limits: Limits = Limits(fuel=100_000_000, memory_bytes=64 << 20, timeout_ms=1000, max_output_bytes=1 << 20)
-    """Limits of a run that asks for none."""
-    max_limits: Limits = Limits(fuel=10_000_000_000, memory_bytes=512 << 20, timeout_ms=10_000, max_output_bytes=16 << 20)
-    """The most any module may be allowed."""
-    max_input_bytes: int = 4 << 20
-    """Largest stdin accepted."""
-    register_shipped: bool = True
-    """Register the shipped modules (strip-think, redact, cot-guard) at start; they are read-only."""
-    admin_token: str | None = None
-    """Token RegisterModule and DeleteModule need (none: made at first start and kept in <store_dir>/admin-token)."""
-    grace_s: float = 5.0
-    """Seconds to drain in-flight runs on SIGTERM."""
-
-
 def entry_to_pb(e: ModuleEntry) -> sandbox_pb2.ModuleInfo:
     return sandbox_pb2.ModuleInfo(name=e.name, sha256=e.sha256, size_bytes=e.size_bytes, shipped=e.shipped,
                                   max_limits=sandbox_pb2.RunLimits(**{f: getattr(e.max_limits, f) for f in _LIMIT_FIELDS}))
 
 
 def admin_token(cfg: SandboxConfig) -> str:
-    """The configured token, else the one kept in the store (made now, readable by this user only, if new)."""
-    if cfg.admin_token:
-        return cfg.admin_token
+    """The configured token (`admin_token_file`), else the one kept in the store (made now, readable by this user
+    only, if new)."""
+    configured = cfg.configured_admin_token()
+    if configured:
+        return configured
     path = cfg.store_dir / ADMIN_TOKEN_FILE
     cfg.store_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -221,6 +195,7 @@ class RunningSandbox:
 
 
 async def start_sandbox(cfg: SandboxConfig, tracer_provider: TracerProvider | None = None) -> RunningSandbox:
+    cfg.validate()
     engine = SandboxEngine()
     registry = await asyncio.to_thread(ModuleRegistry, engine, cfg.store_dir, cfg.max_limits)
     if cfg.register_shipped:

@@ -107,7 +107,8 @@ def _config_class(path: str) -> type:
 @pytest.mark.parametrize("service, config", [("worker", "cotserve.worker.config.WorkerConfig"),
                                              ("router", "cotserve.router.config.RouterConfig"),
                                              ("telemetry", "cotserve.telemetry.config.TelemetryConfig"),
-                                             ("slo", "cotserve.slo.config.SloConfig")])
+                                             ("slo", "cotserve.slo.config.SloConfig"),
+                                             ("sandbox", "cotserve.sandbox.config.SandboxConfig")])
 def test_each_generated_serve_command_has_every_setting_with_help_and_a_variable(service, config):
     """`cotserve serve <service> --help`: one flag per config field, each with its docstring as help and its
     environment variable COTSERVE_<SERVICE>_<FIELD>; and `--config`."""

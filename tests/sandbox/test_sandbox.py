@@ -211,6 +211,20 @@ def test_limits_dataclass_defaults_fit_under_the_maximum():
     for f in ("fuel", "memory_bytes", "timeout_ms", "max_output_bytes"):
         assert getattr(cfg.default_limits, f) <= getattr(cfg.max_limits, f)
     assert isinstance(cfg.default_limits, Limits)
+    assert SandboxConfig(default_timeout_ms=5, cap_timeout_ms=7).max_limits.timeout_ms == 7
+
+
+def test_a_config_that_cannot_serve_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ValueError, match=r"default_fuel: 20, must be within 1..cap_fuel \(10\)"):
+        SandboxConfig(default_fuel=20, cap_fuel=10).validate()
+    short = tmp_path / "token"
+    short.write_text("abc\n")
+    with pytest.raises(ValueError, match=f"admin_token_file: {short} holds 3 characters; use at least 16"):
+        SandboxConfig(admin_token_file=short).validate()
+    with pytest.raises(ValueError, match="admin_token_file: cannot read"):
+        SandboxConfig(admin_token_file=tmp_path / "missing").validate()
+    short.write_text("a-token-of-twenty-chars\n")
+    assert SandboxConfig(admin_token_file=short).configured_admin_token() == "a-token-of-twenty-chars"
 
 
 def test_guard_passes_every_arithmetic_prompt_and_catches_most_attacks():
