@@ -6,6 +6,7 @@ Flags win over `COTSERVE_*` environment variables, which win over defaults.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import signal
 import sys
 import time
@@ -50,35 +51,22 @@ app.add_typer(kv_app, name="kv")
 app.command("heatmap")(heatmap_command)
 
 
-def _serve_worker(cfg) -> None:
-    from cotserve.worker.server import serve
+def _serve(service: str, config: type, help: str) -> None:
+    """`cotserve serve <service>`, generated from the service's config: logging set up, then its own `serve(config)`
+    (the service's module imported only when the command runs)."""
 
-    setup_logging()
-    run_service("worker", serve(cfg))
+    def run(cfg) -> None:
+        setup_logging()
+        run_service(service, importlib.import_module(f"cotserve.{service}.server").serve(cfg))
 
-
-serve_command(serve_app, WorkerConfig, "worker", _serve_worker, "Start one model worker.")
-
-
-def _serve_telemetry(cfg) -> None:
-    from cotserve.telemetry.server import serve
-
-    setup_logging()
-    run_service("telemetry", serve(cfg))
+    serve_command(serve_app, config, service, run, help)
 
 
-serve_command(serve_app, TelemetryConfig, "telemetry", _serve_telemetry,
-              "Start the telemetry service: OTLP trace receiver, latency heatmaps, recent traces.")
-
-
-def _serve_router(cfg) -> None:
-    from cotserve.router.server import serve
-
-    setup_logging()
-    run_service("router", serve(cfg))
-
-
-serve_command(serve_app, RouterConfig, "router", _serve_router, "Start the MoE router (policy over Redis, expert load, balancing).")
+_serve("worker", WorkerConfig, "Start one model worker.")
+_serve("telemetry", TelemetryConfig, "Start the telemetry service: OTLP trace receiver, latency heatmaps, recent traces.")
+_serve("router", RouterConfig, "Start the MoE router (policy over Redis, expert load, balancing).")
+_serve("sandbox", SandboxConfig, "Start the WASI sandbox service.")
+_serve("slo", SloConfig, "Start the SLO predictor: XGBoost violation forecasts, latency predictions, scale advice.")
 
 
 @serve_app.command("gateway")
@@ -133,27 +121,6 @@ def serve_gateway(
     except ValueError as exc:
         fail("gateway", exc)
     run_service("gateway", serve(cfg))
-
-
-def _serve_sandbox(cfg) -> None:
-    from cotserve.sandbox.server import serve
-
-    setup_logging()
-    run_service("sandbox", serve(cfg))
-
-
-serve_command(serve_app, SandboxConfig, "sandbox", _serve_sandbox, "Start the WASI sandbox service.")
-
-
-def _serve_slo(cfg) -> None:
-    from cotserve.slo.server import serve
-
-    setup_logging()
-    run_service("slo", serve(cfg))
-
-
-serve_command(serve_app, SloConfig, "slo", _serve_slo,
-              "Start the SLO predictor: XGBoost violation forecasts, latency predictions, scale advice.")
 
 
 @app.command("up")
