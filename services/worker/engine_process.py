@@ -126,13 +126,11 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front stops us
-    import torch
-
     from cotserve.common.errors import CotserveError
     from cotserve.worker.engine import Engine
     from cotserve.worker.models.loader import DTYPES, load_model
     from cotserve.worker.reasoning import ReasoningFormat
-    from cotserve.worker.sizing import engine_config, resolve_device
+    from cotserve.worker.sizing import engine_config, resolve_device, set_torch_threads
 
     send_lock = threading.Lock()
 
@@ -142,8 +140,7 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
 
     try:
         device = resolve_device(cfg.device)
-        if cfg.torch_threads is not None or device.type == "cpu":
-            torch.set_num_threads(cfg.cpu_threads)
+        set_torch_threads(cfg, device)
         dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         loaded = load_model(cfg.model, device=device, dtype=dtype, **cfg.model_names)
         econfig = engine_config(cfg, loaded)

@@ -27,7 +27,7 @@ from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.config import WorkerConfig
 from cotserve.worker.engine import Engine, RequestOutput
 from cotserve.worker.engine_process import EngineDied, EngineProcess
-from cotserve.worker.sizing import engine_config, resolve_device
+from cotserve.worker.sizing import engine_config, resolve_device, set_torch_threads
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
@@ -310,8 +310,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     dies, health turns NOT_SERVING (in-flight calls fail with the reason) and `on_engine_death` is called."""
     cfg.validate()
     device = resolve_device(cfg.device)
-    if cfg.torch_threads is not None or device.type == "cpu":
-        torch.set_num_threads(cfg.cpu_threads)
+    set_torch_threads(cfg, device)
     servicer = WorkerServicer(tracer_provider, cfg.stream_interval)
     spec = ServiceSpec("cotserve.worker.v1.WorkerService",
                        lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))

@@ -20,6 +20,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def set_torch_threads(cfg: Any, device: torch.device) -> None:  # cfg: WorkerConfig
+    """torch's threads in this process (the gRPC front's and the engine process's alike): `torch_threads` when
+    given, else on the CPU all cores but one (`WorkerConfig.cpu_threads`); on CUDA torch's own default."""
+    if cfg.torch_threads is not None or device.type == "cpu":
+        torch.set_num_threads(cfg.cpu_threads)
+
+
 def _available_ram_bytes() -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
