@@ -73,8 +73,9 @@ class Setting:
     envvars: tuple[str, ...]
     help: str
     cli: Cli
+    container: type = tuple  # a "many" field's collection: tuple, list or frozenset
 
-    def to_field(self, value: Any, field_type: Any) -> Any:
+    def to_field(self, value: Any) -> Any:
         """The command line's value as the field's."""
         if self.kind == "ints":
             try:
@@ -82,7 +83,7 @@ class Setting:
             except ValueError:
                 raise ValueError(f"{self.name}: {value!r}, give comma-separated integers, e.g. 0,1") from None
         if self.kind == "many":
-            return (frozenset if typing.get_origin(field_type) is frozenset else tuple)(value)
+            return self.container(value)
         return value
 
 
@@ -103,7 +104,7 @@ def settings(cls: type, service: str) -> dict[str, Setting]:
         meta: Cli = getattr(cls, "CLI", {}).get(f.name, Cli())
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
         base, optional = _unwrap_optional(hints[f.name])
-        dash = f.name.replace("_", "-")
+        dash, container = f.name.replace("_", "-"), tuple
         if base is bool:
             kind, annotation, flag = "bool", bool, meta.flag or f"--{dash}/--no-{dash}"
         elif typing.get_origin(base) in (tuple, frozenset, list):
@@ -111,12 +112,12 @@ def settings(cls: type, service: str) -> dict[str, Setting]:
             if item is int:
                 kind, annotation, default = "ints", str, ",".join(str(x) for x in default)
             else:
-                kind, annotation, default = "many", list[item], list(default)
+                kind, annotation, default, container = "many", list[item], list(default), typing.get_origin(base)
             flag = meta.flag or f"--{dash}"
         else:
             kind, annotation, flag = "plain", Optional[base] if optional else base, meta.flag or f"--{dash}"
         out[f.name] = Setting(f.name, kind, annotation, default, flag, (env_name(service, f.name), *meta.env),
-                              docs[f.name], meta)
+                              docs[f.name], meta, container)
     return out
 
 
@@ -148,7 +149,6 @@ def serve_command(app: typer.Typer, cls: type, service: str, run: Callable[[Any]
     from cotserve.common.clitools import fail
 
     known = settings(cls, service)
-    hints = typing.get_type_hints(cls)
     params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=typer.Option(
         None, "--config", envvar=env_name(service, "config"), is_eager=True,
         callback=_config_file_callback(known, service),
@@ -167,7 +167,7 @@ def serve_command(app: typer.Typer, cls: type, service: str, run: Callable[[Any]
         try:
             for s in known.values():
                 none = values.pop(f"_none_{s.name}", False)
-                kwargs[s.name] = None if none else s.to_field(values[s.name], hints[s.name])
+                kwargs[s.name] = None if none else s.to_field(values[s.name])
             config = cls(**kwargs)
         except ValueError as exc:
             fail(service, exc)

@@ -137,3 +137,10 @@ def test_earlier_names_and_flags_are_kept():
     assert SloConfig(sla_target=("interactive=500/80",)).targets[1].ttft_ms == 500
     with pytest.raises(ValueError, match="sla_target: 'gold=1/2' is not CLASS=TTFT_MS/ITL_P95_MS"):
         SloConfig(sla_target=("gold=1/2",)).validate()
+
+
+def test_a_repeatable_setting_keeps_its_field_collection():
+    from cotserve.router.config import RouterConfig
+
+    assert settings(RouterConfig, "router")["models"].to_field(["a", "b"]) == ["a", "b"]  # a list field gets a list
+    assert settings(ToyConfig, "toy")["tags"].to_field(["a"]) == ("a",)
