@@ -652,3 +652,8 @@ def bench_faults(
                   f"{all(r.kv_blocks_leaked == 0 and r.leases_leaked <= 0 for r in results)}"
                   + (f"; killed worker serving again within 10 s: {worker_back[0] is not None and worker_back[0] <= 10} "
                      f"({worker_back[0]:.1f}s)" if worker_back and worker_back[0] is not None else ""))
+
+
+def mount(root: typer.Typer, serve: typer.Typer) -> None:
+    """These commands on the `cotserve` command line."""
+    root.add_typer(bench_app, name="bench")

@@ -178,3 +178,17 @@ def serve_command(app: typer.Typer, cls: type, service: str, run: Callable[[Any]
     command.__doc__ = help
     command.__name__ = f"serve_{service}"
     app.command(service)(command)
+
+
+def serve_service(app: typer.Typer, service: str, cls: type, help: str) -> None:
+    """Add the generated `serve <service>` to `app`: logging set up, then `cotserve.<service>.server.serve(config)`
+    (the service's server module imported only when the command runs, so `cotserve --help` stays light)."""
+    import importlib
+
+    from cotserve.common.clitools import run_service, setup_logging
+
+    def run(cfg: Any) -> None:
+        setup_logging()
+        run_service(service, importlib.import_module(f"cotserve.{service}.server").serve(cfg))
+
+    serve_command(app, cls, service, run, help)

@@ -1,4 +1,5 @@
-"""`cotserve tenants add-key`: API keys for the gateway's tenants."""
+"""The gateway's commands: `cotserve serve gateway` (generated from `GatewayConfig`) and `cotserve tenants add-key`
+(API keys for the gateway's tenants)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from cotserve.common.config import serve_service
+from cotserve.gateway.config import GatewayConfig
 
 tenants_app = typer.Typer(help="Tenants of the gateway: API keys and limits.", no_args_is_help=True)
 
@@ -44,3 +47,9 @@ def tenants_add_key(
         raise typer.Exit(2) from None
     typer.echo(key)
     typer.echo(f"stored the key's SHA-256 for tenant {name!r} in {file}; this is the only time the key is shown", err=True)
+
+
+def mount(root: typer.Typer, serve: typer.Typer) -> None:
+    """The gateway's commands on the `cotserve` command line."""
+    serve_service(serve, "gateway", GatewayConfig, "Start one gateway in front of one or more workers.")
+    root.add_typer(tenants_app, name="tenants")

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import tomllib
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
@@ -20,11 +18,12 @@ from cotserve.common.sampling import (
     DEFAULT_MAX_NEW_TOKENS, SlaClass, check_self_consistency, finish_reason_name, reasoning_from_pb, sampling_from_pb,
     sla_from_pb,
 )
-from cotserve.common.server import DEFAULT_MAX_MESSAGE_BYTES, Server, ServiceSpec, run_until_signalled
+from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.streams import ReadAhead, coalesce
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common.v1 import common_pb2
-from cotserve.gateway.admission import AdmissionConfig, QueueDeadlineExceeded
+from cotserve.gateway.admission import QueueDeadlineExceeded
+from cotserve.gateway.config import GatewayConfig
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
@@ -36,104 +35,7 @@ from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
 
 log = logging.getLogger("cotserve.gateway")
-PREFIX_CACHE_SCOPES = ("tenant", "global")
 MAX_CACHE_SALT_CHARS = 256
-
-
-@dataclass(slots=True)
-class GatewayConfig:
-    """Everything `cotserve serve gateway` takes; see the CLI for each flag's help."""
-
-    host: str = "127.0.0.1"
-    """Address to bind."""
-    port: int = 50051
-    """Port to bind (0 picks a free one)."""
-    workers: list[str] = field(default_factory=list)
-    """Worker addresses, HOST:PORT."""
-    workers_file: Path | None = None
-    """TOML file with `workers = ["HOST:PORT", ...]`, added to `workers`."""
-    poll_interval_s: float = 0.5
-    """Seconds between Stats polls of each worker."""
-    grace_s: float = 5.0
-    """Seconds to drain in-flight streams on SIGTERM."""
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    """Per-class targets, limits and queue bounds."""
-    metrics_port: int = 0
-    """Port for Prometheus /metrics on `host` (0 = off)."""
-    tenants_file: Path | None = None
-    """TOML tenants file (keys, classes, limits); without one, a single open tenant."""
-    redis_url: str | None = None
-    """Redis that holds tenant limits (shared by every gateway); needed when tenants have limits."""
-    sandbox_address: str | None = None
-    """The WASI sandbox service that runs pre- and post-processors (none: requests naming one fail closed)."""
-    fail_open_modules: frozenset[str] = frozenset()
-    """Modules whose failure lets the text through unchanged (all others fail the request)."""
-    slo_address: str | None = None
-    """The SLO predictor: windows are reported to it, its forecasts shed BATCH, its predictions route (none: heuristics only)."""
-    slo_admission: bool = True
-    """Defer BATCH (RESOURCE_EXHAUSTED with retry-after-ms) while an urgent class's forecast is above the threshold."""
-    slo_routing: bool = True
-    """Route among a model's workers by predicted TTFT."""
-    slo_predict_budget_ms: float = 5.0
-    """How long routing waits for a latency prediction before using the load heuristic."""
-    slo_retry_after_ms: int = 10_000
-    """retry-after-ms of a deferred BATCH request."""
-    prefix_cache_scope: str = "tenant"
-    """Who shares workers' prefix-cache blocks: tenant (only requests of the same tenant: a shared cache would
-    leak one tenant's prompts to another through timing) or global (every request)."""
-    max_request_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    """Largest request message accepted (gRPC refuses a larger one with RESOURCE_EXHAUSTED before reading it)."""
-    max_prompt_chars: int = 0
-    """Prompt characters allowed at most; 0: what the model's context can hold (its context times its longest
-    token, which the worker reports), so a prompt that cannot fit is refused before any worker tokenizes it."""
-    max_prompt_tokens: int = 0
-    """Prompt tokens allowed at most (the worker checks after tokenizing); 0: the model's context less one."""
-    worker_wait_s: float = 10.0
-    """Seconds a request waits for a worker of its model to come (back) into rotation, e.g. while one restarts,
-    before it fails with UNAVAILABLE (never past its deadline; 0: fail at once)."""
-
-    def all_workers(self) -> list[str]:
-        addresses = list(self.workers)
-        if self.workers_file is not None:
-            try:
-                data = tomllib.loads(self.workers_file.read_text())
-            except (OSError, tomllib.TOMLDecodeError) as exc:
-                raise ValueError(f"workers_file: cannot read {self.workers_file}: {exc}") from None
-            listed = data.get("workers")
-            if not isinstance(listed, list) or not all(isinstance(a, str) for a in listed):
-                raise ValueError(f"workers_file: {self.workers_file} needs `workers = [\"HOST:PORT\", ...]`")
-            addresses += listed
-        for a in addresses:
-            host, _, port = a.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"worker: {a!r} is not HOST:PORT")
-        if not addresses:
-            raise ValueError("worker: give at least one --worker HOST:PORT (or --workers-file)")
-        return list(dict.fromkeys(addresses))
-
-    def validate(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port: {self.port}, allowed 0..65535")
-        if self.poll_interval_s <= 0:
-            raise ValueError(f"poll_interval_s: {self.poll_interval_s}, must be > 0")
-        if self.slo_retry_after_ms < 1:
-            raise ValueError(f"slo_retry_after_ms: {self.slo_retry_after_ms}, must be >= 1")
-        if self.prefix_cache_scope not in PREFIX_CACHE_SCOPES:
-            raise ValueError(f"prefix_cache_scope: {self.prefix_cache_scope!r}, allowed: {', '.join(PREFIX_CACHE_SCOPES)}")
-        if self.slo_predict_budget_ms <= 0:
-            raise ValueError(f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes: {self.max_request_bytes}, must be >= 1024")
-        if self.worker_wait_s < 0:
-            raise ValueError(f"worker_wait_s: {self.worker_wait_s}, must be >= 0")
-        if self.max_prompt_chars < 0 or self.max_prompt_tokens < 0:
-            raise ValueError("max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)")
-        if self.admission.batch_limit < 0:
-            raise ValueError(f"batch_limit: {self.admission.batch_limit}, must be >= 0")
-        for cls, bound in self.admission.max_queue.items():
-            if bound < 0:
-                raise ValueError(f"max_queue_{cls.name.lower()}: {bound}, must be >= 0")
-        self.all_workers()
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -530,7 +432,7 @@ def tenancy(cfg: GatewayConfig) -> tuple[TenantRegistry, QuotaEnforcer | None]:
 async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | None = None) -> RunningGateway:
     cfg.validate()
     pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
-                      admission=cfg.admission)
+                      admission=cfg.admission_config)
     metrics = GatewayMetrics(pool)
     tenants, quota = tenancy(cfg)
     processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider)

@@ -85,3 +85,8 @@ def kv_calibrate(
     skip = sorted(layer for layer, _ in ranked[:budget])
     typer.echo(f"recommended: --kv-cache-dtype fp8_e4m3 --kv-skip-layers {','.join(map(str, skip))}" if skip
                else "recommended: --kv-cache-dtype fp8_e4m3 (no layer kept at full precision)")
+
+
+def mount(root: typer.Typer, serve: typer.Typer) -> None:
+    """These commands on the `cotserve` command line."""
+    root.add_typer(kv_app, name="kv")

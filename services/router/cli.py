@@ -1,10 +1,13 @@
-"""`cotserve moe policy | load`: a model's routing policy and expert load, from the router."""
+"""The MoE router's commands: `cotserve serve router` (generated from `RouterConfig`) and `cotserve moe policy | load`
+(a model's routing policy and expert load, from the router)."""
 
 from __future__ import annotations
 
 import typer
 
 from cotserve.common.clitools import rpc_error_exit
+from cotserve.common.config import serve_service
+from cotserve.router.config import RouterConfig
 
 
 moe_app = typer.Typer(help="Mixture-of-experts routing: policy and expert load.", no_args_is_help=True)
@@ -50,3 +53,9 @@ def moe_load(
             rpc_error_exit(err)
     for layer in resp.layers:
         typer.echo(f"layer {layer.layer}: {list(layer.tokens_per_expert)} balancedness {layer.balancedness:.3f}")
+
+
+def mount(root: typer.Typer, serve: typer.Typer) -> None:
+    """The router's commands on the `cotserve` command line."""
+    serve_service(serve, "router", RouterConfig, "Start the MoE router (policy over Redis, expert load, balancing).")
+    root.add_typer(moe_app, name="moe")

@@ -1,4 +1,5 @@
-"""`cotserve sandbox register | list | run`: manage and run WASI modules."""
+"""The sandbox's commands: `cotserve serve sandbox` (generated from `SandboxConfig`) and `cotserve sandbox register |
+delete | list | run` (manage and run WASI modules)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Optional
 import typer
 
 from cotserve.common.clitools import rpc_error_exit
+from cotserve.common.config import serve_service
+from cotserve.sandbox.config import SandboxConfig
 
 
 sandbox_app = typer.Typer(help="The WASI sandbox: register, list and run modules.", no_args_is_help=True)
@@ -136,3 +139,9 @@ def sandbox_run(
     typer.echo(f"[{sandbox_pb2.RunOutcome.Name(r.outcome)} exit {r.exit_code} | fuel {r.fuel_used} | {r.wall_ms:.2f} ms]", err=True)
     if r.outcome != sandbox_pb2.RUN_OUTCOME_OK:
         raise typer.Exit(1)
+
+
+def mount(root: typer.Typer, serve: typer.Typer) -> None:
+    """The sandbox's commands on the `cotserve` command line."""
+    serve_service(serve, "sandbox", SandboxConfig, "Start the WASI sandbox service.")
+    root.add_typer(sandbox_app, name="sandbox")

@@ -1,4 +1,5 @@
-"""`cotserve slo record | train | forecast`: the SLO predictor from the command line."""
+"""The SLO predictor's commands: `cotserve serve slo` (generated from `SloConfig`) and `cotserve slo record | train |
+forecast`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import typer
 
 from cotserve.common.clitools import rpc_error_exit, wide_console
+from cotserve.common.config import serve_service
+from cotserve.slo.config import SloConfig
 
 slo_app = typer.Typer(help="SLO predictor: record windows, train and evaluate offline, read forecasts.", no_args_is_help=True)
 
@@ -121,3 +124,10 @@ def slo_forecast(
     typer.echo(f"{model} {sla}: P(miss within {f.horizon_ms / 1000:g} s) = {f.violation_probability:.3f} (acts above {f.threshold:g})")
     for c in f.top_features:
         typer.echo(f"  {c.feature:28s} {c.contribution:+.3f}")
+
+
+def mount(root: typer.Typer, serve: typer.Typer) -> None:
+    """The SLO predictor's commands on the `cotserve` command line."""
+    serve_service(serve, "slo", SloConfig, "Start the SLO predictor: XGBoost violation forecasts, latency predictions, "
+                  "scale advice.")
+    root.add_typer(slo_app, name="slo")

@@ -1,4 +1,5 @@
-"""`cotserve heatmap` and `cotserve trace check`: read the telemetry service."""
+"""The telemetry service's commands: `cotserve serve telemetry` (generated from `TelemetryConfig`), `cotserve heatmap`
+and `cotserve trace check` (read the telemetry service)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from pathlib import Path
 import typer
 
 from cotserve.common.clitools import rpc_error_exit, wide_console
+from cotserve.common.config import serve_service
+from cotserve.telemetry.config import TelemetryConfig
 
 trace_app = typer.Typer(help="Traces: check that every hop arrives, correctly parented.", no_args_is_help=True)
 
@@ -89,3 +92,11 @@ def trace_check(
         typer.echo(f"  trace {v.trace_id.hex()}: {'; '.join(v.problems)}")
     if complete != len(verdicts):
         raise typer.Exit(1)
+
+
+def mount(root: typer.Typer, serve: typer.Typer) -> None:
+    """The telemetry service's commands on the `cotserve` command line."""
+    serve_service(serve, "telemetry", TelemetryConfig, "Start the telemetry service: OTLP trace receiver, latency "
+                  "heatmaps, recent traces.")
+    root.add_typer(trace_app, name="trace")
+    root.command("heatmap")(heatmap_command)

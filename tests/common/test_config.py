@@ -108,7 +108,8 @@ def _config_class(path: str) -> type:
                                              ("router", "cotserve.router.config.RouterConfig"),
                                              ("telemetry", "cotserve.telemetry.config.TelemetryConfig"),
                                              ("slo", "cotserve.slo.config.SloConfig"),
-                                             ("sandbox", "cotserve.sandbox.config.SandboxConfig")])
+                                             ("sandbox", "cotserve.sandbox.config.SandboxConfig"),
+                                             ("gateway", "cotserve.gateway.config.GatewayConfig")])
 def test_each_generated_serve_command_has_every_setting_with_help_and_a_variable(service, config):
     """`cotserve serve <service> --help`: one flag per config field, each with its docstring as help and its
     environment variable COTSERVE_<SERVICE>_<FIELD>; and `--config`."""
@@ -119,7 +120,8 @@ def test_each_generated_serve_command_has_every_setting_with_help_and_a_variable
     assert result.exit_code == 0, result.output
     assert "--config" in result.output
     for s in known.values():
-        assert s.flag.split("/")[0] in result.output, s.name
+        for name in s.flag.replace("/", " ").split():  # every name a flag answers to (an earlier one too)
+            assert name in result.output, (s.name, name)
         assert s.envvars[0] == f"COTSERVE_{service.upper()}_{s.name.upper()}" and s.envvars[0] in result.output, s.name
         assert s.help
 
@@ -137,6 +139,52 @@ def test_earlier_names_and_flags_are_kept():
     assert SloConfig(sla_target=("interactive=500/80",)).targets[1].ttft_ms == 500
     with pytest.raises(ValueError, match="sla_target: 'gold=1/2' is not CLASS=TTFT_MS/ITL_P95_MS"):
         SloConfig(sla_target=("gold=1/2",)).validate()
+
+
+def test_the_gateway_keeps_its_earlier_flags_and_variables():
+    """The gateway's settings became fields (its admission settings flat, as AdmissionConfig is built from them);
+    the flags and variables of earlier releases still work, and the same variable sets both services' targets."""
+    from cotserve.common.sampling import SlaClass
+    from cotserve.gateway.config import GatewayConfig
+
+    gw = settings(GatewayConfig, "gateway")
+    assert gw["workers"].flag == "--worker" and gw["workers"].envvars == ("COTSERVE_GATEWAY_WORKERS", "COTSERVE_WORKERS")
+    assert gw["sandbox_address"].flag.split() == ["--sandbox-address", "--sandbox"]
+    assert gw["slo_address"].envvars[1:] == ("COTSERVE_SLO_ADDRESS",)
+    assert gw["slo_predict_budget_ms"].envvars[1:] == ("COTSERVE_SLO_BUDGET_MS",)
+    assert gw["sla_target"].envvars[1:] == settings(__import__("cotserve.slo.config", fromlist=["x"]).SloConfig, "slo")["sla_target"].envvars[1:]
+    assert gw["admission"].flag == "--admission/--no-admission" and gw["fail_open_modules"].flag == "--fail-open"
+    cfg = GatewayConfig(sla_target=("interactive=500/80",), batch_limit=7, max_queue_batch=3, admission=False)
+    adm = cfg.admission_config
+    assert (adm.enabled, adm.batch_limit, adm.max_queue[SlaClass.BATCH], adm.targets[SlaClass.INTERACTIVE].ttft_ms) == (False, 7, 3, 500)
+    for bad, message in ((dict(max_queue_batch=-1), "max_queue_batch: -1, must be >= 0"),
+                         (dict(sla_target=("gold=1/2",)), "sla_target: 'gold=1/2'"),
+                         (dict(prefix_cache_scope="all"), "prefix_cache_scope: 'all', allowed: tenant, global")):
+        with pytest.raises(ValueError, match=message):
+            GatewayConfig(workers=["127.0.0.1:1"], **bad).validate()
+
+
+def test_the_gateway_command_builds_its_config_from_flags_environment_and_file(tmp_path, monkeypatch):
+    """`serve gateway` through the real CLI: flags, an earlier variable name and a config file reach the config
+    the service starts with (its `serve` replaced by one that records it)."""
+    import cotserve.gateway.server as server
+    from cotserve.cli import app
+
+    seen = []
+
+    async def record(cfg):
+        seen.append(cfg)
+
+    monkeypatch.setattr(server, "serve", record)
+    path = tmp_path / "gw.toml"
+    path.write_text('batch_limit = 9\nsla_target = ["batch=20000/900"]\n')
+    result = CliRunner().invoke(app, ["serve", "gateway", "--config", str(path), "--worker", "127.0.0.1:1",
+                                      "--worker", "127.0.0.1:2", "--no-admission", "--slo", "127.0.0.1:3"],
+                                env={"COTSERVE_MAX_QUEUE_BATCH": "5", "COTSERVE_GATEWAY_BATCH_LIMIT": "11"})
+    assert result.exit_code == 0, result.output
+    cfg = seen[0]
+    assert cfg.workers == ["127.0.0.1:1", "127.0.0.1:2"] and cfg.admission is False and cfg.slo_address == "127.0.0.1:3"
+    assert cfg.batch_limit == 11 and cfg.max_queue_batch == 5 and cfg.sla_target == ("batch=20000/900",)
 
 
 def test_a_repeatable_setting_keeps_its_field_collection():

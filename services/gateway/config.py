@@ -1,0 +1,147 @@
+"""The gateway's settings (`cotserve serve gateway` is generated from them)."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from cotserve.common.config import Cli, legacy_env
+from cotserve.common.sampling import SlaClass
+from cotserve.common.sla import SlaTarget, sla_targets
+from cotserve.gateway.admission import AdmissionConfig
+
+PREFIX_CACHE_SCOPES = ("tenant", "global")
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    """Everything `cotserve serve gateway` takes: each field is one setting (`common.config`), its docstring the help."""
+
+    host: str = "127.0.0.1"
+    """Address to bind."""
+    port: int = 50051
+    """Port to bind (0 picks a free one)."""
+    workers: list[str] = field(default_factory=list)
+    """Worker address HOST:PORT (repeatable)."""
+    workers_file: Path | None = None
+    """TOML file with `workers = ["HOST:PORT", ...]`, added to `workers`."""
+    poll_interval_s: float = 0.5
+    """Seconds between Stats polls of each worker."""
+    sla_target: tuple[str, ...] = ()
+    """CLASS=TTFT_MS/ITL_P95_MS, e.g. interactive=1000/100 (repeatable; defaults: realtime=250/50,
+    interactive=1000/100, batch=30000/1000)."""
+    admission: bool = True
+    """Per-class admission: limits and queues per worker (--no-admission forwards every request at once, a
+    benchmark baseline)."""
+    batch_limit: int = 128
+    """BATCH requests in flight per worker at most."""
+    max_queue_interactive: int = 256
+    """INTERACTIVE requests waiting per worker at most (then RESOURCE_EXHAUSTED)."""
+    max_queue_batch: int = 1024
+    """BATCH requests waiting per worker at most (then RESOURCE_EXHAUSTED)."""
+    metrics_port: int = 0
+    """Port for Prometheus /metrics on `host` (0 = off)."""
+    tenants_file: Path | None = None
+    """TOML tenants file (API key hashes, classes, limits); without one, a single open tenant."""
+    redis_url: str | None = None
+    """Redis that holds tenant limits (shared by every gateway); needed when tenants have limits."""
+    sandbox_address: str | None = None
+    """The WASI sandbox service HOST:PORT that runs pre- and post-processors (none: requests naming one fail
+    closed)."""
+    fail_open_modules: frozenset[str] = frozenset()
+    """Module whose failure lets the text through unchanged (repeatable; default: every module fails closed)."""
+    slo_address: str | None = None
+    """The SLO predictor HOST:PORT: windows are reported to it, its forecasts shed BATCH, its predictions route
+    (none: heuristics only)."""
+    slo_admission: bool = True
+    """Defer BATCH (RESOURCE_EXHAUSTED with retry-after-ms) while an urgent class's forecast is above the threshold."""
+    slo_routing: bool = True
+    """Route among a model's workers by predicted TTFT."""
+    slo_predict_budget_ms: float = 5.0
+    """Milliseconds routing waits for a latency prediction before using the load heuristic."""
+    slo_retry_after_ms: int = 10_000
+    """retry-after-ms of a deferred BATCH request."""
+    prefix_cache_scope: str = "tenant"
+    """Who shares workers' prefix-cache blocks: tenant (only requests of the same tenant: a shared cache would
+    leak one tenant's prompts to another through timing) or global (every request)."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Largest request message accepted, in bytes (gRPC refuses a larger one with RESOURCE_EXHAUSTED before
+    reading it)."""
+    max_prompt_chars: int = 0
+    """Prompt characters allowed at most; 0: what the model's context can hold (its context times its longest
+    token, which the worker reports), so a prompt that cannot fit is refused before any worker tokenizes it."""
+    max_prompt_tokens: int = 0
+    """Prompt tokens allowed at most (the worker checks after tokenizing); 0: the model's context less one."""
+    worker_wait_s: float = 10.0
+    """Seconds a request waits for a worker of its model to come (back) into rotation, e.g. while one restarts,
+    before it fails with UNAVAILABLE (never past its deadline; 0: fail at once)."""
+    grace_s: float = 5.0
+    """Seconds to drain in-flight streams on SIGTERM."""
+
+    CLI: ClassVar[dict[str, Cli]] = {
+        **legacy_env("host", "workers_file", "poll_interval_s", "batch_limit", "max_queue_interactive",
+                     "max_queue_batch", "tenants_file", "redis_url", "prefix_cache_scope", "grace_s"),
+        "workers": Cli(flag="--worker", env=("COTSERVE_WORKERS",)),
+        "sla_target": Cli(env=("COTSERVE_SLA_TARGETS",)),
+        "sandbox_address": Cli(flag="--sandbox-address --sandbox", env=("COTSERVE_SANDBOX_ADDRESS",)),
+        "fail_open_modules": Cli(flag="--fail-open"),
+        "slo_address": Cli(flag="--slo-address --slo", env=("COTSERVE_SLO_ADDRESS",)),
+        "slo_predict_budget_ms": Cli(flag="--slo-predict-budget-ms --slo-budget-ms", env=("COTSERVE_SLO_BUDGET_MS",)),
+    }
+
+    @property
+    def targets(self) -> dict[SlaClass, SlaTarget]:
+        """Every class's target: the defaults with `sla_target`'s overrides."""
+        return sla_targets(self.sla_target)
+
+    @property
+    def admission_config(self) -> AdmissionConfig:
+        """What each worker's admission runs with."""
+        return AdmissionConfig(enabled=self.admission, targets=self.targets, batch_limit=self.batch_limit,
+                               max_queue={SlaClass.INTERACTIVE: self.max_queue_interactive,
+                                          SlaClass.BATCH: self.max_queue_batch})
+
+    def all_workers(self) -> list[str]:
+        """`workers` and those in `workers_file`, each HOST:PORT, once each; a ValueError names what is wrong."""
+        addresses = list(self.workers)
+        if self.workers_file is not None:
+            try:
+                data = tomllib.loads(self.workers_file.read_text())
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ValueError(f"workers_file: cannot read {self.workers_file}: {exc}") from None
+            listed = data.get("workers")
+            if not isinstance(listed, list) or not all(isinstance(a, str) for a in listed):
+                raise ValueError(f"workers_file: {self.workers_file} needs `workers = [\"HOST:PORT\", ...]`")
+            addresses += listed
+        for a in addresses:
+            host, _, port = a.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"worker: {a!r} is not HOST:PORT")
+        if not addresses:
+            raise ValueError("worker: give at least one --worker HOST:PORT (or --workers-file)")
+        return list(dict.fromkeys(addresses))
+
+    def validate(self) -> None:
+        checks = [
+            (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
+            (self.poll_interval_s > 0, f"poll_interval_s: {self.poll_interval_s}, must be > 0"),
+            (self.slo_retry_after_ms >= 1, f"slo_retry_after_ms: {self.slo_retry_after_ms}, must be >= 1"),
+            (self.prefix_cache_scope in PREFIX_CACHE_SCOPES,
+             f"prefix_cache_scope: {self.prefix_cache_scope!r}, allowed: {', '.join(PREFIX_CACHE_SCOPES)}"),
+            (self.slo_predict_budget_ms > 0, f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0"),
+            (self.max_request_bytes >= 1024, f"max_request_bytes: {self.max_request_bytes}, must be >= 1024"),
+            (self.worker_wait_s >= 0, f"worker_wait_s: {self.worker_wait_s}, must be >= 0"),
+            (self.max_prompt_chars >= 0 and self.max_prompt_tokens >= 0,
+             "max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)"),
+            (self.batch_limit >= 0, f"batch_limit: {self.batch_limit}, must be >= 0"),
+            (self.max_queue_interactive >= 0, f"max_queue_interactive: {self.max_queue_interactive}, must be >= 0"),
+            (self.max_queue_batch >= 0, f"max_queue_batch: {self.max_queue_batch}, must be >= 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        sla_targets(self.sla_target)  # each override parses, or a ValueError names sla_target
+        self.all_workers()
