@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install install-dev up test browser protos lint-protos demo-model testbed-model wasm-modules clean
+.PHONY: install install-dev up test browser protos lint-protos readme demo-model testbed-model wasm-modules clean
 
 # Strict editable mode: `cotserve` is a tree of links (build/__editable__.*) that editors and tools can follow
 # without setuptools' import hooks; a new module appears there at the next `make install` (or `make test`).
@@ -42,6 +42,10 @@ protos:
 
 lint-protos:
 	cd protos && buf lint
+
+## Remake README.md's command table from the command line's own definitions (a test fails when it is stale).
+readme:
+	$(PYTHON) -c "import pathlib, cotserve.cli as c; p = pathlib.Path('README.md'); p.write_text(c.readme_with_commands(p.read_text()))"
 
 ## Retrain the bundled demo model (about 15 minutes on 2 CPU cores).
 demo-model:

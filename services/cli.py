@@ -10,9 +10,10 @@ from __future__ import annotations
 import importlib
 
 import typer
+import typer.main
 
-ROOMS = ("cotserve.up", "cotserve.worker.cli", "cotserve.gateway.cli", "cotserve.telemetry.cli", "cotserve.slo.cli",
-         "cotserve.router.cli", "cotserve.sandbox.cli", "cotserve.sdk.cli", "cotserve.bench.cli", "cotserve.kveval.cli",
+ROOMS = ("cotserve.up", "cotserve.sdk.cli", "cotserve.worker.cli", "cotserve.gateway.cli", "cotserve.telemetry.cli",
+         "cotserve.slo.cli", "cotserve.router.cli", "cotserve.sandbox.cli", "cotserve.bench.cli", "cotserve.kveval.cli",
          "cotserve.demo.cli")
 """The modules whose `mount(root, serve)` adds commands, in the order `cotserve --help` lists them."""
 
@@ -22,6 +23,20 @@ serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_he
 app.add_typer(serve_app, name="serve")
 for _room in ROOMS:
     importlib.import_module(_room).mount(app, serve_app)
+
+
+README = "README.md"
+TABLE_START = "<!-- commands: made by `make readme` from the command line itself; tests/test_cli.py checks it is current -->"
+TABLE_END = "<!-- commands end -->"
+
+
+def readme_with_commands(text: str) -> str:
+    """The README's text with its command table (between TABLE_START and TABLE_END) made anew from `app`."""
+    from cotserve.common.clitools import command_table
+
+    head, rest = text.split(TABLE_START, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_START}\n{command_table(typer.main.get_command(app))}{TABLE_END}{tail}"
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.conftest import free_port
 
@@ -126,3 +127,20 @@ def test_a_port_in_use_is_a_clear_error_not_a_traceback():
                                   capture_output=True, text=True, timeout=60)
             assert proc.returncode == 2
             assert f"port: cannot bind 127.0.0.1:{port} (in use" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_readme_command_table_is_made_from_the_command_line():
+    """README.md's command table is what `make readme` makes from the commands' own definitions (a command, flag or
+    help text changed without `make readme` fails here), and it lists every command."""
+    import typer.main
+
+    from cotserve import cli
+    from cotserve.common.clitools import command_rows
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert cli.readme_with_commands(readme) == readme, "README.md's command table is stale: run `make readme`"
+    rows = command_rows(typer.main.get_command(cli.app))
+    for command in ("cotserve up", "cotserve generate PROMPT", "cotserve serve gateway", "cotserve bench baseline",
+                    "cotserve sandbox register NAME FILE", "cotserve demo train"):
+        assert f"| `{command}` |" in readme
+    assert len(rows) == readme.count("\n| `cotserve ")

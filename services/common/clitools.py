@@ -51,3 +51,32 @@ def wide_console():
     from rich.console import Console
 
     return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def command_rows(group, prefix: str = "cotserve") -> list[tuple[str, str, str]]:
+    """Every command under a (typer) click group, depth first in the group's order: its invocation with arguments,
+    the first paragraph of its help, and its options (listed up to eight, else the first six and how many more).
+    The README's command table is made from these, so it says what the command line says."""
+    rows = []
+    for name, cmd in group.commands.items():
+        if getattr(cmd, "hidden", False):
+            continue
+        path = f"{prefix} {name}"
+        if hasattr(cmd, "commands"):
+            rows += command_rows(cmd, path)
+            continue
+        args = " ".join(p.name.upper() if p.required else f"[{p.name.upper()}]"
+                        for p in cmd.params if p.param_type_name == "argument")
+        flags = [p.opts[0] for p in cmd.params if p.param_type_name == "option" and p.name != "help"]
+        shown = flags if len(flags) <= 8 else [*flags[:6], f"and {len(flags) - 6} more"]
+        help_text = " ".join((cmd.help or "").split("\n\n")[0].split())
+        rows.append((f"{path} {args}".strip(), help_text, ", ".join(f"`{f}`" if f.startswith("-") else f for f in shown)))
+    return rows
+
+
+def command_table(group) -> str:
+    """`command_rows` as a markdown table."""
+    lines = ["| command | what it does | options |", "| --- | --- | --- |"]
+    for command, help_text, options in command_rows(group):
+        lines.append(f"| `{command}` | {help_text.replace('|', chr(92) + '|')} | {options} |")
+    return "\n".join(lines) + "\n"
