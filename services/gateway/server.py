@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -15,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
 from cotserve.common.sampling import (
-    DEFAULT_MAX_NEW_TOKENS, SlaClass, check_self_consistency, finish_reason_name, reasoning_from_pb, sampling_from_pb,
+    DEFAULT_MAX_NEW_TOKENS, SlaClass, check_self_consistency, reasoning_from_pb, sampling_from_pb,
     sla_from_pb,
 )
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
@@ -26,10 +27,11 @@ from cotserve.gateway.admission import QueueDeadlineExceeded
 from cotserve.gateway.config import GatewayConfig
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.gateway.metrics import GatewayMetrics
+from cotserve.gateway.observer import AttemptObserver, to_client_chunk
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
 from cotserve.gateway.processors import Processors
 from cotserve.gateway.quota import RENEW_EVERY_S, SPECIAL_TOKENS_ALLOWANCE, Grant, QuotaEnforcer, token_reservation
-from cotserve.gateway.slo_link import SloLink, SloLinkConfig, queued
+from cotserve.gateway.slo_link import SloLink, SloLinkConfig
 from cotserve.gateway.tenants import Tenant, TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
@@ -182,11 +184,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             except CotserveError as exc:
                 log.warning("tenant %s: lease renewal failed: %s", grant.tenant.name, exc.message)
 
-    async def _stream(self, start: float, model: str, sla: SlaClass, wreq: worker_pb2.GenerateRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        """Admission, the worker stream with its one retry, and the conversion of each chunk."""
-        m = self.metrics
-        ttft_h, itl_h = m.ttft.labels(model, sla.name), m.itl.labels(model, sla.name)
+    def _annotate(self, model: str, wreq: worker_pb2.GenerateRequest):
+        """The request's span (the gRPC server span): named for the model, with what was asked."""
         span = trace.get_current_span()
         span.update_name(f"generate {model}")
         sp = wreq.sampling
@@ -198,135 +197,94 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             **({"gen_ai.request.max_tokens": sp.max_new_tokens} if sp.HasField("max_new_tokens") else {}),
             **({"gen_ai.request.temperature": sp.temperature} if sp.HasField("temperature") else {}),
         })
-        slo = self.slo
-        if slo is not None and sla == SlaClass.BATCH:
-            why = slo.shed_batch(model)
+        return span
+
+    async def _pick(self, model: str, sla: SlaClass, tried: set[WorkerHandle], prompt_bytes: int, max_new: int,
+                    context: grpc.aio.ServicerContext, span) -> WorkerHandle:
+        """A worker of `model` not tried yet (waiting for one to come into rotation, within the deadline); among
+        several, the SLO predictor's lowest predicted TTFT when it answers in time."""
+        remaining = context.time_remaining()
+        wait_s = self.worker_wait_s if remaining is None else max(0.0, min(self.worker_wait_s, remaining - 0.05))
+        worker = await self.pool.pick_waiting(model, tried, sla, wait_s)
+        if self.slo is not None:
+            candidates = [w for w in self.pool.workers if w.healthy and w.model == model and w not in tried]
+            better = await self.slo.pick(model, candidates, sla, prompt_bytes, max_new)
+            if better is not None:
+                worker = better
+                span.set_attribute("cotserve.routed_by", "predicted_ttft")
+        span.set_attributes({"cotserve.worker": worker.address,
+                             "cotserve.model_version": f"{model}@{worker.info.model_revision}"})
+        return worker
+
+    async def _admit(self, worker: WorkerHandle, sla: SlaClass, context: grpc.aio.ServicerContext) -> float:
+        """Wait for the worker's admission of `sla` (a "queue wait" span); the milliseconds waited."""
+        with self.tracer.start_as_current_span("queue wait", attributes={"cotserve.worker": worker.address}) as qspan:
+            try:
+                return await worker.admission.acquire(sla, context.time_remaining())
+            except QueueDeadlineExceeded as exc:
+                qspan.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+                raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
+
+    async def _stream(self, start: float, model: str, sla: SlaClass, wreq: worker_pb2.GenerateRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """Admission, the worker stream with its one retry (only before the first token), each chunk relayed."""
+        span = self._annotate(model, wreq)
+        if self.slo is not None and sla == SlaClass.BATCH:
+            why = self.slo.shed_batch(model)
             if why is not None:
                 span.add_event("shed", {"cotserve.reason": why})
                 raise ResourceExhausted(f"sla_class BATCH: deferred: {why}; retry later",
-                                        trailers={"retry-after-ms": str(slo.cfg.retry_after_ms)})
+                                        trailers={"retry-after-ms": str(self.slo.cfg.retry_after_ms)})
         tried: set[WorkerHandle] = set()
+        sp = wreq.sampling
         max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
         prompt_bytes = len(wreq.prompt_text.encode())
         while True:
-            remaining = context.time_remaining()
-            wait_s = self.worker_wait_s if remaining is None else max(0.0, min(self.worker_wait_s, remaining - 0.05))
-            worker = await self.pool.pick_waiting(model, tried, sla, wait_s)
-            if slo is not None:
-                candidates = [w for w in self.pool.workers if w.healthy and w.model == model and w not in tried]
-                better = await slo.pick(model, candidates, sla, prompt_bytes, max_new)
-                if better is not None:
-                    worker = better
-                    span.set_attribute("cotserve.routed_by", "predicted_ttft")
+            worker = await self._pick(model, sla, tried, prompt_bytes, max_new, context, span)
             tried.add(worker)
-            span.set_attributes({"cotserve.worker": worker.address,
-                                 "cotserve.model_version": f"{model}@{worker.info.model_revision}"})
-            queued_at_arrival = queued(worker)
-            with self.tracer.start_as_current_span("queue wait", attributes={"cotserve.worker": worker.address}) as qspan:
-                try:
-                    gateway_queue_ms = await worker.admission.acquire(sla, context.time_remaining())
-                except QueueDeadlineExceeded as exc:
-                    qspan.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-                    raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
-            sent_at = time.monotonic()
-            sent_unix_ms = int(time.time() * 1000)
-            in_flight_at_start = worker.in_flight
-            worker.in_flight += 1
-            if slo is not None:
-                slo.arrival(model, worker.address, sla)
-            call, reader = None, None
-            first_at: float | None = None
-            last_at = sent_at
-            reasons: dict[int, str] = {}  # each sample's finish reason
-            try:  # from here on, the finally gives the admission slot back whatever happens
-                span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
-                m.queue.labels(model, sla.name).observe(gateway_queue_ms / 1000)
-                call = worker.stub.Generate(wreq, timeout=context.time_remaining())
-                reader = ReadAhead(call)
-                while (pending := await reader.pending()) is not None:
-                    now = time.monotonic()
-                    outs = []
-                    for chunk in pending:
-                        k = max(1, len(chunk.token_ids))
-                        if chunk.index == 0:  # inter-token latency of one sample (the others arrive in the same steps)
-                            if first_at is not None:
-                                per_token = (now - last_at) / k  # a merged chunk's tokens share the wait
-                                worker.admission.observe_itl(sla, per_token * 1000)
-                                for _ in range(k):
-                                    itl_h.observe(per_token)
-                                if slo is not None:
-                                    slo.token(model, worker.address, sla, per_token * 1000)
-                            last_at = now
-                        if first_at is None:
-                            first_at = now
-                            ttft_h.observe(now - start)
-                            if slo is not None:
-                                slo.first_token(model, worker.address, sla, (now - start) * 1000)
-                            span.set_attribute("cotserve.ttft_ms", (now - start) * 1000)
-                            span.set_attributes({
-                                "cotserve.queue_ms": (sent_at - start) * 1000 + chunk.timing.queue_ms,
-                                "cotserve.kv_used_fraction_at_admission": chunk.timing.kv_used_fraction_at_admission,
-                            })
-                        out = gateway_pb2.GenerateStreamResponse(
-                            text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs,
-                            finish_reason=chunk.finish_reason, index=chunk.index, part=chunk.part,
-                        )
-                        if chunk.HasField("reasoning_text"):
-                            out.reasoning_text, out.answer_text = chunk.reasoning_text, chunk.answer_text
-                        if chunk.finish_reason:
-                            reasons[chunk.index] = finish_reason_name(chunk.finish_reason)
-                        if chunk.HasField("self_consistency"):
-                            out.self_consistency.CopyFrom(chunk.self_consistency)
-                            span.set_attributes({"cotserve.vote.samples_used": chunk.self_consistency.samples_used,
-                                                 "cotserve.vote.samples_cancelled": chunk.self_consistency.samples_cancelled,
-                                                 "cotserve.vote.stop_reason": chunk.self_consistency.stop_reason})
-                        if chunk.HasField("usage"):  # the stream's last chunk
-                            m.e2e.labels(model, sla.name).observe(now - start)
-                            out.usage.CopyFrom(chunk.usage)
-                            out.timing.queue_ms = (sent_at - start) * 1000 + chunk.timing.queue_ms
-                            out.timing.ttft_ms = (first_at - start) * 1000
-                            out.timing.total_ms = (now - start) * 1000
-                            out.timing.kv_used_fraction_at_admission = chunk.timing.kv_used_fraction_at_admission
-                            n_out = chunk.usage.completion_tokens
-                            if slo is not None:
-                                slo.finished(model, worker.address, sla, sent_unix_ms, prompt_bytes,
-                                             chunk.usage.prompt_tokens, max_new, n_out, (first_at - start) * 1000,
-                                             (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else 0.0,
-                                             in_flight_at_start, queued_at_arrival)
-                            span.set_attributes({
-                                "cotserve.e2e_ms": out.timing.total_ms,
-                                **({"cotserve.tpot_ms": (now - first_at) * 1000 / (n_out - 1)} if n_out > 1 else {}),
-                                "gen_ai.usage.input_tokens": chunk.usage.prompt_tokens,
-                                "gen_ai.usage.output_tokens": chunk.usage.completion_tokens,
-                                "cotserve.cached_prompt_tokens": chunk.usage.cached_prompt_tokens,
-                                "cotserve.reasoning_tokens": chunk.usage.reasoning_tokens,
-                                "cotserve.probe_tokens": chunk.usage.probe_tokens,
-                                "gen_ai.response.finish_reasons": [reasons[i] for i in sorted(reasons)],
-                            })
-                        outs.append(out)
-                    for out in coalesce(outs):
+            observer = AttemptObserver(self.metrics, self.slo, span, model, sla, worker, start, prompt_bytes, max_new)
+            observer.sent(await self._admit(worker, sla, context))
+            try:
+                async with aclosing(self._attempt(worker, wreq, observer, context)) as relay:
+                    async for out in relay:
                         yield out
                 return
             except grpc.aio.AioRpcError as err:
                 code = err.code()
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self.pool.mark_down(worker)
-                    if first_at is None and len(tried) == 1:
-                        log.warning("worker %s failed before the first token; retrying once", worker.address)
-                        span.add_event("retry", {"cotserve.failed_worker": worker.address})
-                        continue
-                    where = "after the first token" if first_at is not None else "on retry"
-                    raise Unavailable(f"worker {worker.address} failed {where}: {err.details()}") from None
-                raise RelayedError(code.name, err.details() or code.name) from None
-            finally:
-                worker.in_flight -= 1
-                if slo is not None:
-                    slo.done(model, worker.address, sla)
-                worker.admission.release(sla, service_ms=(time.monotonic() - sent_at) * 1000)
-                if call is not None:
-                    call.cancel()  # the client went away or we failed: free the worker's pages now
-                if reader is not None:
-                    reader.close()
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise RelayedError(code.name, err.details() or code.name) from None
+                self.pool.mark_down(worker)
+                if observer.first_at is None and len(tried) == 1:
+                    log.warning("worker %s failed before the first token; retrying once", worker.address)
+                    span.add_event("retry", {"cotserve.failed_worker": worker.address})
+                    continue
+                where = "after the first token" if observer.first_at is not None else "on retry"
+                raise Unavailable(f"worker {worker.address} failed {where}: {err.details()}") from None
+
+    @staticmethod
+    async def _attempt(worker: WorkerHandle, wreq: worker_pb2.GenerateRequest, observer: AttemptObserver,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """One worker call, relayed: what has arrived since the last write goes out merged; the admission slot is
+        given back and the call cancelled (freeing the worker's pages) however it ends."""
+        call, reader = None, None
+        try:
+            call = worker.stub.Generate(wreq, timeout=context.time_remaining())
+            reader = ReadAhead(call)
+            while (pending := await reader.pending()) is not None:
+                now = time.monotonic()
+                outs = []
+                for chunk in pending:
+                    out = to_client_chunk(chunk)
+                    observer.chunk(chunk, out, now)
+                    outs.append(out)
+                for out in coalesce(outs):
+                    yield out
+        finally:
+            observer.done()
+            if call is not None:
+                call.cancel()  # the client went away or we failed: free the worker's pages now
+            if reader is not None:
+                reader.close()
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         async for chunk in self._counted(request, context):
