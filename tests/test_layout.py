@@ -9,9 +9,9 @@ from pathlib import Path
 SERVICES_DIR = Path(__file__).resolve().parents[1] / "services"
 # what every service may import besides itself
 SHARED = {"common", "kernels"}
-# the serving services; `bench`, `demo`, `kveval` and the top-level `cli.py` are tools that drive them, and the SDK
-# is the client (it may read any service's stubs, as every client does)
-SERVICES = {"gateway", "worker", "router", "slo", "sandbox", "telemetry", "sdk", "common"}
+# the serving services and what they share; `bench`, `demo`, `kveval`, `up.py` and the top-level `cli.py` are tools
+# that drive them, and the SDK is the client (it may read any service's stubs, as every client does)
+SERVICES = {"gateway", "worker", "router", "slo", "sandbox", "telemetry", "sdk", "common", "kernels"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -58,3 +58,34 @@ def test_the_rule_catches_an_import_of_another_service(tmp_path):
     (tmp_path / "common" / "bad.py").write_text("from cotserve import worker\nfrom cotserve.slo.v1 import slo_pb2\n")
     assert violations(tmp_path) == ["common/bad.py:1: common imports cotserve.worker",
                                     "worker/bad.py:4: worker imports cotserve.gateway.admission"]
+
+
+MAX_FUNCTION_LINES = 60
+TRAINING_SCRIPTS = {"demo/train.py", "demo/train_longctx.py"}  # a training run reads best as one script
+
+
+def long_functions(root: Path = SERVICES_DIR, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every hand-written function (generated v1 stubs and training scripts aside) longer than `limit` lines, as
+    `path:line: name (N lines)`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if "v1" in rel.parts or rel.as_posix() in TRAINING_SCRIPTS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{rel}:{node.lineno}: {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_hand_written_function_is_over_sixty_lines():
+    assert long_functions() == []
+
+
+def test_the_function_length_check_finds_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(61))
+    (tmp_path / "svc").mkdir()
+    (tmp_path / "svc" / "mod.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}\n")
+    assert long_functions(tmp_path) == ["svc/mod.py:5: long (62 lines)"]

@@ -15,8 +15,6 @@ def test_every_package_is_listed_in_pyproject():
     listed = set(cfg["packages"])
     found = {"cotserve." + ".".join(p.parent.relative_to(ROOT / "services").parts) if p.parent != ROOT / "services" else "cotserve"
              for p in (ROOT / "services").rglob("__init__.py")}
-    found |= {"cotserve.kernels." + ".".join(p.parent.relative_to(ROOT / "kernels").parts) if p.parent != ROOT / "kernels" else "cotserve.kernels"
-              for p in (ROOT / "kernels").rglob("__init__.py")}
     assert found - listed == set()
 
 
@@ -32,7 +30,7 @@ def test_demo_models_are_package_data_and_small(name):
 
 def test_the_editable_install_is_a_tree_of_links_editors_can_follow():
     """`make install` uses setuptools' strict editable mode; when this checkout is installed that way, the link tree
-    holds every module of services/ and kernels/ (a module added since the install needs `make install` again)."""
+    holds every module of services/ (a module added since the install needs `make install` again)."""
     makefile = (ROOT / "Makefile").read_text()
     assert "EDITABLE := --config-settings editable_mode=strict" in makefile
     assert "install -q -e . $(EDITABLE)" in makefile and 'install -q -e ".[dev]" $(EDITABLE)' in makefile
@@ -41,9 +39,17 @@ def test_the_editable_install_is_a_tree_of_links_editors_can_follow():
     tree = Path(cotserve.__file__).parent
     if not (tree / "__init__.py").is_symlink():
         pytest.skip("not installed in strict editable mode here")
-    for source, package in ((ROOT / "services", tree), (ROOT / "kernels", tree / "kernels")):
-        for f in source.rglob("*.py"):
-            if "__pycache__" in f.parts:
-                continue
-            link = package / f.relative_to(source)
-            assert link.resolve() == f.resolve(), f"{link} is missing from the editable install: run `make install`"
+    for f in (ROOT / "services").rglob("*.py"):
+        if "__pycache__" in f.parts:
+            continue
+        link = tree / f.relative_to(ROOT / "services")
+        assert link.resolve() == f.resolve(), f"{link} is missing from the editable install: run `make install`"
+
+
+def test_no_package_folder_at_the_root_shadows_an_installed_package():
+    """The repository root is on sys.path whenever Python runs from it (`python -m pytest`, `python -m cotserve.cli`):
+    a package folder there is imported instead of an installed package of the same name. The kernels used to live
+    in `kernels/`, which shadowed Hugging Face's `kernels` (transformers imports it): only `services/` (installed as
+    `cotserve`) and `tests/` may be one."""
+    folders = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert folders <= {"services", "tests"}, f"package folders at the repository root: {sorted(folders - {'services', 'tests'})}"

@@ -7,9 +7,11 @@ ratio of each. Every prompt has the same length, so static batching needs no pad
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -120,32 +122,191 @@ def engine_child(pid: int) -> int | None:
     return None
 
 
-async def ttft_direct_and_via_gateway(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[list[float], list[float]]:
-    """Time to first token (ms) of one request at a time, alternating: straight to the worker over gRPC, and
-    through the gateway with the SDK (what the gateway adds: auth, validation, admission, routing, one more hop)."""
+async def ttft_direct_relay_gateway(gateway: str, relay: str, worker: str, prompt: str,
+                                    rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """Time to first token (ms) of one request at a time, interleaved: straight to the worker over gRPC, through a
+    bare relay (the same call one grpc.aio hop further), and through the gateway with the SDK (what the gateway
+    adds: auth, validation, admission, routing, tracing, metrics, one more hop)."""
     import grpc
 
     from cotserve.bench.throughput import first_token_ms
     from cotserve.common.v1 import common_pb2
+    from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
     from cotserve.sdk import AsyncClient
     from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
     sampling = common_pb2.SamplingParams(max_new_tokens=1, ignore_eos=True)
-    direct: list[float] = []
-    via: list[float] = []
-    async with AsyncClient(gateway) as client, grpc.aio.insecure_channel(worker) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-
-        def one_direct():
-            return first_token_ms(stub.Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling)))
-
-        def one_via():
-            return first_token_ms(client.stream(prompt, max_new_tokens=1, ignore_eos=True))
-
-        for _ in range(5):  # warm both paths (connections, caches)
-            await one_direct()
-            await one_via()
+    samples: tuple[list[float], list[float], list[float]] = ([], [], [])
+    async with (AsyncClient(gateway) as client, grpc.aio.insecure_channel(worker) as wch,
+                grpc.aio.insecure_channel(relay) as rch):
+        wstub, rstub = worker_pb2_grpc.WorkerServiceStub(wch), gateway_pb2_grpc.GatewayServiceStub(rch)
+        paths = (lambda: first_token_ms(wstub.Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling))),
+                 lambda: first_token_ms(rstub.GenerateStream(gateway_pb2.GenerateStreamRequest(prompt=prompt, sampling=sampling))),
+                 lambda: first_token_ms(client.stream(prompt, max_new_tokens=1, ignore_eos=True)))
+        for _ in range(5):  # warm every path (connections, caches)
+            for path in paths:
+                await path()
         for _ in range(rounds):
-            direct.append(await one_direct())
-            via.append(await one_via())
-    return direct, via
+            for path, out in zip(paths, samples):
+                out.append(await path())
+    return samples
+
+
+@dataclass(slots=True, frozen=True)
+class Load:
+    """The workload of the runs through the gateway (and, at the same batch, of the engine-only rows)."""
+
+    concurrency: int
+    prompt_tokens: int
+    max_new_tokens: int
+    requests: int
+
+
+@dataclass(slots=True)
+class GatewayRun:
+    """One run through a gateway: its level, CPU seconds per process (a stack started here), the TTFT samples
+    (ms, one request at a time: worker direct, a bare relay, the gateway), and the prompt used."""
+
+    interval: int | None
+    level: Any
+    cpu: dict[str, float]
+    ttft: tuple[list[float], list[float], list[float]] | None
+    prompt: str
+    prompt_ids: list[int]
+
+
+def run_through_gateway(model_dir: Path, address: str | None, interval: int | None, load: Load, ttft_rounds: int,
+                        say: Callable[[str], None]) -> GatewayRun:
+    """The load through `address`, or through a worker (`--stream-interval interval`) + gateway started here;
+    with `ttft_rounds`, then the TTFT pairs against the worker directly and a bare relay."""
+    import asyncio
+
+    from cotserve.bench.throughput import prompt_of_tokens, run_level
+    from cotserve.common.procs import free_port, running
+    from cotserve.common.topology import stack
+    from cotserve.sdk import AsyncClient
+    from cotserve.worker.utilization import process_cpu_seconds
+
+    children = []
+    gateway = address
+    if gateway is None:
+        children, _ = stack(model_dir, free_port(), None, full=False, worker_extra=("--stream-interval", str(interval)))
+        gateway = children[-1].address
+    with running(children, on_start=lambda child: say(f"starting {child.name} ...")):
+        procs = _service_pids(children)
+        cpu_before: dict[str, float] = {}
+
+        async def measure():
+            async with AsyncClient(gateway) as c:
+                prompt = await prompt_of_tokens(c, load.prompt_tokens)
+                ids = await c.tokenize(prompt)
+                await c.generate(prompt, max_new_tokens=4)
+            cpu_before.update({name: process_cpu_seconds(pid) for name, pid in procs.items()})
+            return prompt, ids, await run_level(gateway, load.concurrency, prompt, load.max_new_tokens, load.requests)
+
+        label = "" if interval is None else f", stream interval {interval}"
+        say(f"cotserve: {load.requests} requests at concurrency {load.concurrency}{label} ...")
+        prompt, ids, level = asyncio.run(measure())
+        cpu = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
+        ttft = None
+        if children and ttft_rounds > 0:
+            say(f"TTFT: {ttft_rounds} requests one at a time each: worker direct, a bare relay, the gateway ...")
+            ttft = ttft_three_ways(gateway, children[0].address, prompt, ttft_rounds)
+    return GatewayRun(interval, level, cpu, ttft, prompt, ids)
+
+
+def _service_pids(children: list) -> dict[str, int]:
+    """The processes whose CPU time the bench reports: the worker's front, its engine process, the gateway."""
+    if not children:
+        return {}
+    procs = {"worker (gRPC front)": children[0].proc.pid}
+    engine_pid = engine_child(children[0].proc.pid)
+    if engine_pid is not None:
+        procs["worker (engine process)"] = engine_pid
+    procs["gateway"] = children[-1].proc.pid
+    return procs
+
+
+def ttft_three_ways(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[list[float], list[float], list[float]]:
+    """TTFT (ms) straight to the worker, through a bare grpc.aio relay (`bench/relay.py`: the hop alone) and
+    through the gateway, one request at a time, interleaved."""
+    import asyncio
+
+    from cotserve.common.procs import Child, free_port, grpc_ready, running
+
+    relay_addr = f"127.0.0.1:{free_port()}"
+    relay = Child("relay", relay_addr, [sys.executable, "-m", "cotserve.bench.relay", relay_addr, worker],
+                  grpc_ready(relay_addr))
+    with running([relay]):
+        return asyncio.run(ttft_direct_relay_gateway(gateway, relay_addr, worker, prompt, rounds))
+
+
+def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
+    """The runs' level table, CPU ms per generated token of each process per run, and the gateway-added TTFT."""
+    from rich.table import Table
+
+    from cotserve.bench.throughput import table
+    from cotserve.common.stats import percentile
+
+    console.print(table([r.level for r in runs]))
+    if runs[0].cpu:
+        c = Table(title=f"CPU time per generated token ({runs[0].level.output_tokens} tokens per run)")
+        c.add_column("process")
+        for r in runs:
+            c.add_column(f"CPU ms/token, stream interval {r.interval}", justify="right")
+        for name in runs[0].cpu:
+            c.add_row(name, *(f"{r.cpu.get(name, 0.0) * 1000 / max(1, r.level.output_tokens):.3f}" for r in runs))
+        console.print(c)
+    ttft = next((r.ttft for r in runs if r.ttft is not None), None)
+    if ttft is not None:
+        direct, relay, via = (sorted(x) for x in ttft)
+        p50 = [percentile(x, 50) for x in (direct, relay, via)]
+        added = p50[2] - p50[0]
+        console.print(f"TTFT p50, one request at a time: worker direct {p50[0]:.2f} ms, via a bare gRPC relay {p50[1]:.2f} ms "
+                      f"(one more hop: +{p50[1] - p50[0]:.2f} ms), via the gateway {p50[2]:.2f} ms: the gateway adds "
+                      f"{added:.2f} ms (goal <= 1 ms: {'met' if added <= 1 else 'NOT met'}), {p50[2] - p50[1]:.2f} ms of it "
+                      f"its own work; p90 {percentile(direct, 90):.2f} / {percentile(relay, 90):.2f} / {percentile(via, 90):.2f} ms",
+                      soft_wrap=True)
+
+
+def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batches: list[int],
+                      say: Callable[[str], None]) -> list[tuple[int, bool, BaselineResult]]:
+    """The engine alone at each batch size, with the CPU kernels compiled and eager."""
+    from cotserve.kernels.cpu_compile import compile_setting
+
+    rows = []
+    for batch in batches:
+        for compiled in (True, False):
+            say(f"cotserve engine only, batch {batch}, {'compiled' if compiled else 'eager'} kernels ...")
+            with compile_setting(compiled):
+                rows.append((batch, compiled, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch)))
+    return rows
+
+
+def engine_table(rows: list[tuple[int, bool, BaselineResult]], batches: list[int]):
+    from rich.table import Table
+
+    e = Table(title="engine only (this process, one loop): CPU kernels compiled by inductor vs eager")
+    for col in ("batch", "compiled tok/s", "eager tok/s", "compiled / eager"):
+        e.add_column(col, justify="right")
+    by = {(b, c): r.output_tokens_per_s for b, c, r in rows}
+    for batch in batches:
+        e.add_row(str(batch), f"{by[batch, True]:.0f}", f"{by[batch, False]:.0f}", f"{by[batch, True] / by[batch, False]:.2f}x")
+    return e
+
+
+def print_summary(console, load: Load, model_dir: Path, runs: list[GatewayRun], others: list[BaselineResult]) -> None:
+    """Every system's output tok/s, and the first run's rate as a ratio of each."""
+    from rich.table import Table
+
+    first = runs[0].level.output_tokens_per_s
+    t = Table(title=f"{load.prompt_tokens}+{load.max_new_tokens} tokens per request, {model_dir.name}")
+    for col in ("system", "requests", "output tok/s", "cotserve ratio (first row)"):
+        t.add_column(col, justify="right")
+    for r in runs:
+        label = "" if r.interval is None else f", stream interval {r.interval}"
+        t.add_row(f"cotserve via gateway, concurrency {load.concurrency}{label}", str(r.level.num_requests),
+                  f"{r.level.output_tokens_per_s:.1f}", f"{first / r.level.output_tokens_per_s:.2f}x")
+    for b in others:
+        t.add_row(b.name, str(b.num_requests), f"{b.output_tokens_per_s:.1f}", f"{first / b.output_tokens_per_s:.2f}x")
+    console.print(t)

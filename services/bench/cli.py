@@ -9,7 +9,6 @@ from typing import Optional
 
 import typer
 
-from cotserve.common.stats import percentile
 from cotserve.common.clitools import int_list, wide_console
 from cotserve.common.topology import stack
 
@@ -57,125 +56,45 @@ def bench_baseline(
     """Same workload through cotserve, through cotserve's engine alone and through transformers' generate; prints
     cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process (per
     stream interval), the engine alone at several batch sizes (compiled and eager kernels), and the TTFT the
-    gateway adds."""
+    gateway adds (against a bare gRPC relay: the floor of one more hop)."""
     import torch
-    from rich.table import Table
 
-    from cotserve.bench.baseline import engine_child, run_engine_only, run_transformers, ttft_direct_and_via_gateway
-    from cotserve.bench.throughput import LevelResult, prompt_of_tokens, run_level, table
-    from cotserve.common.procs import free_port, running
-    from cotserve.kernels.cpu_compile import compile_setting
-    from cotserve.sdk import AsyncClient
+    from cotserve.bench import baseline as b
     from cotserve.worker.config import DEMO_MODEL, WorkerConfig
-    from cotserve.worker.utilization import process_cpu_seconds
 
     console = wide_console()
+    say = lambda m: console.print(m, style="dim")  # noqa: E731
     model_dir = model or DEMO_MODEL
     batches = int_list(engine_batches, "1,8,32") if engine_batches.strip() else []
     intervals: list[int | None] = [None] if address is not None else list(int_list(stream_intervals, "1,8"))
-
-    def through_gateway(interval: int | None, with_ttft: bool):
-        """One run through a gateway (`address`, or a worker + gateway started here with `interval`): the level's
-        result, CPU seconds per process, the TTFT pairs (or None), the prompt and its token ids."""
-        children = []
-        gateway = address
-        if gateway is None:
-            children, _ = stack(model_dir, free_port(), None, full=False, worker_extra=("--stream-interval", str(interval)))
-            gateway = children[-1].address
-        with running(children, on_start=lambda child: console.print(f"starting {child.name} ...", style="dim")):
-            procs: dict[str, int] = {}
-            if children:
-                procs["worker (gRPC front)"] = children[0].proc.pid
-                engine_pid = engine_child(children[0].proc.pid)
-                if engine_pid is not None:
-                    procs["worker (engine process)"] = engine_pid
-                procs["gateway"] = children[-1].proc.pid
-            cpu_before: dict[str, float] = {}
-
-            async def ours():
-                async with AsyncClient(gateway) as c:
-                    prompt = await prompt_of_tokens(c, prompt_tokens)
-                    ids = await c.tokenize(prompt)
-                    await c.generate(prompt, max_new_tokens=4)
-                cpu_before.update({name: process_cpu_seconds(pid) for name, pid in procs.items()})
-                return prompt, ids, await run_level(gateway, concurrency, prompt, max_new_tokens, requests)
-
-            label = "" if interval is None else f", stream interval {interval}"
-            console.print(f"cotserve: {requests} requests at concurrency {concurrency}{label} ...", style="dim")
-            prompt, ids, level = asyncio.run(ours())
-            cpu = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
-            ttft = None
-            if children and with_ttft:
-                console.print(f"TTFT: {ttft_rounds} requests one at a time, worker direct and via the gateway ...", style="dim")
-                ttft = asyncio.run(ttft_direct_and_via_gateway(gateway, children[0].address, prompt, ttft_rounds))
-            return level, cpu, ttft, prompt, ids
-
-    runs: list[tuple[int | None, LevelResult, dict[str, float]]] = []
-    ttft = None
-    for n, interval in enumerate(intervals):
-        level, cpu, got_ttft, prompt, ids = through_gateway(interval, with_ttft=n == 0 and ttft_rounds > 0)
-        runs.append((interval, level, cpu))
-        ttft = ttft or got_ttft
-    console.print(table([level for _, level, _ in runs]))
-    if runs[0][2]:
-        c = Table(title=f"CPU time per generated token ({runs[0][1].output_tokens} tokens per run)")
-        c.add_column("process")
-        for interval, _, _ in runs:
-            c.add_column(f"CPU ms/token, stream interval {interval}", justify="right")
-        for name in runs[0][2]:
-            c.add_row(name, *(f"{cpu.get(name, 0.0) * 1000 / max(1, level.output_tokens):.3f}" for _, level, cpu in runs))
-        console.print(c)
-    if ttft is not None:
-        direct, via = (sorted(x) for x in ttft)
-        p50 = [percentile(x, 50) for x in (direct, via)]
-        console.print(f"TTFT p50, one request at a time: worker direct {p50[0]:.2f} ms, via the gateway {p50[1]:.2f} ms: "
-                      f"the gateway adds {p50[1] - p50[0]:.2f} ms (goal <= 1 ms: {'met' if p50[1] - p50[0] <= 1 else 'NOT met'}); "
-                      f"p90 {percentile(direct, 90):.2f} / {percentile(via, 90):.2f} ms")
+    load = b.Load(concurrency, prompt_tokens, max_new_tokens, requests)
+    runs = [b.run_through_gateway(model_dir, address, interval, load, ttft_rounds if n == 0 else 0, say)
+            for n, interval in enumerate(intervals)]
+    ids = runs[0].prompt_ids
+    b.print_gateway_runs(console, runs)
     # the engine alone on every core, and on the threads a worker's engine process takes here (all cores but
     # one, left to the serving processes): what the end-to-end rate is compared with
     worker_threads = WorkerConfig().cpu_threads
-    console.print(f"cotserve engine only: {requests} requests, batch {concurrency}, on {torch.get_num_threads()} and "
-                  f"on {worker_threads} torch threads ...", style="dim")
-    engine_only = run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency, torch.get_num_threads())
-    engine_as_worker = run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency, worker_threads)
-    engine_rows = []
-    for batch in batches:
-        for compiled in (True, False):
-            console.print(f"cotserve engine only, batch {batch}, {'compiled' if compiled else 'eager'} kernels ...", style="dim")
-            with compile_setting(compiled):
-                engine_rows.append((batch, compiled, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch)))
-    console.print(f"transformers: {single_requests} requests one at a time ...", style="dim")
-    single = run_transformers(model_dir, ids, max_new_tokens, single_requests, 1)
-    console.print(f"transformers: {requests} requests in static batches of {concurrency} ...", style="dim")
-    static = run_transformers(model_dir, ids, max_new_tokens, requests, concurrency)
-    first = runs[0][1]
-    t = Table(title=f"{prompt_tokens}+{max_new_tokens} tokens per request, {model_dir.name}")
-    for col in ("system", "requests", "output tok/s", "cotserve ratio (first row)"):
-        t.add_column(col, justify="right")
-    for interval, level, _ in runs:
-        label = "" if interval is None else f", stream interval {interval}"
-        t.add_row(f"cotserve via gateway, concurrency {concurrency}{label}", str(level.num_requests),
-                  f"{level.output_tokens_per_s:.1f}", f"{first.output_tokens_per_s / level.output_tokens_per_s:.2f}x")
-    for b in (engine_only, engine_as_worker, single, static):
-        t.add_row(b.name, str(b.num_requests), f"{b.output_tokens_per_s:.1f}",
-                  f"{first.output_tokens_per_s / b.output_tokens_per_s:.2f}x")
-    console.print(t)
-    for interval, level, _ in runs:
-        label = "" if interval is None else f" (stream interval {interval})"
-        rate = level.output_tokens_per_s
+    say(f"cotserve engine only: {requests} requests, batch {concurrency}, on {torch.get_num_threads()} and on "
+        f"{worker_threads} torch threads ...")
+    engine_only = b.run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency, torch.get_num_threads())
+    engine_as_worker = b.run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency, worker_threads)
+    engine_rows = b.engine_batch_rows(model_dir, ids, max_new_tokens, batches, say)
+    say(f"transformers: {single_requests} requests one at a time ...")
+    single = b.run_transformers(model_dir, ids, max_new_tokens, single_requests, 1)
+    say(f"transformers: {requests} requests in static batches of {concurrency} ...")
+    static = b.run_transformers(model_dir, ids, max_new_tokens, requests, concurrency)
+    b.print_summary(console, load, model_dir, runs, [engine_only, engine_as_worker, single, static])
+    for run in runs:
+        label = "" if run.interval is None else f" (stream interval {run.interval})"
+        rate = run.level.output_tokens_per_s
         console.print(f"end to end{label} / engine only on {worker_threads} thread{'s' * (worker_threads > 1)} (as in the "
                       f"worker): {rate / engine_as_worker.output_tokens_per_s:.2f}, on all {torch.get_num_threads()}: "
                       f"{rate / engine_only.output_tokens_per_s:.2f}; / transformers static batch: "
                       f"{rate / static.output_tokens_per_s:.2f}")
     console.print("(the serving overhead's share of the engine's rate is one minus the first figure)", style="dim")
     if engine_rows:
-        e = Table(title="engine only (this process, one loop): CPU kernels compiled by inductor vs eager")
-        for col in ("batch", "compiled tok/s", "eager tok/s", "compiled / eager"):
-            e.add_column(col, justify="right")
-        by = {(b, c): r.output_tokens_per_s for b, c, r in engine_rows}
-        for batch in batches:
-            e.add_row(str(batch), f"{by[batch, True]:.0f}", f"{by[batch, False]:.0f}", f"{by[batch, True] / by[batch, False]:.2f}x")
-        console.print(e)
+        console.print(b.engine_table(engine_rows, batches))
 
 
 @bench_app.command("isolation")
@@ -311,64 +230,27 @@ def bench_moe_balance(
     import tempfile
     import threading
 
-    import grpc
-
-    from cotserve.bench.moe import make_mixtral, mean_kl
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, running
-    from cotserve.common.v1 import common_pb2
+    from cotserve.bench.moe import balance_stack, generate_until, make_mixtral, mean_kl, report_balance
     from cotserve.common import moe_protocol as protocol
-    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+    from cotserve.common.procs import running
 
     console = wide_console()
+    prompts = [[0, *range(3 + i, 35 + i)] for i in range(8)]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_mixtral(Path(tmp) / "moe-skewed", skew=skew)
-        redis, url = redis_child(free_port())
-        worker_addr, router_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        children = [
-            redis,
-            Child("worker", worker_addr, python_cli("serve", "worker", "--model", str(model_dir), "--port",
-                                                    worker_addr.rsplit(":", 1)[1], "--redis-url", url), grpc_ready(worker_addr)),
-            Child("router", router_addr, python_cli("serve", "router", "--port", router_addr.rsplit(":", 1)[1], "--redis-url",
-                                                    url, "--balance-interval-s", "1", "--gamma", str(gamma), "--rule", rule),
-                  grpc_ready(router_addr)),
-        ]
+        children, worker_addr, router_addr = balance_stack(model_dir, gamma, rule)
         stop = threading.Event()
-        prompts = [[0, *range(3 + i, 35 + i)] for i in range(8)]
-
-        def load_loop() -> None:
-            with grpc.insecure_channel(worker_addr) as ch:
-                stub = worker_pb2_grpc.WorkerServiceStub(ch)
-                i = 0
-                while not stop.is_set():
-                    req = worker_pb2.GenerateRequest(prompt_token_ids=prompts[i % len(prompts)], sampling=common_pb2.SamplingParams(
-                        max_new_tokens=32, ignore_eos=True, temperature=1.0, seed=i))
-                    for _ in stub.Generate(req):
-                        pass
-                    i += 1
-
         with running(children):
-            loaders = [threading.Thread(target=load_loop, daemon=True) for _ in range(4)]
+            loaders = [threading.Thread(target=generate_until, args=(stop, worker_addr, prompts), daemon=True)
+                       for _ in range(4)]
             for t in loaders:
                 t.start()
             try:
                 history, final = _watch_balance(router_addr, timeout_s, console)
             finally:
                 stop.set()
-        first = next((h for h in history if h[2]), None)
-        converged = next((h for h in history if h[2] and min(h[2]) >= 0.9), None)
         kl = mean_kl(model_dir, protocol.to_routing(final), prompts)
-    if first:
-        console.print(f"before: balancedness per layer {' '.join(f'{x:.3f}' for x in first[2])} (policy v{first[1]})")
-    else:
-        console.print("before: balancedness per layer not measured (no load window arrived in time)")
-    last = history[-1] if history else None
-    if last and last[2]:
-        console.print(f"after:  balancedness per layer {' '.join(f'{x:.3f}' for x in last[2])} (policy v{last[1]}, {last[0]:.0f} s)")
-    if converged:
-        console.print(f"every layer >= 0.9 first at {converged[0]:.0f} s, policy v{converged[1]} ({converged[1]} balancing windows)")
-    else:
-        console.print("not every layer reached balancedness 0.9 within the time limit")
-    console.print(f"output change, mean KL(unbiased || balanced) per token: {kl:.4f} nats")
+    report_balance(console, history, kl)
 
 
 @bench_app.command("telemetry")
@@ -495,63 +377,18 @@ def bench_prefix(
     sample_tokens: int = typer.Option(64, min=1, help="Tokens each sample generates."),
 ) -> None:
     """Prefix cache and parallel samples: TTFT and prompt tokens computed with the cache off and on; n samples vs n requests."""
-    from rich.table import Table
-
-    from cotserve.bench.prefix import Stack, default_models, parallel_samples, shared_system_prompt
+    from cotserve.bench.prefix import default_models, report_parallel_samples, report_shared_prompt
     from cotserve.worker.models.config import ModelConfig
 
     console = wide_console()
     models = list(model) or default_models()
     sizes = int_list(system_tokens, "") if system_tokens else []
-    log = lambda m: console.print(m, style="dim")  # noqa: E731
     goals = []
     for i, folder in enumerate(models):
         context = ModelConfig.from_file(folder / "config.json").max_context
         size = sizes[i] if i < len(sizes) else (1024 if context > 1024 else 160)
-        shared = Table(title=f"{folder.name}: {size}-token system prompt + a question, {requests} requests at concurrency {concurrency}")
-        for col in ("prefix cache", "TTFT p50 ms", "TTFT p95 ms", "prompt tokens computed", "vs unique", "hit rate", "wall s",
-                    "TTFT p50 vs off"):
-            shared.add_column(col, justify="right")
-        runs = []
-        for caching in (False, True):
-            name = "on" if caching else "off"
-            log(f"{folder.name}: shared system prompt, cache {name} ...")
-            with Stack(folder, caching, log) as st:
-                runs.append(asyncio.run(shared_system_prompt(st, name, size, requests, concurrency, max_new_tokens)))
-        off = runs[0]
-        for r in runs:
-            p50 = percentile(r.ttft_ms, 50)
-            shared.add_row(r.name, f"{p50:,.1f}", f"{percentile(r.ttft_ms, 95):,.1f}", f"{r.prompt_tokens_computed:,}",
-                           f"{r.prompt_tokens_computed / r.unique_prompt_tokens:.2f}x", f"{r.hit_rate:.1%}", f"{r.seconds:.1f}",
-                           f"{p50 / percentile(off.ttft_ms, 50):.2f}x")
-        console.print(shared)
-        on = runs[1]
-        ttft_ratio = percentile(on.ttft_ms, 50) / percentile(off.ttft_ms, 50)
-        goals.append((ttft_ratio <= 0.3, f"{folder.name}: TTFT p50 with the cache {ttft_ratio:.2f}x of without (goal <= 0.3x)"))
-        computed = on.prompt_tokens_computed / on.unique_prompt_tokens
-        goals.append((computed <= 1.1, f"{folder.name}: prompt tokens computed {computed:.2f}x the unique ones (goal <= 1.1x)"))
-
-        prompt_size = sample_prompt_tokens or size
-        par = Table(title=f"{folder.name}: {samples} samples of one {prompt_size}-token prompt, {sample_tokens} tokens each")
-        for col in ("how", "peak KV blocks", "bound", "prompt tokens computed", "wall s", "wall vs n requests (cache off)"):
-            par.add_column(col, justify="right")
-        bs = 16
-        bound = -(-prompt_size // bs) + samples * -(-sample_tokens // bs) + samples
-        results = []
-        for label, caching, grouped in ((f"{samples} requests, cache off", False, False),
-                                        (f"{samples} requests, cache on", True, False), (f"n={samples}", True, True)):
-            log(f"{folder.name}: {label} ...")
-            with Stack(folder, caching, log) as st:
-                results.append(asyncio.run(parallel_samples(st, label, prompt_size, samples, sample_tokens, grouped)))
-        base = results[0]
-        for r in results:
-            par.add_row(r.name, str(r.peak_blocks), str(bound), f"{r.prompt_tokens_computed:,}", f"{r.seconds:.2f}",
-                        f"{r.seconds / base.seconds:.2f}x")
-        console.print(par)
-        group = results[-1]
-        goals.append((group.peak_blocks <= bound, f"{folder.name}: n={samples} peak KV blocks {group.peak_blocks} (goal <= {bound})"))
-        goals.append((group.seconds / base.seconds <= 0.6,
-                      f"{folder.name}: n={samples} wall time {group.seconds / base.seconds:.2f}x of {samples} requests (goal <= 0.6x)"))
+        goals += report_shared_prompt(console, folder, size, requests, concurrency, max_new_tokens)
+        goals += report_parallel_samples(console, folder, sample_prompt_tokens or size, samples, sample_tokens)
     for ok, text in goals:
         console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")
 

@@ -109,3 +109,57 @@ def mean_kl(model_dir: Path, policy, prompts: list[list[int]]) -> float:
             steered = logprobs()
             kls.append((base.exp() * (base - steered)).sum(-1).mean().item())
     return sum(kls) / len(kls)
+
+
+def balance_stack(model_dir: Path, gamma: float, rule: str) -> tuple[list, str, str]:
+    """Redis, a worker serving `model_dir` and a router balancing it every second (for `procs.running`): the
+    children, the worker's address and the router's."""
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child
+
+    redis, url = redis_child(free_port())
+    worker_port, router_port = free_port(), free_port()
+    worker_addr, router_addr = f"127.0.0.1:{worker_port}", f"127.0.0.1:{router_port}"
+    return [
+        redis,
+        Child("worker", worker_addr, python_cli("serve", "worker", "--model", str(model_dir), "--port", str(worker_port),
+                                                "--redis-url", url), grpc_ready(worker_addr)),
+        Child("router", router_addr, python_cli("serve", "router", "--port", str(router_port), "--redis-url", url,
+                                                "--balance-interval-s", "1", "--gamma", str(gamma), "--rule", rule),
+              grpc_ready(router_addr)),
+    ], worker_addr, router_addr
+
+
+def generate_until(stop, worker_addr: str, prompts: list[list[int]]) -> None:
+    """Sampled requests to the worker, one after another, until `stop` (a threading.Event) is set."""
+    import grpc
+
+    from cotserve.common.v1 import common_pb2
+    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+    with grpc.insecure_channel(worker_addr) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        i = 0
+        while not stop.is_set():
+            req = worker_pb2.GenerateRequest(prompt_token_ids=prompts[i % len(prompts)], sampling=common_pb2.SamplingParams(
+                max_new_tokens=32, ignore_eos=True, temperature=1.0, seed=i))
+            for _ in stub.Generate(req):
+                pass
+            i += 1
+
+
+def report_balance(console, history: list, kl: float) -> None:
+    """Balancedness per layer before and after, when every layer first reached 0.9, and what it cost in KL."""
+    first = next((h for h in history if h[2]), None)
+    converged = next((h for h in history if h[2] and min(h[2]) >= 0.9), None)
+    if first:
+        console.print(f"before: balancedness per layer {' '.join(f'{x:.3f}' for x in first[2])} (policy v{first[1]})")
+    else:
+        console.print("before: balancedness per layer not measured (no load window arrived in time)")
+    last = history[-1] if history else None
+    if last and last[2]:
+        console.print(f"after:  balancedness per layer {' '.join(f'{x:.3f}' for x in last[2])} (policy v{last[1]}, {last[0]:.0f} s)")
+    if converged:
+        console.print(f"every layer >= 0.9 first at {converged[0]:.0f} s, policy v{converged[1]} ({converged[1]} balancing windows)")
+    else:
+        console.print("not every layer reached balancedness 0.9 within the time limit")
+    console.print(f"output change, mean KL(unbiased || balanced) per token: {kl:.4f} nats")

@@ -25,6 +25,7 @@ import grpc
 from cotserve.bench.throughput import first_token_ms, prompt_of_tokens
 from cotserve.common.topology import stack
 from cotserve.common.procs import free_port, running
+from cotserve.common.stats import percentile
 from cotserve.sdk import AsyncClient
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -143,3 +144,59 @@ def default_models() -> list[Path]:
 
     longctx = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "stdlib_llama"
     return [DEMO_MODEL] + ([longctx] if (longctx / "config.json").exists() else [])
+
+
+def report_shared_prompt(console, folder: Path, size: int, requests: int, concurrency: int,
+                         max_new_tokens: int) -> list[tuple[bool, str]]:
+    """The shared-system-prompt workload with the prefix cache off and on: its table printed, its goals returned."""
+    from rich.table import Table
+
+    log = lambda m: console.print(m, style="dim")  # noqa: E731
+    shared = Table(title=f"{folder.name}: {size}-token system prompt + a question, {requests} requests at concurrency {concurrency}")
+    for col in ("prefix cache", "TTFT p50 ms", "TTFT p95 ms", "prompt tokens computed", "vs unique", "hit rate", "wall s",
+                "TTFT p50 vs off"):
+        shared.add_column(col, justify="right")
+    runs = []
+    for caching in (False, True):
+        name = "on" if caching else "off"
+        log(f"{folder.name}: shared system prompt, cache {name} ...")
+        with Stack(folder, caching, log) as st:
+            runs.append(asyncio.run(shared_system_prompt(st, name, size, requests, concurrency, max_new_tokens)))
+    off, on = runs
+    for r in runs:
+        p50 = percentile(r.ttft_ms, 50)
+        shared.add_row(r.name, f"{p50:,.1f}", f"{percentile(r.ttft_ms, 95):,.1f}", f"{r.prompt_tokens_computed:,}",
+                       f"{r.prompt_tokens_computed / r.unique_prompt_tokens:.2f}x", f"{r.hit_rate:.1%}", f"{r.seconds:.1f}",
+                       f"{p50 / percentile(off.ttft_ms, 50):.2f}x")
+    console.print(shared)
+    ttft_ratio = percentile(on.ttft_ms, 50) / percentile(off.ttft_ms, 50)
+    computed = on.prompt_tokens_computed / on.unique_prompt_tokens
+    return [(ttft_ratio <= 0.3, f"{folder.name}: TTFT p50 with the cache {ttft_ratio:.2f}x of without (goal <= 0.3x)"),
+            (computed <= 1.1, f"{folder.name}: prompt tokens computed {computed:.2f}x the unique ones (goal <= 1.1x)")]
+
+
+def report_parallel_samples(console, folder: Path, prompt_size: int, samples: int,
+                            sample_tokens: int) -> list[tuple[bool, str]]:
+    """n samples of one prompt against n requests (cache off and on): its table printed, its goals returned."""
+    from rich.table import Table
+
+    log = lambda m: console.print(m, style="dim")  # noqa: E731
+    par = Table(title=f"{folder.name}: {samples} samples of one {prompt_size}-token prompt, {sample_tokens} tokens each")
+    for col in ("how", "peak KV blocks", "bound", "prompt tokens computed", "wall s", "wall vs n requests (cache off)"):
+        par.add_column(col, justify="right")
+    bs = 16
+    bound = -(-prompt_size // bs) + samples * -(-sample_tokens // bs) + samples
+    results = []
+    for label, caching, grouped in ((f"{samples} requests, cache off", False, False),
+                                    (f"{samples} requests, cache on", True, False), (f"n={samples}", True, True)):
+        log(f"{folder.name}: {label} ...")
+        with Stack(folder, caching, log) as st:
+            results.append(asyncio.run(parallel_samples(st, label, prompt_size, samples, sample_tokens, grouped)))
+    base, group = results[0], results[-1]
+    for r in results:
+        par.add_row(r.name, str(r.peak_blocks), str(bound), f"{r.prompt_tokens_computed:,}", f"{r.seconds:.2f}",
+                    f"{r.seconds / base.seconds:.2f}x")
+    console.print(par)
+    return [(group.peak_blocks <= bound, f"{folder.name}: n={samples} peak KV blocks {group.peak_blocks} (goal <= {bound})"),
+            (group.seconds / base.seconds <= 0.6,
+             f"{folder.name}: n={samples} wall time {group.seconds / base.seconds:.2f}x of {samples} requests (goal <= 0.6x)")]

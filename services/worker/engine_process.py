@@ -116,6 +116,65 @@ class EngineFailed:
 
 
 # ---- the child --------------------------------------------------------------------------------
+def _build_engine(cfg: Any, send: Callable[[object], None]) -> tuple[Any, Any] | None:
+    """The engine and its loaded model, on this (the loop's) thread; None after reporting EngineFailed."""
+    from cotserve.common.errors import CotserveError
+    from cotserve.worker.engine import Engine
+    from cotserve.worker.models.loader import DTYPES, load_model
+    from cotserve.worker.reasoning import ReasoningFormat
+    from cotserve.worker.sizing import engine_config, resolve_device, set_torch_threads
+
+    try:
+        device = resolve_device(cfg.device)
+        set_torch_threads(cfg, device)
+        dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        loaded = load_model(cfg.model, device=device, dtype=dtype, **cfg.model_names)
+        reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
+                                                  cfg.reasoning_step, cfg.answer_regex)
+        return Engine(loaded, engine_config(cfg, loaded), reasoning), loaded
+    except (CotserveError, ValueError, OSError) as exc:
+        send(EngineFailed(getattr(exc, "message", str(exc)), type(exc).__name__))
+    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
+        send(EngineFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}", "RuntimeError"))
+    return None
+
+
+class _Outbox:
+    """What the engine produced since the last pass of its loop, sent as one StepOutputs after each pass (called on
+    the engine's thread only)."""
+
+    def __init__(self, engine: Any, send: Callable[[object], None]) -> None:
+        self.engine, self.send = engine, send
+        self.pending: list[RequestOutput] = []
+        self.last_stats: EngineStats = engine.stats()
+
+    def flush(self) -> None:
+        stats = self.engine.stats()
+        if not self.pending and stats is self.last_stats:
+            return
+        batch = self.pending[:]  # the same list stays: requests' sinks are its `append`
+        self.pending.clear()
+        self.last_stats = stats
+        self.send(StepOutputs(batch, stats))
+
+
+def _apply(engine: Any, cmd: object, sink: Sink, send: Callable[[object], None]) -> bool:
+    """One command from the front; False when it says to stop."""
+    if isinstance(cmd, AddRequest):
+        try:
+            engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt, cmd.budget)
+        except ValueError as exc:  # the front checked already; should it still happen: report, do not die
+            send(StepOutputs([RequestOutput(cmd.request_id, 0, "", None, error=str(exc))], engine.stats()))
+    elif isinstance(cmd, AbortRequest):
+        engine.abort(cmd.request_id)
+    elif isinstance(cmd, SetPolicy):
+        engine.set_routing_policy(cmd.policy)
+    elif isinstance(cmd, TakeExpertLoad):
+        ticket = cmd.ticket
+        engine.request_expert_load(lambda load, t=ticket: send(ExpertLoad(t, load)))
+    return not isinstance(cmd, Shutdown)
+
+
 def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
     """The engine process: take the config, load the model, size the KV pool, serve commands until Shutdown or the
     pipe closes."""
@@ -126,51 +185,20 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the front stops us
-    from cotserve.common.errors import CotserveError
-    from cotserve.worker.engine import Engine
-    from cotserve.worker.models.loader import DTYPES, load_model
-    from cotserve.worker.reasoning import ReasoningFormat
-    from cotserve.worker.sizing import engine_config, resolve_device, set_torch_threads
-
     send_lock = threading.Lock()
 
     def send(message: object) -> None:
         with send_lock:
             outputs.send(message)
 
-    try:
-        device = resolve_device(cfg.device)
-        set_torch_threads(cfg, device)
-        dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-        loaded = load_model(cfg.model, device=device, dtype=dtype, **cfg.model_names)
-        econfig = engine_config(cfg, loaded)
-        reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
-                                                  cfg.reasoning_step, cfg.answer_regex)
-        engine = Engine(loaded, econfig, reasoning)
-    except (CotserveError, ValueError, OSError) as exc:
-        send(EngineFailed(getattr(exc, "message", str(exc)), type(exc).__name__))
+    built = _build_engine(cfg, send)
+    if built is None:
         return
-    except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
-        send(EngineFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}", "RuntimeError"))
-        return
-
-    pending: list[RequestOutput] = []
-    last_stats: list[EngineStats] = [engine.stats()]
-
-    def flush() -> None:
-        """After each pass of the engine loop: everything it produced, in one message."""
-        stats = engine.stats()
-        if not pending and stats is last_stats[0]:
-            return
-        batch = pending[:]
-        pending.clear()
-        last_stats[0] = stats
-        send(StepOutputs(batch, stats))
-
-    engine.after_iteration = flush
+    engine, loaded = built
+    outbox = _Outbox(engine, send)
+    engine.after_iteration = outbox.flush
     engine.policy_listeners.append(lambda version: send(PolicyApplied(version)))
-    send(EngineReady(econfig, engine.kv_spec, loaded.revision, loaded.dtype, str(loaded.device), engine.stats()))
-    sink: Sink = pending.append  # called on the engine thread only, and flushed by `flush` on that thread
+    send(EngineReady(engine.config, engine.kv_spec, loaded.revision, loaded.dtype, str(loaded.device), engine.stats()))
 
     def read_commands() -> None:
         try:
@@ -179,20 +207,7 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
                     cmd = commands.recv()
                 except (EOFError, OSError):
                     break  # the front is gone
-                if isinstance(cmd, AddRequest):
-                    try:
-                        engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt,
-                                      cmd.budget)
-                    except ValueError as exc:  # the front checked already; should it still happen: report, do not die
-                        send(StepOutputs([RequestOutput(cmd.request_id, 0, "", None, error=str(exc))], engine.stats()))
-                elif isinstance(cmd, AbortRequest):
-                    engine.abort(cmd.request_id)
-                elif isinstance(cmd, SetPolicy):
-                    engine.set_routing_policy(cmd.policy)
-                elif isinstance(cmd, TakeExpertLoad):
-                    ticket = cmd.ticket
-                    engine.request_expert_load(lambda load, t=ticket: send(ExpertLoad(t, load)))
-                elif isinstance(cmd, Shutdown):
+                if not _apply(engine, cmd, outbox.pending.append, send):
                     break
         finally:
             engine.stop()

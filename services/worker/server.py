@@ -78,12 +78,20 @@ class _PhaseSpans:
     the request ends is closed then."""
 
     def __init__(self, tracer: trace.Tracer, parent: trace.Span, arrival_ns: int) -> None:
-        self.tracer, self.ctx = tracer, trace.set_span_in_context(parent)
+        self.tracer, self.parent, self.ctx = tracer, parent, trace.set_span_in_context(parent)
         self.preemptions, self.decoding = 0, False
         self.current: trace.Span | None = self._start("queue", arrival_ns)
 
     def _start(self, name: str, ts: int) -> trace.Span:
         return self.tracer.start_span(name, context=self.ctx, start_time=ts)
+
+    def record(self, out: RequestOutput) -> None:
+        """An engine output's events, on the request span and as phase boundaries."""
+        for name, ts in out.events:
+            self.parent.add_event(name, timestamp=ts)
+            self.on_event(name, ts)
+        if out.timing is not None:
+            self.parent.set_attribute("cotserve.kv_used_fraction_at_admission", out.timing.kv_used_fraction_at_admission)
 
     def on_event(self, name: str, ts: int) -> None:
         nxt = {"scheduled": "prefill", "first_token": "decode", "preempted": "queue", "finished": None}.get(name, "")
@@ -103,6 +111,30 @@ class _PhaseSpans:
         if self.current is not None:
             self.current.end(end_time=ts)
             self.current = None
+
+
+class _Held:
+    """A stream's messages produced and not yet written: held until `interval` tokens are (the worker's
+    --stream-interval); the first token and the stream's end go out at once."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.messages: list[worker_pb2.GenerateResponse] = []
+        self.tokens = 0
+        self.written = False
+
+    def add(self, message: worker_pb2.GenerateResponse) -> None:
+        self.messages.append(message)
+        self.tokens += len(message.token_ids)
+
+    def take(self, finished: bool) -> list[worker_pb2.GenerateResponse]:
+        """What to write now, merged (common/streams.coalesce): nothing while the interval holds it back."""
+        if not (finished or not self.written or self.tokens >= self.interval):
+            return []
+        out = coalesce(self.messages)
+        self.written = self.written or self.tokens > 0
+        self.messages, self.tokens = [], 0
+        return out
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -142,14 +174,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise Unavailable("the worker is still loading its model")
         return self._loaded
 
-    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    async def _submit(self, request: worker_pb2.GenerateRequest, request_id: str):
+        """Tokenize (off the event loop for a long prompt) and hand the request to the engine; the converted call
+        and the queue its outputs arrive on."""
         args = (request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len,
                 self.engine.reasoning, self._token_chars)
         if len(request.prompt_text) <= INLINE_TOKENIZE_CHARS:
             call = generate_from_pb(*args)
         else:
             call = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, generate_from_pb, *args)
-        request_id = request.request_id or uuid.uuid4().hex
         if self._mailbox is None:
             self._mailbox = LoopMailbox(asyncio.get_running_loop())
         mailbox = self._mailbox
@@ -158,14 +191,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         def sink(out: RequestOutput) -> None:
             mailbox.put(outputs, out)
 
-        arrival_ns = time.time_ns()  # before submit: the engine process may schedule it before this coroutine goes on
         try:
             self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class, call.cache_salt, call.budget)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         except EngineDied as exc:
             raise Unavailable(f"engine: {exc}") from None
-        span = trace.get_current_span()  # the gRPC server span, child of the caller's (gateway's) span
+        return call, outputs
+
+    def _annotate_first(self, call, request_id: str) -> trace.Span:
+        """The gRPC server span (child of the caller's, the gateway's), named and given what was asked."""
+        span = trace.get_current_span()
         span.update_name(f"generate {self.loaded.name}")
         span.set_attributes({
             "gen_ai.operation.name": "text_completion", "gen_ai.request.model": self.loaded.name,
@@ -173,45 +209,39 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             "gen_ai.usage.input_tokens": len(call.prompt_ids), "cotserve.request_id": request_id, "cotserve.n": call.params.n,
             "cotserve.sla_class": call.sla_class.name, "cotserve.model_revision": self.loaded.revision,
         })
+        return span
+
+    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        arrival_ns = time.time_ns()  # before submit: the engine process may schedule it before this coroutine goes on
+        call, outputs = await self._submit(request, request_id)
+        span = self._annotate_first(call, request_id)
         finished = False
         reasons: dict[int, str] = {}  # finish reason per sample
         phases = _PhaseSpans(self.tracer, span, arrival_ns)
-        interval = self.stream_interval
-        held: list[worker_pb2.GenerateResponse] = []  # produced, not yet written (a stream interval > 1)
-        held_tokens = 0
-        written = False  # the first token goes out at once, whatever the interval
+        held = _Held(self.stream_interval)
         try:
             while not finished:
-                # everything the engine produced since the last write: one message per sample and part
-                # when this stream's reader fell behind or the interval held tokens back (common/streams),
-                # one per token otherwise
+                # everything the engine produced since the last write: one message per sample and part when this
+                # stream's reader fell behind or the interval held tokens back (common/streams), one per token otherwise
                 pending = [await outputs.get()]
                 while not outputs.empty():
                     pending.append(outputs.get_nowait())
                 failure: str | None = None
                 for out in pending:
-                    for name, ts in out.events:
-                        span.add_event(name, timestamp=ts)
-                        phases.on_event(name, ts)
-                    if out.timing is not None:
-                        span.set_attribute("cotserve.kv_used_fraction_at_admission", out.timing.kv_used_fraction_at_admission)
+                    phases.record(out)
                     if out.error is not None:
                         failure, finished = out.error, True
                         break
                     if out.finish_reason is not None:
                         reasons[out.index] = out.finish_reason
-                    message = output_to_pb(out)
-                    held.append(message)
-                    held_tokens += len(message.token_ids)
+                    held.add(output_to_pb(out))
                     if out.is_last:
                         finished = True
                         self._annotate_last(span, out, reasons, phases.preemptions)
                         break
-                if finished or not written or held_tokens >= interval:
-                    for message in coalesce(held):
-                        yield message
-                    written = written or held_tokens > 0
-                    held, held_tokens = [], 0
+                for message in held.take(finished):
+                    yield message
                 if failure is not None:  # (the tokens produced before it went out first)
                     raise Unavailable(f"request {request_id} failed: {failure}")
         finally:
@@ -304,20 +334,36 @@ class RunningWorker:
             self.metrics_server.stop()
 
 
+async def _make_engine(cfg: WorkerConfig, engine_died: Callable[[str], None]) -> tuple[Engine | EngineProcess, LoadedModel]:
+    """The engine: in its own process (the front loads only the config and tokenizer), or on a thread here."""
+    reasoning_markers = (cfg.reasoning_start, cfg.reasoning_end, cfg.reasoning_step, cfg.answer_regex)
+    if cfg.engine_process:
+        loaded = await asyncio.to_thread(lambda: load_front(cfg.model, **cfg.model_names))
+        reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, *reasoning_markers)
+        engine = EngineProcess(cfg, reasoning, on_death=engine_died)
+        await asyncio.to_thread(engine.start)
+        loaded.revision, loaded.dtype, loaded.device = engine.revision, engine.dtype, torch.device(engine.device)
+        engine.loaded = loaded
+        return engine, loaded
+    device = resolve_device(cfg.device)
+    dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+    loaded = await asyncio.to_thread(lambda: load_model(cfg.model, device=device, dtype=dtype, **cfg.model_names))
+    reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, *reasoning_markers)
+    return Engine(loaded, engine_config(cfg, loaded), reasoning), loaded
+
+
 async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None = None,
                        on_engine_death: Callable[[str], None] | None = None) -> RunningWorker:
     """Bind first (health NOT_SERVING), load the model, start the engine, then SERVING. If the engine process
     dies, health turns NOT_SERVING (in-flight calls fail with the reason) and `on_engine_death` is called."""
     cfg.validate()
-    device = resolve_device(cfg.device)
-    set_torch_threads(cfg, device)
+    set_torch_threads(cfg, resolve_device(cfg.device))
     servicer = WorkerServicer(tracer_provider, cfg.stream_interval)
     spec = ServiceSpec("cotserve.worker.v1.WorkerService",
                        lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)
     await server.start()
     log.info("worker listening on %s, loading %s", server.address, cfg.model)
-    dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
     loop = asyncio.get_running_loop()
 
     def engine_died(reason: str) -> None:  # on the engine reader's thread
@@ -328,26 +374,12 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
                 on_engine_death(reason)
         loop.call_soon_threadsafe(now)
 
-    engine: Engine | EngineProcess
     try:
-        if cfg.engine_process:
-            loaded = await asyncio.to_thread(lambda: load_front(cfg.model, **cfg.model_names))
-            reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
-                                                      cfg.reasoning_step, cfg.answer_regex)
-            engine = EngineProcess(cfg, reasoning, on_death=engine_died)
-            await asyncio.to_thread(engine.start)
-            loaded.revision, loaded.dtype, loaded.device = engine.revision, engine.dtype, torch.device(engine.device)
-            engine.loaded = loaded
-            econfig = engine.config
-        else:
-            loaded = await asyncio.to_thread(lambda: load_model(cfg.model, device=device, dtype=dtype, **cfg.model_names))
-            econfig = engine_config(cfg, loaded)
-            reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
-                                                      cfg.reasoning_step, cfg.answer_regex)
-            engine = Engine(loaded, econfig, reasoning)
+        engine, loaded = await _make_engine(cfg, engine_died)
     except BaseException:
         await server.stop(0)
         raise
+    econfig = engine.config
     try:
         metrics_server = serve_metrics(worker_registry(engine.stats, loaded.name, econfig.num_blocks), cfg.host,
                                        cfg.metrics_port)
