@@ -26,6 +26,7 @@ from typing import Callable
 from cotserve.common.sampling import ReasoningParams
 from cotserve.common.stats import percentile
 from cotserve.worker.block_manager import BlockManager, cache_root
+from cotserve.worker.config import WorkerConfig
 from cotserve.worker.detokenizer import IncrementalDetokenizer
 from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.model_runner import ModelRunner
@@ -41,21 +42,27 @@ from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, S
 log = logging.getLogger(__name__)
 
 
+_WORKER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+
+
 @dataclass(slots=True, frozen=True)
 class EngineConfig:
+    """What the engine runs with, resolved for one loaded model (`sizing.engine_config`). Every setting but the
+    pool's size and the context length is a WorkerConfig field, whose default and help are the only ones."""
+
     num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    batch_min_share: float = 0.1
-    scheduling: str = "priority"  # or "fifo": arrival order, classes ignored (a baseline)
-    max_batch_tokens_when_urgent: int = 256
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype), fp8_e4m3, fp16, bf16 or fp32
-    kv_topk_pages: int = 0  # decode reads this many pages per KV head, chosen by a query-aware bound (0: all)
-    kv_skip_layers: tuple[int, ...] = ()  # with fp8_e4m3: these layers keep the model's dtype
-    kv_topk_dense_layers: tuple[int, ...] = ()  # with kv_topk_pages: these layers read every page
-    enable_prefix_caching: bool = True  # reuse cached full KV blocks of earlier sequences with the same tokens
+    block_size: int = _WORKER_DEFAULTS["block_size"]
+    max_num_seqs: int = _WORKER_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = _WORKER_DEFAULTS["max_num_batched_tokens"]
+    max_model_len: int = 2048  # resolved: the worker's max_model_len, or the model's context when that is none
+    batch_min_share: float = _WORKER_DEFAULTS["batch_min_share"]
+    scheduling: str = _WORKER_DEFAULTS["scheduling"]
+    max_batch_tokens_when_urgent: int = _WORKER_DEFAULTS["max_batch_tokens_when_urgent"]
+    kv_cache_dtype: str = _WORKER_DEFAULTS["kv_cache_dtype"]
+    kv_topk_pages: int = _WORKER_DEFAULTS["kv_topk_pages"]
+    kv_skip_layers: tuple[int, ...] = _WORKER_DEFAULTS["kv_skip_layers"]
+    kv_topk_dense_layers: tuple[int, ...] = _WORKER_DEFAULTS["kv_topk_dense_layers"]
+    enable_prefix_caching: bool = _WORKER_DEFAULTS["enable_prefix_caching"]
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,6 +3,8 @@ imports so that the engine process starts quickly)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from pathlib import Path
 from typing import Any
@@ -59,10 +61,5 @@ def engine_config(cfg: Any, loaded: LoadedModel) -> EngineConfig:
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes: {budget} bytes holds no block of {cfg.block_size} tokens "
                          f"({per_block} bytes each)")
-    return EngineConfig(num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens, max_model_len=max_len,
-                        batch_min_share=cfg.batch_min_share, scheduling=cfg.scheduling,
-                        max_batch_tokens_when_urgent=cfg.max_batch_tokens_when_urgent, kv_cache_dtype=cfg.kv_cache_dtype,
-                        kv_topk_pages=cfg.kv_topk_pages, kv_skip_layers=tuple(cfg.kv_skip_layers),
-                        kv_topk_dense_layers=tuple(cfg.kv_topk_dense_layers),
-                        enable_prefix_caching=cfg.enable_prefix_caching)
+    same = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in ("num_blocks", "max_model_len")}
+    return EngineConfig(num_blocks=num_blocks, max_model_len=max_len, **same)

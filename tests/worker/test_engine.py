@@ -207,3 +207,23 @@ def test_the_batch_sampler_gives_each_seeded_row_what_it_would_draw_alone():
                                            if p.logprobs else None)
             else:
                 assert got.logprobs[r] == pytest.approx(float(torch.log_softmax(row / p.temperature, -1)[got.token_ids[r]]), abs=1e-5)
+
+
+def test_the_engine_takes_its_settings_from_the_worker_config(demo):
+    """WorkerConfig is the one definition of the engine's settings: EngineConfig's defaults are its defaults, and
+    the worker's values reach the engine unchanged (only the pool's size and the context are resolved)."""
+    import dataclasses
+
+    from cotserve.worker.config import WorkerConfig
+    from cotserve.worker.sizing import engine_config
+
+    worker = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in ("num_blocks", "max_model_len"):
+            assert f.default == worker[f.name], f.name
+    cfg = WorkerConfig(block_size=32, max_num_seqs=5, scheduling="fifo", kv_cache_dtype="fp8_e4m3", kv_skip_layers=(0,),
+                       enable_prefix_caching=False, kv_cache_bytes=1 << 20, max_model_len=64)
+    got = engine_config(cfg, demo)
+    assert (got.block_size, got.max_num_seqs, got.scheduling, got.kv_cache_dtype, got.kv_skip_layers,
+            got.enable_prefix_caching, got.max_model_len) == (32, 5, "fifo", "fp8_e4m3", (0,), False, 64)
+    assert got.num_blocks >= 1
