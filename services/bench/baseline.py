@@ -124,25 +124,27 @@ def engine_child(pid: int) -> int | None:
 
 async def ttft_direct_relay_gateway(gateway: str, relay: str, worker: str, prompt: str,
                                     rounds: int) -> tuple[list[float], list[float], list[float]]:
-    """Time to first token (ms) of one request at a time, interleaved: straight to the worker over gRPC, through a
-    bare relay (the same call one grpc.aio hop further), and through the gateway with the SDK (what the gateway
-    adds: auth, validation, admission, routing, tracing, metrics, one more hop)."""
+    """Time to first token (ms) of one request at a time, interleaved, each path called the same way (a plain
+    grpc.aio stub, so that no client library's own work is counted): straight to the worker, through a bare relay
+    (the same call one grpc.aio hop further), and through the gateway (what the gateway adds: auth, validation,
+    admission, routing, tracing, metrics, one more hop)."""
     import grpc
 
     from cotserve.bench.throughput import first_token_ms
     from cotserve.common.v1 import common_pb2
     from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-    from cotserve.sdk import AsyncClient
     from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
     sampling = common_pb2.SamplingParams(max_new_tokens=1, ignore_eos=True)
     samples: tuple[list[float], list[float], list[float]] = ([], [], [])
-    async with (AsyncClient(gateway) as client, grpc.aio.insecure_channel(worker) as wch,
-                grpc.aio.insecure_channel(relay) as rch):
-        wstub, rstub = worker_pb2_grpc.WorkerServiceStub(wch), gateway_pb2_grpc.GatewayServiceStub(rch)
+    async with (grpc.aio.insecure_channel(worker) as wch, grpc.aio.insecure_channel(relay) as rch,
+                grpc.aio.insecure_channel(gateway) as gch):
+        wstub = worker_pb2_grpc.WorkerServiceStub(wch)
+        rstub, gstub = gateway_pb2_grpc.GatewayServiceStub(rch), gateway_pb2_grpc.GatewayServiceStub(gch)
+        request = gateway_pb2.GenerateStreamRequest(prompt=prompt, sampling=sampling)
         paths = (lambda: first_token_ms(wstub.Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling))),
-                 lambda: first_token_ms(rstub.GenerateStream(gateway_pb2.GenerateStreamRequest(prompt=prompt, sampling=sampling))),
-                 lambda: first_token_ms(client.stream(prompt, max_new_tokens=1, ignore_eos=True)))
+                 lambda: first_token_ms(rstub.GenerateStream(request)),
+                 lambda: first_token_ms(gstub.GenerateStream(request)))
         for _ in range(5):  # warm every path (connections, caches)
             for path in paths:
                 await path()
