@@ -40,6 +40,13 @@ log = logging.getLogger("cotserve.gateway")
 MAX_CACHE_SALT_CHARS = 256
 
 
+def prompt_text(request) -> str:
+    """What a request's prompt says: its text, or its chat messages' contents (what quotas and the SLO predictor
+    count before the worker renders and tokenizes them)."""
+    text = getattr(request, "prompt", None) or getattr(request, "prompt_text", "")
+    return text or "".join(m.content for m in request.messages)
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
                  quota: QuotaEnforcer | None = None, processors: Processors | None = None,
@@ -99,17 +106,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         labels["sla_class"] = sla.name
         model = self.pool.resolve_model(request.model)
         labels["model"] = model
-        if not request.prompt:
-            raise InvalidArgument("prompt: must not be empty")
+        if bool(request.prompt) == bool(request.messages):
+            raise InvalidArgument("prompt / messages: give exactly one (the prompt text, or chat messages for the "
+                                  "model's chat template)")
+        if request.messages and request.pre_processor:
+            raise InvalidArgument("pre_processor: runs on a prompt's text; chat messages cannot take one")
+        for i, m in enumerate(request.messages):
+            if not m.role:
+                raise InvalidArgument(f"messages[{i}].role: must not be empty")
+        field, text = ("prompt", request.prompt) if request.prompt else ("messages", prompt_text(request))
         info = next(w.info for w in self.pool.models()[model])
         max_chars = self.max_prompt_chars or info.max_context_tokens * max(1, info.max_token_chars or 64)
-        if len(request.prompt) > max_chars:
+        if len(text) > max_chars:
             why = "the limit" if self.max_prompt_chars else f"what model {model!r}'s context can hold"
-            raise InvalidArgument(f"prompt: {len(request.prompt)} characters, at most {max_chars} allowed ({why})")
+            raise InvalidArgument(f"{field}: {len(text)} characters, at most {max_chars} allowed ({why})")
         params = sampling_from_pb(request.sampling, vocab_size=info.vocab_size, max_model_len=info.max_context_tokens,
                                   max_new_tokens_limit=info.max_context_tokens)
         wreq = worker_pb2.GenerateRequest(
-            request_id=uuid.uuid4().hex, prompt_text=request.prompt, sampling=request.sampling, sla_class=request.sla_class,
+            request_id=uuid.uuid4().hex, prompt_text=request.prompt, messages=request.messages, sampling=request.sampling,
+            sla_class=request.sla_class,
             max_prompt_tokens=self.max_prompt_tokens,
         )
         if request.HasField("reasoning"):
@@ -137,7 +152,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             sp = wreq.sampling
             max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
             samples = wreq.reasoning.self_consistency.max_samples if wreq.reasoning.HasField("self_consistency") else (sp.n or 1)
-            grant = await self.quota.admit(tenant, token_reservation(wreq.prompt_text, max_new * samples))
+            grant = await self.quota.admit(tenant, token_reservation(prompt_text(wreq), max_new * samples))
         renewer = asyncio.create_task(self._renew_lease(grant)) if grant is not None and grant.lease_id else None
         # With a post-processor the client sees only its output: token ids, logprobs and the worker's own
         # reasoning/answer split would give the rewritten text back, unless the tenant may have raw tokens.
@@ -169,7 +184,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 renewer.cancel()
             if grant is not None:
                 if used_tokens is None:  # failed or cancelled: charge what it may have used so far
-                    used_tokens = len(wreq.prompt_text.encode()) + SPECIAL_TOKENS_ALLOWANCE + generated
+                    used_tokens = len(prompt_text(wreq).encode()) + SPECIAL_TOKENS_ALLOWANCE + generated
                 try:
                     await asyncio.shield(self.quota.release(grant, used_tokens))
                 except CotserveError as exc:  # the lease expires by itself; the answer stands
@@ -238,7 +253,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         tried: set[WorkerHandle] = set()
         sp = wreq.sampling
         max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
-        prompt_bytes = len(wreq.prompt_text.encode())
+        prompt_bytes = len(prompt_text(wreq).encode())
         while True:
             worker = await self._pick(model, sla, tried, prompt_bytes, max_new, context, span)
             tried.add(worker)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterator, Sequence
+from typing import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 
@@ -14,7 +14,7 @@ from cotserve.sdk.types import (
 )
 
 
-def _request(cls, prompt: str, *, model: str, max_new_tokens: int | None, temperature: float | None,
+def _request(cls, prompt: str, *, messages: Sequence[Mapping[str, str]] | None, model: str, max_new_tokens: int | None, temperature: float | None,
              top_p: float | None, top_k: int | None, seed: int | None, stop: Sequence[str] | None,
              stop_token_ids: Sequence[int] | None, logprobs: bool, ignore_eos: bool, sla: str | int | None,
              post_processor: str, pre_processor: str = "", n: int | None = None, cache_salt: str = "",
@@ -32,8 +32,16 @@ def _request(cls, prompt: str, *, model: str, max_new_tokens: int | None, temper
                         ("top_k", top_k), ("seed", seed), ("n", n)):
         if value is not None:
             setattr(sp, name, value)
-    req = cls(prompt=prompt, model=model, sampling=sp, sla_class=sla_value, post_processor=post_processor,
-              pre_processor=pre_processor, cache_salt=cache_salt)
+    turns = []
+    for i, m in enumerate(messages or ()):
+        unknown = set(m) - {"role", "content", "reasoning_content"}
+        if unknown:
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}]: unknown key(s) {', '.join(sorted(unknown))} "
+                                  "(allowed: role, content, reasoning_content)")
+        turns.append(common_pb2.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
+                                            reasoning_content=m.get("reasoning_content") or ""))
+    req = cls(prompt=prompt, messages=turns, model=model, sampling=sp, sla_class=sla_value,
+              post_processor=post_processor, pre_processor=pre_processor, cache_salt=cache_salt)
     if reasoning is not None:
         req.reasoning.CopyFrom(reasoning.to_pb())
     return req
@@ -61,6 +69,8 @@ class Client(_Base):
     `n` draws that many samples of the prompt (1..16; the result's `choices`, the chunks' `index`);
     `cache_salt` narrows who shares the worker's cached prompt blocks with this request.
     `reasoning=Reasoning(max_thinking_tokens=40)` budgets a reasoning model's thinking.
+    Give a `prompt`, or `messages` (a chat: `[{"role": "user", "content": "..."}]`, each turn with `role`,
+    `content` and optionally `reasoning_content`) that the model's chat template renders into its prompt.
     gRPC errors are raised as `cotserve.sdk.errors` exceptions that keep the code and message.
     """
 
@@ -69,12 +79,12 @@ class Client(_Base):
         self._channel = grpc.insecure_channel(address)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
-    def generate(self, prompt: str, *, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
+    def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                  stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
                  ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "", pre_processor: str = "",
                  n: int | None = None, cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
-        req = _request(gateway_pb2.GenerateRequest, prompt, model=model, max_new_tokens=max_new_tokens,
+        req = _request(gateway_pb2.GenerateRequest, prompt, messages=messages, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
                        post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
@@ -84,13 +94,13 @@ class Client(_Base):
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    def stream(self, prompt: str, *, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
+    def stream(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
                top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
                ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "", pre_processor: str = "",
                n: int | None = None, cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None, api_key: str | None = None) -> Iterator[StreamChunk]:
         """Yield one chunk per token; closing the iterator early cancels the request."""
-        req = _request(gateway_pb2.GenerateStreamRequest, prompt, model=model, max_new_tokens=max_new_tokens,
+        req = _request(gateway_pb2.GenerateStreamRequest, prompt, messages=messages, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
                        post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
@@ -136,14 +146,14 @@ class AsyncClient(_Base):
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
-    async def generate(self, prompt: str, *, model: str = "", max_new_tokens: int | None = None,
+    async def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None,
                        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                        seed: int | None = None, stop: Sequence[str] | None = None,
                        stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
                        sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", n: int | None = None,
                        cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None,
                        api_key: str | None = None) -> GenerateResult:
-        req = _request(gateway_pb2.GenerateRequest, prompt, model=model, max_new_tokens=max_new_tokens,
+        req = _request(gateway_pb2.GenerateRequest, prompt, messages=messages, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
                        post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
@@ -153,14 +163,14 @@ class AsyncClient(_Base):
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    async def stream(self, prompt: str, *, model: str = "", max_new_tokens: int | None = None,
+    async def stream(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      seed: int | None = None, stop: Sequence[str] | None = None,
                      stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
                      sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", n: int | None = None,
                      cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None,
                      api_key: str | None = None) -> AsyncIterator[StreamChunk]:
-        req = _request(gateway_pb2.GenerateStreamRequest, prompt, model=model, max_new_tokens=max_new_tokens,
+        req = _request(gateway_pb2.GenerateStreamRequest, prompt, messages=messages, model=model, max_new_tokens=max_new_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                        stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
                        post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,

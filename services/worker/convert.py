@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -40,23 +41,30 @@ def check_text_length(text: str, field: str, max_tokens: int, token_chars: int) 
 
 
 def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
-                     reasoning: ReasoningFormat | None = None, token_chars: int | None = None) -> GenerateCall:
-    """Validate and tokenize. Long prompts take a while to tokenize: call this off the event loop."""
-    if req.prompt_text and req.prompt_token_ids:
-        raise InvalidArgument("prompt_text and prompt_token_ids: set exactly one, not both")
+                     reasoning: ReasoningFormat | None = None, token_chars: int | None = None,
+                     chat_template: Any = None) -> GenerateCall:
+    """Validate and tokenize (rendering chat messages with the model's `chat_template` first). Long prompts take a
+    while to tokenize: call this off the event loop."""
+    if sum(map(bool, (req.prompt_text, req.prompt_token_ids, req.messages))) > 1:
+        raise InvalidArgument("prompt_text, prompt_token_ids and messages: set exactly one")
     max_prompt = max_model_len - 1
     if req.max_prompt_tokens:
         max_prompt = min(max_prompt, req.max_prompt_tokens)
+    chars = token_chars or max_token_chars(tokenizer)
     if req.prompt_text:
-        check_text_length(req.prompt_text, "prompt_text", max_prompt, token_chars or max_token_chars(tokenizer))
+        check_text_length(req.prompt_text, "prompt_text", max_prompt, chars)
         ids = tokenizer.encode(req.prompt_text).ids
     elif req.prompt_token_ids:
         ids = list(req.prompt_token_ids)
         bad = next((t for t in ids if t >= vocab_size), None)
         if bad is not None:
             raise InvalidArgument(f"prompt_token_ids: token {bad} is out of range (0..{vocab_size - 1})")
+    elif req.messages:
+        text = render_messages(req.messages, chat_template)
+        check_text_length(text, "messages", max_prompt, chars)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote the special tokens
     else:
-        raise InvalidArgument("prompt_text / prompt_token_ids: the prompt is empty")
+        raise InvalidArgument("prompt_text / prompt_token_ids / messages: the prompt is empty")
     if not ids:
         raise InvalidArgument("prompt_text: the prompt encodes to no tokens")
     if len(ids) >= max_model_len:
@@ -73,6 +81,20 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     check_self_consistency(budget, params)
     check_budget(budget, reasoning)
     return GenerateCall(ids, params, sla_from_pb(req.sla_class), req.cache_salt, budget)
+
+
+def render_messages(messages, chat_template: Any) -> str:
+    """Chat messages as the model's prompt text; FAILED_PRECONDITION when the model has no chat template."""
+    if chat_template is None:
+        raise FailedPrecondition("messages: this model has no chat template (chat_template.jinja, or chat_template in "
+                                 "tokenizer_config.json); send a prompt instead")
+    turns = []
+    for m in messages:
+        turn = {"role": m.role, "content": m.content}
+        if m.reasoning_content:
+            turn["reasoning_content"] = m.reasoning_content
+        turns.append(turn)
+    return chat_template.render(turns, add_generation_prompt=True)
 
 
 def check_budget(budget: ReasoningParams, fmt: ReasoningFormat | None) -> None:

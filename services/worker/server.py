@@ -178,8 +178,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Tokenize (off the event loop for a long prompt) and hand the request to the engine; the converted call
         and the queue its outputs arrive on."""
         args = (request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len,
-                self.engine.reasoning, self._token_chars)
-        if len(request.prompt_text) <= INLINE_TOKENIZE_CHARS:
+                self.engine.reasoning, self._token_chars, self.loaded.chat_template)
+        if len(request.prompt_text) + sum(len(m.content) for m in request.messages) <= INLINE_TOKENIZE_CHARS:
             call = generate_from_pb(*args)
         else:
             call = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, generate_from_pb, *args)

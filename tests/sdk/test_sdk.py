@@ -57,7 +57,7 @@ def test_list_models_and_tokenize(client):
     (dict(max_new_tokens=-5), InvalidArgument, "sampling.max_new_tokens: -5 is out of range (1..256)"),
     (dict(temperature=2.5), InvalidArgument, "sampling.temperature: 2.5 is out of range (0..2)"),
     (dict(top_p=1.5), InvalidArgument, "sampling.top_p: 1.5 is out of range (0 < top_p <= 1)"),
-    (dict(prompt=""), InvalidArgument, "prompt: must not be empty"),
+    (dict(prompt=""), InvalidArgument, "prompt / messages: give exactly one"),
     (dict(sla=7), InvalidArgument, "sla_class: unknown value 7 (allowed: REALTIME, INTERACTIVE, BATCH)"),
     (dict(sla="urgent"), InvalidArgument, "sla: 'urgent' is not an SLA class (allowed: realtime, interactive, batch)"),
     (dict(prompt="1+" * 300), InvalidArgument, "prompt: 601 tokens is over the model's context"),

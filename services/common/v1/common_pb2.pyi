@@ -557,3 +557,33 @@ class Timing(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Timing: _TypeAlias = Timing  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    """One turn of a chat; a model's chat template renders the turns into its prompt."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """Who speaks: system, user, assistant, tool, or another role the model's template knows."""
+    content: _builtins.str
+    """What the turn says."""
+    reasoning_content: _builtins.str
+    """An assistant turn's reasoning, for templates that show it (they read it as reasoning_content)."""
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+        reasoning_content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "reasoning_content", b"reasoning_content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cotserve.common.v1 import common_pb2 as cotserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!cotserve/gateway/v1/gateway.proto\x12\x13\x63otserve.gateway.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\x99\x02\n\x15GenerateStreamRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x16\n\x0epost_processor\x18\x05 \x01(\t\x12\x15\n\rpre_processor\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x37\n\treasoning\x18\x08 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\"\xb4\x03\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x04part\x18\x08 \x01(\x0e\x32\x1c.cotserve.common.v1.TextPart\x12\x1b\n\x0ereasoning_text\x18\t \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\n \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\x0b \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResultB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\x93\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x16\n\x0epost_processor\x18\x05 \x01(\t\x12\x15\n\rpre_processor\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x37\n\treasoning\x18\x08 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\"\xdd\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12\x1b\n\x0ereasoning_text\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\xa1\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12,\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x1b.cotserve.gateway.v1.Choice\x12\x1b\n\x0ereasoning_text\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\t \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\n \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResultB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\x13\n\x11ListModelsRequest\"v\n\nModelEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x04 \x01(\r\x12\x0f\n\x07\x61liases\x18\x05 \x03(\t\"E\n\x12ListModelsResponse\x12/\n\x06models\x18\x01 \x03(\x0b\x32\x1f.cotserve.gateway.v1.ModelEntry\".\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r2\x8e\x03\n\x0eGatewayService\x12k\n\x0eGenerateStream\x12*.cotserve.gateway.v1.GenerateStreamRequest\x1a+.cotserve.gateway.v1.GenerateStreamResponse0\x01\x12W\n\x08Generate\x12$.cotserve.gateway.v1.GenerateRequest\x1a%.cotserve.gateway.v1.GenerateResponse\x12]\n\nListModels\x12&.cotserve.gateway.v1.ListModelsRequest\x1a\'.cotserve.gateway.v1.ListModelsResponse\x12W\n\x08Tokenize\x12$.cotserve.gateway.v1.TokenizeRequest\x1a%.cotserve.gateway.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!cotserve/gateway/v1/gateway.proto\x12\x13\x63otserve.gateway.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\xcc\x02\n\x15GenerateStreamRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x16\n\x0epost_processor\x18\x05 \x01(\t\x12\x15\n\rpre_processor\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x37\n\treasoning\x18\x08 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\x12\x31\n\x08messages\x18\t \x03(\x0b\x32\x1f.cotserve.common.v1.ChatMessage\"\xb4\x03\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x04part\x18\x08 \x01(\x0e\x32\x1c.cotserve.common.v1.TextPart\x12\x1b\n\x0ereasoning_text\x18\t \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\n \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\x0b \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResultB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\xc6\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x16\n\x0epost_processor\x18\x05 \x01(\t\x12\x15\n\rpre_processor\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x37\n\treasoning\x18\x08 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\x12\x31\n\x08messages\x18\t \x03(\x0b\x32\x1f.cotserve.common.v1.ChatMessage\"\xdd\x01\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12\x1b\n\x0ereasoning_text\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\xa1\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12,\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x1b.cotserve.gateway.v1.Choice\x12\x1b\n\x0ereasoning_text\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\t \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\n \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResultB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\x13\n\x11ListModelsRequest\"v\n\nModelEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x04 \x01(\r\x12\x0f\n\x07\x61liases\x18\x05 \x03(\t\"E\n\x12ListModelsResponse\x12/\n\x06models\x18\x01 \x03(\x0b\x32\x1f.cotserve.gateway.v1.ModelEntry\".\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r2\x8e\x03\n\x0eGatewayService\x12k\n\x0eGenerateStream\x12*.cotserve.gateway.v1.GenerateStreamRequest\x1a+.cotserve.gateway.v1.GenerateStreamResponse0\x01\x12W\n\x08Generate\x12$.cotserve.gateway.v1.GenerateRequest\x1a%.cotserve.gateway.v1.GenerateResponse\x12]\n\nListModels\x12&.cotserve.gateway.v1.ListModelsRequest\x1a\'.cotserve.gateway.v1.ListModelsResponse\x12W\n\x08Tokenize\x12$.cotserve.gateway.v1.TokenizeRequest\x1a%.cotserve.gateway.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,25 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cotserve.gateway.v1.gateway
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATESTREAMREQUEST']._serialized_start=92
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=373
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=376
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=812
-  _globals['_GENERATEREQUEST']._serialized_start=815
-  _globals['_GENERATEREQUEST']._serialized_end=1090
-  _globals['_CHOICE']._serialized_start=1093
-  _globals['_CHOICE']._serialized_end=1314
-  _globals['_GENERATERESPONSE']._serialized_start=1317
-  _globals['_GENERATERESPONSE']._serialized_end=1734
-  _globals['_LISTMODELSREQUEST']._serialized_start=1736
-  _globals['_LISTMODELSREQUEST']._serialized_end=1755
-  _globals['_MODELENTRY']._serialized_start=1757
-  _globals['_MODELENTRY']._serialized_end=1875
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1877
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1946
-  _globals['_TOKENIZEREQUEST']._serialized_start=1948
-  _globals['_TOKENIZEREQUEST']._serialized_end=1994
-  _globals['_TOKENIZERESPONSE']._serialized_start=1996
-  _globals['_TOKENIZERESPONSE']._serialized_end=2033
-  _globals['_GATEWAYSERVICE']._serialized_start=2036
-  _globals['_GATEWAYSERVICE']._serialized_end=2434
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=424
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=427
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=863
+  _globals['_GENERATEREQUEST']._serialized_start=866
+  _globals['_GENERATEREQUEST']._serialized_end=1192
+  _globals['_CHOICE']._serialized_start=1195
+  _globals['_CHOICE']._serialized_end=1416
+  _globals['_GENERATERESPONSE']._serialized_start=1419
+  _globals['_GENERATERESPONSE']._serialized_end=1836
+  _globals['_LISTMODELSREQUEST']._serialized_start=1838
+  _globals['_LISTMODELSREQUEST']._serialized_end=1857
+  _globals['_MODELENTRY']._serialized_start=1859
+  _globals['_MODELENTRY']._serialized_end=1977
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1979
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2048
+  _globals['_TOKENIZEREQUEST']._serialized_start=2050
+  _globals['_TOKENIZEREQUEST']._serialized_end=2096
+  _globals['_TOKENIZERESPONSE']._serialized_start=2098
+  _globals['_TOKENIZERESPONSE']._serialized_end=2135
+  _globals['_GATEWAYSERVICE']._serialized_start=2138
+  _globals['_GATEWAYSERVICE']._serialized_end=2536
 # @@protoc_insertion_point(module_scope)

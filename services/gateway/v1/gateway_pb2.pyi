@@ -33,8 +33,9 @@ class GenerateStreamRequest(_message.Message):
     PRE_PROCESSOR_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
-    """The prompt text; must not be empty."""
+    """The prompt text; set this or messages, not both."""
     model: _builtins.str
     """Model name; may be empty when the gateway serves exactly one model."""
     sla_class: _common_pb2.SlaClass.ValueType
@@ -55,6 +56,12 @@ class GenerateStreamRequest(_message.Message):
     def reasoning(self) -> _common_pb2.ReasoningOptions:
         """Thinking budgets (reasoning models only)."""
 
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
+        """The prompt as chat messages, rendered by the model's chat template (the worker holds it); set this or
+        prompt, not both.
+        """
+
     def __init__(
         self,
         *,
@@ -66,10 +73,11 @@ class GenerateStreamRequest(_message.Message):
         pre_processor: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
         reasoning: _common_pb2.ReasoningOptions | None = ...,
+        messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -173,8 +181,9 @@ class GenerateRequest(_message.Message):
     PRE_PROCESSOR_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
-    """The prompt text; must not be empty."""
+    """The prompt text; set this or messages, not both."""
     model: _builtins.str
     """Model name; may be empty when the gateway serves exactly one model."""
     sla_class: _common_pb2.SlaClass.ValueType
@@ -193,6 +202,12 @@ class GenerateRequest(_message.Message):
     def reasoning(self) -> _common_pb2.ReasoningOptions:
         """Thinking budgets (reasoning models only)."""
 
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
+        """The prompt as chat messages, rendered by the model's chat template (the worker holds it); set this or
+        prompt, not both.
+        """
+
     def __init__(
         self,
         *,
@@ -204,10 +219,11 @@ class GenerateRequest(_message.Message):
         pre_processor: _builtins.str = ...,
         cache_salt: _builtins.str = ...,
         reasoning: _common_pb2.ReasoningOptions | None = ...,
+        messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -41,6 +42,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     aliases: tuple[str, ...] = ()  # further names requests may use
+    chat_template: Any = None  # ChatTemplate of the folder (None: the model has none; chat requests are refused)
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -196,7 +198,7 @@ def load_model(
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, eos_token_ids=eos,
         name=name or default_name, revision=checkpoint_revision(folder, files),
-        dtype=dtype, device=device, aliases=tuple(aliases),
+        dtype=dtype, device=device, aliases=tuple(aliases), chat_template=load_chat_template(folder),
     )
 
 
@@ -207,4 +209,16 @@ def load_front(folder: str | Path, name: str | None = None, aliases: tuple[str, 
     cfg = ModelConfig.from_file(folder / "config.json")
     tokenizer, eos = load_tokenizer(folder, cfg)
     return LoadedModel(model=None, config=cfg, tokenizer=tokenizer, eos_token_ids=eos, name=name or default_name,
-                       revision="", dtype=torch.float32, device=torch.device("cpu"), aliases=tuple(aliases))
+                       revision="", dtype=torch.float32, device=torch.device("cpu"), aliases=tuple(aliases),
+                       chat_template=load_chat_template(folder))
+
+
+def load_chat_template(folder: Path):
+    """The folder's chat template (worker/chat_template.py), None without one; a broken one is a ModelLoadError
+    naming its file (better refused at start than on every chat request)."""
+    from cotserve.worker.chat_template import ChatTemplate
+
+    try:
+        return ChatTemplate.from_folder(folder)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None

@@ -33,6 +33,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and traces; the worker makes one up when empty."""
     prompt_text: _builtins.str
@@ -57,6 +58,13 @@ class GenerateRequest(_message.Message):
     def reasoning(self) -> _common_pb2.ReasoningOptions:
         """Thinking budgets (reasoning models only)."""
 
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]:
+        """The prompt as chat messages, rendered by the model's chat template with its generation prompt (and tokenized
+        without adding special tokens again: the template writes them). Set exactly one of prompt_text,
+        prompt_token_ids and messages.
+        """
+
     def __init__(
         self,
         *,
@@ -68,10 +76,11 @@ class GenerateRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         reasoning: _common_pb2.ReasoningOptions | None = ...,
         max_prompt_tokens: _builtins.int = ...,
+        messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "max_prompt_tokens", b"max_prompt_tokens", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
