@@ -375,7 +375,7 @@ class EngineProcess:
                         sink(out)
             elif isinstance(msg, PolicyApplied):
                 self.policy_version = msg.version
-                for listener in self.policy_listeners:
+                for listener in tuple(self.policy_listeners):  # a snapshot: listeners may be added meanwhile
                     listener(msg.version)
             elif isinstance(msg, ExpertLoad):
                 with self._lock:
