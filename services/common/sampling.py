@@ -22,11 +22,24 @@ class SlaClass(enum.IntEnum):
     BATCH = 2
 
 
+DEFAULT_MAX_NEW_TOKENS = 256
+"""Tokens a request generates at most when it does not say (the one default every front and the engine use)."""
+
+SLA_PB = {SlaClass.REALTIME: common_pb2.SLA_CLASS_REALTIME, SlaClass.INTERACTIVE: common_pb2.SLA_CLASS_INTERACTIVE,
+          SlaClass.BATCH: common_pb2.SLA_CLASS_BATCH}
+"""Each class's wire value (SLA_CLASS_UNSPECIFIED reads as INTERACTIVE)."""
+SLA_PB_BY_NAME = {cls.name.lower(): pb for cls, pb in SLA_PB.items()}
+"""The classes' wire values by their lower-case names (flags, tenants files, the SDK's `sla=`)."""
+FINISH_PB = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+             "cancelled": common_pb2.FINISH_REASON_CANCELLED}
+"""Finish reasons by name, as the engine and every API name them, and their wire values."""
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """Validated sampling parameters (`sampling_from_pb` checks every field)."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -42,20 +55,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-DEFAULT_MAX_NEW_TOKENS = 256
 MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 16
 MAX_FORCING_TEXT_CHARS = 256
 
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "cancelled": common_pb2.FINISH_REASON_CANCELLED}
-_SLA = {
-    common_pb2.SLA_CLASS_UNSPECIFIED: SlaClass.INTERACTIVE,
-    common_pb2.SLA_CLASS_REALTIME: SlaClass.REALTIME,
-    common_pb2.SLA_CLASS_INTERACTIVE: SlaClass.INTERACTIVE,
-    common_pb2.SLA_CLASS_BATCH: SlaClass.BATCH,
-}
+_SLA = {common_pb2.SLA_CLASS_UNSPECIFIED: SlaClass.INTERACTIVE, **{pb: cls for cls, pb in SLA_PB.items()}}
+
+
+def max_new_tokens_of(sp: common_pb2.SamplingParams) -> int:
+    """A request's max_new_tokens as sent, or the default (before validation: quotas and routing estimate with it)."""
+    return sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
 
 
 def sla_from_pb(value: int) -> SlaClass:
@@ -69,7 +79,7 @@ def sampling_from_pb(
 ) -> SamplingParams:
     """Validate and convert. `max_new_tokens` may be up to the model's context; generation is
     capped at `max_new_tokens_limit`, what the context leaves after the prompt ("length")."""
-    max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+    max_new = max_new_tokens_of(sp)
     if not 1 <= max_new <= max_model_len:
         raise InvalidArgument(f"sampling.max_new_tokens: {max_new} is out of range (1..{max_model_len})")
     temperature = sp.temperature if sp.HasField("temperature") else 0.0
@@ -232,10 +242,10 @@ class ReasoningParams:
 
 
 def finish_reason_to_pb(reason: str) -> int:
-    return _FINISH[reason]
+    return FINISH_PB[reason]
 
 
-_FINISH_NAMES = {v: k for k, v in _FINISH.items()}
+_FINISH_NAMES = {v: k for k, v in FINISH_PB.items()}
 
 
 def finish_reason_name(reason: int) -> str:

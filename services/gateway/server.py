@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
 from cotserve.common.sampling import (
-    DEFAULT_MAX_NEW_TOKENS, SlaClass, check_self_consistency, reasoning_from_pb, sampling_from_pb,
+    SlaClass, check_self_consistency, max_new_tokens_of, reasoning_from_pb, sampling_from_pb,
     sla_from_pb,
 )
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
@@ -150,7 +150,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if self.quota is not None and tenant.has_limits:
             # Reserved on the prompt as sent: the pre-processor has not run yet (the refund settles on actual use).
             sp = wreq.sampling
-            max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+            max_new = max_new_tokens_of(sp)
             samples = wreq.reasoning.self_consistency.max_samples if wreq.reasoning.HasField("self_consistency") else (sp.n or 1)
             grant = await self.quota.admit(tenant, token_reservation(prompt_text(wreq), max_new * samples))
         renewer = asyncio.create_task(self._renew_lease(grant)) if grant is not None and grant.lease_id else None
@@ -252,7 +252,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                         trailers={"retry-after-ms": str(self.slo.cfg.retry_after_ms)})
         tried: set[WorkerHandle] = set()
         sp = wreq.sampling
-        max_new = sp.max_new_tokens if sp.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+        max_new = max_new_tokens_of(sp)
         prompt_bytes = len(prompt_text(wreq).encode())
         while True:
             worker = await self._pick(model, sla, tried, prompt_bytes, max_new, context, span)

@@ -21,7 +21,7 @@ import grpc
 
 from cotserve.common.tracing import RECONNECT_OPTIONS
 
-from cotserve.common.sampling import SlaClass
+from cotserve.common.sampling import SLA_PB, SlaClass
 from cotserve.common.stats import percentile
 from cotserve.common.v1 import common_pb2
 from cotserve.common.windows import worker_total
@@ -29,8 +29,7 @@ from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
 
 log = logging.getLogger("cotserve.gateway")
 
-PB_CLASS = {SlaClass.REALTIME: common_pb2.SLA_CLASS_REALTIME, SlaClass.INTERACTIVE: common_pb2.SLA_CLASS_INTERACTIVE,
-            SlaClass.BATCH: common_pb2.SLA_CLASS_BATCH}
+PB_CLASS = SLA_PB
 
 
 def queued(worker) -> int:

@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 import typer
 
+from cotserve.common.sampling import DEFAULT_MAX_NEW_TOKENS
+
 
 def _usage_error(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
@@ -89,7 +91,7 @@ def generate(
     prompt: str = typer.Argument(..., help="Prompt text."),
     address: str = typer.Option("127.0.0.1:50051", envvar="COTSERVE_ADDRESS", help="Address of the gateway."),
     model: str = typer.Option("", help="Model name (empty: the only model served)."),
-    max_new_tokens: int = typer.Option(256, help="Tokens to generate at most."),
+    max_new_tokens: int = typer.Option(DEFAULT_MAX_NEW_TOKENS, help="Tokens to generate at most."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature, 0..2 (0 = greedy; the default, or 1.0 with --self-consistency)."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     sla: str = typer.Option("interactive", help="SLA class: realtime, interactive or batch."),

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cotserve.common.sampling import FINISH_PB, SLA_PB_BY_NAME
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.v1 import gateway_pb2
 
-_FINISH = {common_pb2.FINISH_REASON_UNSPECIFIED: None, common_pb2.FINISH_REASON_STOP: "stop",
-           common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+_FINISH = {common_pb2.FINISH_REASON_UNSPECIFIED: None, **{pb: name for name, pb in FINISH_PB.items()}}
 _RULES = {"window": common_pb2.SELF_CONSISTENCY_RULE_WINDOW, "posterior": common_pb2.SELF_CONSISTENCY_RULE_POSTERIOR}
 _PARTS = {common_pb2.TEXT_PART_UNSPECIFIED: None, common_pb2.TEXT_PART_REASONING: "reasoning",
           common_pb2.TEXT_PART_ANSWER: "answer"}
-SLA_CLASSES = {"realtime": common_pb2.SLA_CLASS_REALTIME, "interactive": common_pb2.SLA_CLASS_INTERACTIVE,
-               "batch": common_pb2.SLA_CLASS_BATCH}
+SLA_CLASSES = SLA_PB_BY_NAME
 
 
 @dataclass(slots=True, frozen=True)

@@ -106,11 +106,10 @@ def slo_forecast(
     """Print the forecast for a model and class, and the features that pushed it most."""
     import grpc
 
-    from cotserve.common.v1 import common_pb2
+    from cotserve.common.sampling import SLA_PB_BY_NAME
     from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
 
-    cls = {"realtime": common_pb2.SLA_CLASS_REALTIME, "interactive": common_pb2.SLA_CLASS_INTERACTIVE,
-           "batch": common_pb2.SLA_CLASS_BATCH}.get(sla.lower())
+    cls = SLA_PB_BY_NAME.get(sla.lower())
     if cls is None:
         raise typer.BadParameter(f"want realtime, interactive or batch, got {sla!r}", param_hint="--sla")
     with grpc.insecure_channel(address) as ch:

@@ -21,13 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cotserve.common.sampling import SlaClass
+from cotserve.common.sampling import SLA_PB, SlaClass
 from cotserve.common.sla import DEFAULT_SLA_TARGETS, SlaTarget
-from cotserve.common.v1 import common_pb2
 from cotserve.slo.v1 import slo_pb2
 
 CLASS_NAMES = ("REALTIME", "INTERACTIVE", "BATCH")
-PB_CLASSES = (common_pb2.SLA_CLASS_REALTIME, common_pb2.SLA_CLASS_INTERACTIVE, common_pb2.SLA_CLASS_BATCH)
+PB_CLASSES = tuple(SLA_PB.values())
 CLASS_INDEX = {pb: i for i, pb in enumerate(PB_CLASSES)}
 LOOKBACK_S = 60
 

@@ -17,12 +17,12 @@ from collections import deque
 from pathlib import Path
 
 from cotserve.common.errors import InvalidArgument
-from cotserve.common.v1 import common_pb2
+from cotserve.common.sampling import SLA_PB
 from cotserve.slo.v1 import slo_pb2
 
 log = logging.getLogger("cotserve.slo")
 
-_CLASSES = (common_pb2.SLA_CLASS_REALTIME, common_pb2.SLA_CLASS_INTERACTIVE, common_pb2.SLA_CLASS_BATCH)
+_CLASSES = tuple(SLA_PB.values())
 _WINDOW_FLOATS = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms",
                   "kv_used_fraction", "output_tokens_per_s", "utilization", "mean_prompt_tokens")
 _REQUEST_FLOATS = ("ttft_ms", "tpot_ms")
