@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from opentelemetry.sdk.trace import TracerProvider
 
+from cotserve.common.heap import freeze_startup_heap
 from cotserve.common.errors import CotserveError, InvalidArgument
 from cotserve.common.tracing import server_interceptors
 
@@ -225,7 +226,9 @@ class Server:
 
 
 async def run_until_signalled(server: Server, grace_s: float, on_stop: Callable[[], Awaitable[None] | None] | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain in-flight calls for up to `grace_s` seconds."""
+    """Serve until SIGTERM/SIGINT, then drain in-flight calls for up to `grace_s` seconds. Start-up is over when it is
+    called: the heap start-up left is frozen first (`common.heap`)."""
+    freeze_startup_heap(f"service on {server.address}")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from cotserve.common.heap import freeze_startup_heap
 from cotserve.common.lifetime import follow_parent
 from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.engine import EngineConfig, EngineStats, RequestOutput, Sink, check_submit
@@ -199,6 +200,9 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
     engine.after_iteration = outbox.flush
     engine.policy_listeners.append(lambda version: send(PolicyApplied(version)))
     send(EngineReady(engine.config, engine.kv_spec, loaded.revision, loaded.dtype, str(loaded.device), engine.stats()))
+    freeze_startup_heap("engine process")
+    threading.Thread(target=lambda: engine.runner.warmed.wait() and freeze_startup_heap("engine process, kernels compiled"),
+                     name="cotserve-freeze-after-compile", daemon=True).start()
 
     def read_commands() -> None:
         try:
