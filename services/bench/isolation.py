@@ -1,7 +1,7 @@
 """`cotserve bench isolation`: the noisy-neighbour benchmark.
 
-Tenant A floods BATCH requests (closed loop, many at once) while tenant B sends a steady
-INTERACTIVE stream and a trickle of REALTIME (open loop, fixed rates). Three runs, each on a
+Tenant A floods BATCH requests (closed loop, many at once, from a process of its own) while tenant B
+sends a steady INTERACTIVE stream and a trickle of REALTIME (open loop, fixed rates). Three runs, each on a
 fresh worker + gateway: B alone; B + flood with SLA scheduling and admission on; B + flood with
 both off (FIFO worker, gateway forwarding everything). Reported per class of tenant B: TTFT and
 inter-token p50/p99, the share of requests that missed their targets, the TTFT spread (p99 - p50),
@@ -89,31 +89,70 @@ async def _flood_loop(client: AsyncClient, stop: asyncio.Event, prompt: str, max
             await asyncio.sleep(0.1)
 
 
+async def flood(address: str, concurrency: int) -> None:
+    """Tenant A's flood as a process of its own (`python -m cotserve.bench.isolation ADDRESS CONCURRENCY`): it prints
+    "ready" once its streams run; a line "start" on stdin zeroes its token count, "stop" prints the count and ends.
+    Apart from B's client, so that B's times are not the benchmark's own event loop relaying A's tokens (the two
+    still share the machine's cores, as a real tenant's neighbours do)."""
+    import sys
+
+    flood_prompt = " ".join(str(i % 100) for i in range(40))
+    tokens = [0]
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    async with AsyncClient(address) as client:
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(_flood_loop(client, stop, flood_prompt, 96, tokens)) for _ in range(concurrency)]
+        print("ready", flush=True)
+        while (line := (await reader.readline()).decode().strip()) not in ("stop", ""):
+            if line == "start":
+                tokens[0] = 0
+        print(tokens[0], flush=True)
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def drive(address: str, *, duration_s: float, flood_concurrency: int, interactive_rps: float,
                 realtime_rps: float, seed: int = 0) -> tuple[float, dict[SlaClass, list[RequestRecord]], int]:
+    """Tenant B's load for `duration_s` against `address`, with tenant A's flood (its own process) when
+    `flood_concurrency` > 0: the seconds, B's records by class, and A's tokens in B's window."""
+    import sys
+
     rng = random.Random(seed)
     prompts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}-{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in range(32)]
-    flood_prompt = " ".join(str(i % 100) for i in range(40))
     records: dict[SlaClass, list[RequestRecord]] = {SlaClass.INTERACTIVE: [], SlaClass.REALTIME: []}
-    flood_tokens = [0]
-    async with AsyncClient(address) as b_client, AsyncClient(address) as a_client:
-        stop = asyncio.Event()
-        flood = [asyncio.create_task(_flood_loop(a_client, stop, flood_prompt, 96, flood_tokens))
-                 for _ in range(flood_concurrency)]
-        if flood:
+    proc = None
+    if flood_concurrency:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "cotserve.bench.isolation", address,
+                                                    str(flood_concurrency), stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE)
+    try:
+        if proc is not None:
+            await proc.stdout.readline()  # "ready"
             await asyncio.sleep(2.0)  # let the flood fill the worker before B starts
-        start = time.perf_counter()
-        stop_at = start + duration_s
-        await asyncio.gather(
-            _open_loop(b_client, interactive_rps, stop_at, "interactive", prompts, 32, records[SlaClass.INTERACTIVE], rng),
-            _open_loop(b_client, realtime_rps, stop_at, "realtime", prompts, 16, records[SlaClass.REALTIME], rng),
-        )
-        seconds = time.perf_counter() - start
-        tokens_in_window = flood_tokens[0]
-        stop.set()
-        for t in flood:
-            t.cancel()
-        await asyncio.gather(*flood, return_exceptions=True)
+            proc.stdin.write(b"start\n")
+            await proc.stdin.drain()
+        async with AsyncClient(address) as b_client:
+            start = time.perf_counter()
+            stop_at = start + duration_s
+            await asyncio.gather(
+                _open_loop(b_client, interactive_rps, stop_at, "interactive", prompts, 32, records[SlaClass.INTERACTIVE], rng),
+                _open_loop(b_client, realtime_rps, stop_at, "realtime", prompts, 16, records[SlaClass.REALTIME], rng),
+            )
+            seconds = time.perf_counter() - start
+        tokens_in_window = 0
+        if proc is not None:
+            proc.stdin.write(b"stop\n")
+            await proc.stdin.drain()
+            tokens_in_window = int((await proc.stdout.readline()).decode().strip() or 0)
+            await proc.wait()
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
     return seconds, records, tokens_in_window
 
 
@@ -149,3 +188,9 @@ def goals(alone: RunResult, on: RunResult, fifo: RunResult) -> list[str]:
         f"INTERACTIVE target-miss rate under the flood: {miss:.1%} (goal < 2%)",
         f"total output tokens/s vs FIFO: {share:.0%} (goal >= 90%)",
     ]
+
+
+if __name__ == "__main__":
+    import sys
+
+    asyncio.run(flood(sys.argv[1], int(sys.argv[2])))
