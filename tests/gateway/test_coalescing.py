@@ -16,10 +16,15 @@ SLOW_READER = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)
 NEW_TOKENS = 200
 
 
-def slow_read(responses) -> list:
-    """The first chunk, then nothing for a while (the model keeps generating), then the rest."""
+def slow_read(responses, worker: str) -> list:
+    """The first chunk, then nothing until the worker has generated every token (waiting a fixed time instead made
+    the test depend on the machine's speed: a slow stretch left tokens to come one a message after the reader
+    resumed), then the rest."""
+    from tests.conftest import wait_worker_idle
+
     chunks = [next(responses)]
-    time.sleep(2.0)
+    wait_worker_idle(worker, timeout_s=60)
+    time.sleep(0.2)  # the front's queue holds the last outputs a moment after the engine is done
     chunks.extend(responses)
     return chunks
 
@@ -28,12 +33,12 @@ def sampling() -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
 
 
-def test_a_slow_reader_of_the_gateway_gets_every_token_in_order_in_fewer_chunks(demo_gateway):
+def test_a_slow_reader_of_the_gateway_gets_every_token_in_order_in_fewer_chunks(demo_gateway, demo_worker):
     with grpc.insecure_channel(demo_gateway, options=SLOW_READER) as ch:
         stub = gateway_pb2_grpc.GatewayServiceStub(ch)
         whole = stub.Generate(gateway_pb2.GenerateRequest(prompt="37+48-12=", sampling=sampling()), timeout=60)
         chunks = slow_read(stub.GenerateStream(gateway_pb2.GenerateStreamRequest(prompt="37+48-12=", sampling=sampling()),
-                                               timeout=60))
+                                               timeout=60), demo_worker)
     tokens = [t for c in chunks for t in c.token_ids]
     assert tokens == list(whole.token_ids) and len(tokens) == NEW_TOKENS
     assert [lp for c in chunks for lp in c.logprobs] == list(whole.logprobs)
@@ -48,7 +53,7 @@ def test_a_slow_reader_of_the_worker_gets_every_token_in_order_in_fewer_chunks(d
     with grpc.insecure_channel(demo_worker) as fast_ch:
         fast = list(worker_pb2_grpc.WorkerServiceStub(fast_ch).Generate(req, timeout=60))
     with grpc.insecure_channel(demo_worker, options=SLOW_READER) as ch:
-        chunks = slow_read(worker_pb2_grpc.WorkerServiceStub(ch).Generate(req, timeout=60))
+        chunks = slow_read(worker_pb2_grpc.WorkerServiceStub(ch).Generate(req, timeout=60), demo_worker)
     assert [t for c in chunks for t in c.token_ids] == [t for c in fast for t in c.token_ids]
     assert "".join(c.text for c in chunks) == "".join(c.text for c in fast)
     assert len(chunks) < NEW_TOKENS / 2 and chunks[-1].usage.completion_tokens == NEW_TOKENS
