@@ -19,6 +19,20 @@ ROOMS = ("cotserve.up", "cotserve.sdk.cli", "cotserve.worker.cli", "cotserve.gat
 
 app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_show_locals=False)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"cotserve {version('cotserve')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", is_eager=True, callback=_version,
+                                       help="Print the installed cotserve's version and exit.")) -> None:
+    """cotserve: serve language models, reasoning models first."""
 serve_app = typer.Typer(help="Run one service in the foreground.", no_args_is_help=True)
 app.add_typer(serve_app, name="serve")
 for _room in ROOMS:

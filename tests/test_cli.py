@@ -144,3 +144,10 @@ def test_readme_command_table_is_made_from_the_command_line():
                     "cotserve sandbox register NAME FILE", "cotserve demo train"):
         assert f"| `{command}` |" in readme
     assert len(rows) == readme.count("\n| `cotserve ")
+
+
+def test_version_prints_the_installed_version():
+    from importlib.metadata import version
+
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"cotserve {version('cotserve')}"

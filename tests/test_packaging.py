@@ -53,3 +53,15 @@ def test_no_package_folder_at_the_root_shadows_an_installed_package():
     `cotserve`) and `tests/` may be one."""
     folders = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert folders <= {"services", "tests"}, f"package folders at the repository root: {sorted(folders - {'services', 'tests'})}"
+
+
+def test_the_declared_license_ships_and_the_python_floor_is_true():
+    """pyproject says Apache-2.0: LICENSE holds that license's text. It says Python 3.11 or newer, which the code
+    needs (tomllib is imported by the gateway's and the services' config loading)."""
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert cfg["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert cfg["requires-python"] == ">=3.11"
+    uses_tomllib = [p for p in (ROOT / "services").rglob("*.py") if "import tomllib" in p.read_text()]
+    assert uses_tomllib  # (if this ever fails, the floor may go back down)
