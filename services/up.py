@@ -39,9 +39,12 @@ def _waiter(console, stop: _Stop, start_timeout_s: float) -> Callable:
     return wait
 
 
-def _greet(console, port: int, redis_url: str, telemetry_port: int, telemetry_http_port: int) -> None:
-    console.print(f"cotserve is up: gateway on 127.0.0.1:{port} (redis {redis_url})")
+def _greet(console, port: int, http_port: int, redis_url: str, telemetry_port: int, telemetry_http_port: int) -> None:
+    console.print(f"cotserve is up: gateway on 127.0.0.1:{port}, OpenAI-compatible API on http://127.0.0.1:{http_port}/v1 "
+                  f"(redis {redis_url})")
     console.print(f'  try: cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream')
+    console.print(f"  or:  curl -s http://127.0.0.1:{http_port}/v1/chat/completions -H 'Content-Type: application/json' "
+                  """-d '{"messages": [{"role": "user", "content": "37+48-12="}]}'""", markup=False, soft_wrap=True, highlight=False)
     console.print(f"  latency heatmaps: http://127.0.0.1:{telemetry_http_port}/  "
                   f"(or cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)")
 
@@ -49,6 +52,7 @@ def _greet(console, port: int, redis_url: str, telemetry_port: int, telemetry_ht
 def up(
     model: Optional[Path] = typer.Option(None, envvar="COTSERVE_MODEL", help="Checkpoint folder for the worker (default: the bundled demo model)."),
     port: int = typer.Option(50051, envvar="COTSERVE_PORT", help="The gateway's port: the stack's public address."),
+    http_port: int = typer.Option(8000, envvar="COTSERVE_HTTP_PORT", help="The gateway's OpenAI-compatible HTTP API port (/v1/chat/completions, /v1/completions, /v1/models)."),
     redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Use this Redis instead of starting the embedded one."),
     telemetry_port: int = typer.Option(4317, envvar="COTSERVE_TELEMETRY_PORT", help="The telemetry service's OTLP/gRPC port; every service exports its spans there."),
     telemetry_http_port: int = typer.Option(8317, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Port of the live heatmap page."),
@@ -66,13 +70,13 @@ def up(
     console = Console(stderr=True)
     logs = run_dir()
     children, redis_url = stack(model, port, redis_url, telemetry_port=telemetry_port,
-                                telemetry_http_port=telemetry_http_port, log_dir=logs)
+                                telemetry_http_port=telemetry_http_port, log_dir=logs, http_port=http_port)
     stop = _Stop()
     failure: str | None = None
     console.print(f"logs: {logs}")
     try:
         with running(children, grace_s=5.0, wait=_waiter(console, stop, start_timeout_s)):
-            _greet(console, port, redis_url, telemetry_port, telemetry_http_port)
+            _greet(console, port, http_port, redis_url, telemetry_port, telemetry_http_port)
             supervisor = Supervisor(children, lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False),
                                     start_timeout_s=start_timeout_s, max_crashes=max_crashes)
             try:

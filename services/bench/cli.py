@@ -28,13 +28,17 @@ def bench_throughput(
     max_new_tokens: int = typer.Option(64, help="Tokens generated per request (end-of-sequence ignored)."),
     requests_per_level: Optional[int] = typer.Option(None, help="Requests per level (default: max(16, 2 x concurrency))."),
     model: str = typer.Option("", help="Model name (empty: the only model served)."),
+    http: bool = typer.Option(False, "--http", help="Also run each level through the gateway's OpenAI-compatible HTTP "
+                              "API (streamed /v1/completions) and print its output tok/s against gRPC's."),
+    http_url: str = typer.Option("http://127.0.0.1:8000/v1", envvar="COTSERVE_HTTP_URL",
+                                 help="Base URL of the HTTP API, for --http (what `cotserve up` serves)."),
 ) -> None:
     """Streaming load through the gateway: req/s, output tok/s, TTFT and inter-token latency percentiles."""
     from cotserve.bench.throughput import run, table
 
     console = wide_console()
     results = asyncio.run(run(address, _levels(concurrency), prompt_tokens, max_new_tokens, requests_per_level, model,
-                              progress=lambda m: console.print(m, style="dim")))
+                              progress=lambda m: console.print(m, style="dim"), http_url=http_url if http else None))
     console.print(table(results))
 
 

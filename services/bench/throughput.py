@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from dataclasses import dataclass
@@ -84,8 +85,48 @@ async def run_level(address: str, concurrency: int, prompt: str, max_new_tokens:
     return LevelResult(concurrency, num_requests, seconds, tokens, ttft, itl)
 
 
+async def run_level_http(base_url: str, concurrency: int, prompt: str, max_new_tokens: int, num_requests: int,
+                         model: str = "") -> LevelResult:
+    """`run_level` through the gateway's OpenAI-compatible API: streamed `/v1/completions`, one SSE event read per
+    chunk, the tokens counted from the usage event at the end."""
+    import aiohttp
+
+    ttft: list[float] = []
+    itl: list[float] = []
+    tokens = 0
+    sem = asyncio.Semaphore(concurrency)
+    body = {"prompt": prompt, "max_tokens": max_new_tokens, "ignore_eos": True, "stream": True, "service_tier": "flex",
+            "stream_options": {"include_usage": True}, **({"model": model} if model else {})}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def one() -> None:
+            nonlocal tokens
+            async with sem, session.post(base_url.rstrip("/") + "/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+                start = last = time.perf_counter()
+                first = True
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    now = time.perf_counter()
+                    event = json.loads(line[6:])
+                    if event.get("usage"):
+                        tokens += event["usage"]["completion_tokens"]
+                    if event["choices"]:
+                        (ttft if first else itl).append((now - (start if first else last)) * 1000)
+                        first, last = False, now
+
+        began = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(num_requests)))
+        seconds = time.perf_counter() - began
+    return LevelResult(concurrency, num_requests, seconds, tokens, ttft, itl)
+
+
 async def run(address: str, levels: list[int], prompt_tokens: int, max_new_tokens: int, requests_per_level: int | None,
-              model: str = "", progress=print) -> list[LevelResult]:
+              model: str = "", progress=print, http_url: str | None = None) -> list[LevelResult] | list[tuple[LevelResult, LevelResult]]:
+    """Each level through gRPC; with `http_url` also through the HTTP API right after it: (gRPC, HTTP) per level."""
     async with AsyncClient(address) as client:
         prompt = await prompt_of_tokens(client, prompt_tokens, model)
         await client.generate(prompt, model=model, max_new_tokens=4)  # warm-up
@@ -93,22 +134,34 @@ async def run(address: str, levels: list[int], prompt_tokens: int, max_new_token
     for c in levels:
         n = requests_per_level or max(16, 2 * c)
         progress(f"  concurrency {c}: {n} requests of {prompt_tokens} + {max_new_tokens} tokens ...")
-        results.append(await run_level(address, c, prompt, max_new_tokens, n, model))
+        grpc_result = await run_level(address, c, prompt, max_new_tokens, n, model)
+        if http_url is None:
+            results.append(grpc_result)
+            continue
+        progress(f"  concurrency {c}: the same through the HTTP API ...")
+        results.append((grpc_result, await run_level_http(http_url, c, prompt, max_new_tokens, n, model)))
     return results
 
 
-def table(results: list[LevelResult]):
+def table(results: list[LevelResult] | list[tuple[LevelResult, LevelResult]]):
+    """One row per level, or with the HTTP API two rows per level and the ratio of their output tok/s."""
     from rich.table import Table
 
+    paired = bool(results) and isinstance(results[0], tuple)
     t = Table(title="cotserve throughput (through the gateway, streaming)")
-    for col in ("concurrency", "requests", "req/s", "output tok/s", "TTFT p50/p95/p99 ms", "ITL p50/p95/p99 ms"):
+    for col in ("concurrency", *(("API",) if paired else ()), "requests", "req/s", "output tok/s",
+                "TTFT p50/p95/p99 ms", "ITL p50/p95/p99 ms", *(("HTTP / gRPC tok/s",) if paired else ())):
         t.add_column(col, justify="right")
-    for r in results:
-        t.add_row(
-            str(r.concurrency), str(r.num_requests), f"{r.requests_per_s:.2f}", f"{r.output_tokens_per_s:.1f}",
-            "/".join(f"{percentile(r.ttft_ms, q):.1f}" for q in (50, 95, 99)),
-            "/".join(f"{percentile(r.itl_ms, q):.1f}" for q in (50, 95, 99)),
-        )
+    for item in results:
+        rows = [("gRPC", item[0]), ("HTTP", item[1])] if paired else [("", item)]
+        for api, r in rows:
+            ratio = f"{item[1].output_tokens_per_s / item[0].output_tokens_per_s:.2f}x" if paired and api == "HTTP" else ""
+            t.add_row(
+                str(r.concurrency), *((api,) if paired else ()), str(r.num_requests), f"{r.requests_per_s:.2f}",
+                f"{r.output_tokens_per_s:.1f}",
+                "/".join(f"{percentile(r.ttft_ms, q):.1f}" for q in (50, 95, 99)),
+                "/".join(f"{percentile(r.itl_ms, q):.1f}" for q in (50, 95, 99)), *((ratio,) if paired else ()),
+            )
     return t
 
 

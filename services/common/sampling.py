@@ -49,6 +49,7 @@ class SamplingParams:
     logprobs: bool = False
     ignore_eos: bool = False
     n: int = 1  # samples of the prompt; they share its KV pages
+    top_logprobs: int = 0  # with logprobs: the most likely alternatives at each position
 
     @property
     def is_greedy(self) -> bool:
@@ -59,6 +60,7 @@ MAX_STOP_STRINGS = 8
 MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 16
 MAX_FORCING_TEXT_CHARS = 256
+MAX_TOP_LOGPROBS = 20
 
 _SLA = {common_pb2.SLA_CLASS_UNSPECIFIED: SlaClass.INTERACTIVE, **{pb: cls for cls, pb in SLA_PB.items()}}
 
@@ -102,6 +104,12 @@ def sampling_from_pb(
     for t in sp.stop_token_ids:
         if t >= vocab_size:
             raise InvalidArgument(f"sampling.stop_token_ids: {t} is out of range (0..{vocab_size - 1})")
+    top_logprobs = sp.top_logprobs if sp.HasField("top_logprobs") else 0
+    if not 0 <= top_logprobs <= min(MAX_TOP_LOGPROBS, vocab_size):
+        raise InvalidArgument(f"sampling.top_logprobs: {top_logprobs} is out of range "
+                              f"(0..{min(MAX_TOP_LOGPROBS, vocab_size)})")
+    if top_logprobs and not sp.logprobs:
+        raise InvalidArgument("sampling.top_logprobs: needs sampling.logprobs (set it to true)")
     return SamplingParams(
         max_new_tokens=min(max_new, max_new_tokens_limit),
         temperature=float(temperature),
@@ -113,6 +121,7 @@ def sampling_from_pb(
         logprobs=sp.logprobs,
         ignore_eos=sp.ignore_eos,
         n=n,
+        top_logprobs=top_logprobs,
     )
 
 

@@ -9,13 +9,16 @@ from typing import Callable, Optional
 
 def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool = True,
           worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = (),
-          telemetry_port: int = 4317, telemetry_http_port: int = 8317, log_dir: Optional[Path] = None) -> tuple[list, str]:
+          telemetry_port: int = 4317, telemetry_http_port: int = 8317, log_dir: Optional[Path] = None,
+          http_port: Optional[int] = None) -> tuple[list, str]:
     """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
     starts only the worker and the gateway. With `full`, the telemetry service starts first and every
     other service exports its spans to it over OTLP (batched every half second); the gateway reports
     its windows to the SLO predictor and follows its forecasts.
 
-    Only the ports a user names (the gateway's, telemetry's) are fixed. The internal services bind a
+    `http_port` turns on the gateway's OpenAI-compatible HTTP API there.
+
+    Only the ports a user names (the gateway's, its HTTP API's, telemetry's) are fixed. The internal services bind a
     free port themselves and report it (`Child.argv_for`); the embedded Redis listens on a unix socket
     of its own. Start them in order: each one's command line is built when it starts, from the
     addresses its dependencies reported."""
@@ -54,7 +57,8 @@ def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool
 
     def gateway_argv(p: int) -> list[str]:
         linked = ["--sandbox", gateway_args[0].address, "--slo", gateway_args[1].address] if gateway_args else []
-        return python_cli("serve", "gateway", "--port", str(port), "--worker", worker.address, *linked, *gateway_extra)
+        http = ["--http-port", str(http_port)] if http_port is not None else []
+        return python_cli("serve", "gateway", "--port", str(port), "--worker", worker.address, *linked, *http, *gateway_extra)
 
     children.append(Child("gateway", gateway_addr, [], grpc_ready(gateway_addr), env, argv_for=gateway_argv,
                           log_dir=log_dir, port=port))

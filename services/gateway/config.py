@@ -42,6 +42,9 @@ class GatewayConfig:
     """INTERACTIVE requests waiting per worker at most (then RESOURCE_EXHAUSTED)."""
     max_queue_batch: int = 1024
     """BATCH requests waiting per worker at most (then RESOURCE_EXHAUSTED)."""
+    http_port: int | None = None
+    """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on this port of
+    `host` (0 picks a free one; default: none; `cotserve up` serves it on 8000)."""
     metrics_port: int = 0
     """Port for Prometheus /metrics on `host` (0 = off)."""
     tenants_file: Path | None = None
@@ -127,6 +130,7 @@ class GatewayConfig:
     def validate(self) -> None:
         checks = [
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
+            (self.http_port is None or 0 <= self.http_port <= 65535, f"http_port: {self.http_port}, allowed 0..65535"),
             (self.poll_interval_s > 0, f"poll_interval_s: {self.poll_interval_s}, must be > 0"),
             (self.slo_retry_after_ms >= 1, f"slo_retry_after_ms: {self.slo_retry_after_ms}, must be >= 1"),
             (self.prefix_cache_scope in PREFIX_CACHE_SCOPES,

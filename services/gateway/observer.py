@@ -20,7 +20,7 @@ def to_client_chunk(chunk: worker_pb2.GenerateResponse) -> gateway_pb2.GenerateS
     """A worker's stream chunk as the gateway's (the usage and timing of the last chunk are the observer's)."""
     out = gateway_pb2.GenerateStreamResponse(
         text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs,
-        finish_reason=chunk.finish_reason, index=chunk.index, part=chunk.part,
+        finish_reason=chunk.finish_reason, index=chunk.index, part=chunk.part, token_logprobs=chunk.token_logprobs,
     )
     if chunk.HasField("reasoning_text"):
         out.reasoning_text, out.answer_text = chunk.reasoning_text, chunk.answer_text

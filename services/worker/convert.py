@@ -11,6 +11,7 @@ from cotserve.common.errors import FailedPrecondition, InvalidArgument
 from cotserve.common.sampling import (
     ReasoningParams, SamplingParams, SlaClass, check_self_consistency, finish_reason_to_pb, reasoning_from_pb, sampling_from_pb, sla_from_pb,
 )
+from cotserve.worker.detokenizer import TokenTexts
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.common.v1 import common_pb2
 from cotserve.worker.engine import NO_TOKEN, RequestOutput, VoteResult
@@ -116,10 +117,13 @@ def check_budget(budget: ReasoningParams, fmt: ReasoningFormat | None) -> None:
                                  "--reasoning-step (the text that ends a reasoning step, e.g. '.' or a newline)")
 
 
-def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
+def output_to_pb(out: RequestOutput, token_texts: TokenTexts | None = None) -> worker_pb2.GenerateResponse:
+    """One engine output as a stream chunk; `token_texts` names the tokens of its logprobs."""
     msg = worker_pb2.GenerateResponse(text=out.text, index=out.index, part=out.part)
     if out.token_id != NO_TOKEN:
         msg.token_ids.append(out.token_id)
+        if out.logprob is not None and token_texts is not None:
+            msg.token_logprobs.append(_token_logprob(out, token_texts))
     if out.reasoning_text is not None:
         msg.reasoning_text = out.reasoning_text
         msg.answer_text = out.answer_text or ""
@@ -141,6 +145,16 @@ def output_to_pb(out: RequestOutput) -> worker_pb2.GenerateResponse:
         msg.timing.total_ms = out.timing.total_ms
         msg.timing.kv_used_fraction_at_admission = out.timing.kv_used_fraction_at_admission
     return msg
+
+
+def _token_logprob(out: RequestOutput, token_texts: TokenTexts) -> common_pb2.TokenLogprob:
+    text, raw = token_texts(out.token_id)
+    entry = common_pb2.TokenLogprob(token=text, token_bytes=raw, logprob=out.logprob)
+    if out.top_logprobs is not None:
+        for token_id, logprob in zip(*out.top_logprobs):
+            text, raw = token_texts(token_id)
+            entry.top_logprobs.add(token_id=token_id, token=text, token_bytes=raw, logprob=logprob)
+    return entry
 
 
 def vote_to_pb(vote: VoteResult, msg: common_pb2.SelfConsistencyResult) -> None:

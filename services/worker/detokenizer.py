@@ -58,3 +58,41 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the end of the request: whatever was held back."""
         return self._ready(final=True)
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character each byte is written as, to the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenTexts:
+    """Each vocabulary entry's text and bytes on its own (what logprobs report per token), decoded once per id.
+    A byte-level BPE token's bytes are exact even when it holds part of a character; other tokenizers' are the
+    UTF-8 of the decoded text."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._byte_level = _byte_level_decoder() if type(tokenizer.decoder).__name__ == "ByteLevel" else None
+        self._special = {t.content for t in tokenizer.get_added_tokens_decoder().values()} \
+            if hasattr(tokenizer, "get_added_tokens_decoder") else set()
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            raw = text.encode()
+            piece = self.tokenizer.id_to_token(token_id)
+            if self._byte_level is not None and piece is not None and piece not in self._special \
+                    and all(c in self._byte_level for c in piece):
+                raw = bytes(self._byte_level[c] for c in piece)
+            hit = self._cache[token_id] = (text, raw)
+        return hit

@@ -35,7 +35,7 @@ from cotserve.worker.models.moe import RoutingPolicy
 from cotserve.worker.reasoning import (
     Ballot, ReasoningFormat, ThinkingTracker, VoteEntry, VoteState, confidence, mean_probability, tally,
 )
-from cotserve.worker.sampler import Sampler
+from cotserve.worker.sampler import SampleResult, Sampler
 from cotserve.worker.scheduler import ScheduledBatch, Scheduler
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
 
@@ -99,6 +99,7 @@ class RequestOutput:
     probe_tokens: int = 0  # on the last output: tokens early-exit probes computed
     early_exits: int = 0  # on the last output: samples whose thinking an early exit ended
     vote: "VoteResult | None" = None  # on the last output, with self-consistency
+    top_logprobs: tuple[tuple[int, ...], tuple[float, ...]] | None = None  # with sampling.top_logprobs: (ids, logprobs)
 
     def __reduce__(self) -> tuple:
         # crosses the engine process's pipe once per token: positional fields pickle in a third less time
@@ -444,7 +445,7 @@ class Engine:
                 self._fail(item.seq, f"engine step failed: {exc}")
             self._publish_stats()
             return
-        self._postprocess(batch, sampling, result.token_ids, result.logprobs)
+        self._postprocess(batch, sampling, result)
         now = time.monotonic()
         self._step_ms.append((now - start) * 1000)
         self._publish_stats()
@@ -559,9 +560,9 @@ class Engine:
             if self._emit(seq, token, None, now, finish=self.scheduler.append_token(seq, token)):
                 return
 
-    def _postprocess(self, batch: ScheduledBatch, sampling: list[Sequence], token_ids: list[int],
-                     logprobs: list[float | None]) -> None:
+    def _postprocess(self, batch: ScheduledBatch, sampling: list[Sequence], result: SampleResult) -> None:
         now = time.monotonic()
+        tops = result.top or [None] * len(sampling)
         for item in batch.items:
             if item.seq.is_probe:
                 continue
@@ -574,7 +575,7 @@ class Engine:
                 self.scheduler.fork(seq, req.forks)
                 req.forks = []
         generated = 0
-        for seq, token, lp in zip(sampling, token_ids, logprobs):
+        for seq, token, lp, top in zip(sampling, result.token_ids, result.logprobs, tops):
             if seq.is_finished:  # cancelled earlier in this loop (a settled vote, an early exit)
                 continue
             if seq.is_probe:
@@ -585,7 +586,7 @@ class Engine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 seq.record("first_token")
-            if self._emit(seq, token, lp if seq.params.logprobs else None, now, finish=ended):
+            if self._emit(seq, token, lp if seq.params.logprobs else None, now, finish=ended, top=top):
                 continue
             req = self._requests[seq.request_id]
             if not req.trackers:
@@ -602,7 +603,8 @@ class Engine:
         self._tokens.append((now, generated))
         self._generated_total += generated
 
-    def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float, finish: str | None = None) -> bool:
+    def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float, finish: str | None = None,
+              top: tuple[tuple[int, ...], tuple[float, ...]] | None = None) -> bool:
         """Send one output token of `seq` (appended already, `Scheduler.append_token`) to its request's sink; True
         when it finished the sample: `finish` is how the scheduler ended it ("stop", "length") or how a reasoning
         control ends it on this token, and a stop string in the text ends it too."""
@@ -623,7 +625,7 @@ class Engine:
         req.first_sent = True
         if finish is None:
             req.sink(RequestOutput(seq.request_id, token, text, logprob, timing=first, events=req.new_events(), index=seq.index,
-                                   part=part))
+                                   part=part, top_logprobs=top))
             return False
         text += detok.flush()
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED if finish == "stop" else SequenceStatus.FINISHED_LENGTH)
@@ -636,7 +638,7 @@ class Engine:
             reasoning_text, answer_text = tracker.fmt.split(detok.text, tracker.thinking_at_start)
         outs = [RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish, timing=first,
                               events=req.new_events(), index=seq.index, part=part, reasoning_text=reasoning_text,
-                              answer_text=answer_text)]
+                              answer_text=answer_text, top_logprobs=top)]
         if req.vote is not None:
             outs += self._vote(req, Ballot(answer_text or "", confidence(seq.output_logprobs)))
         if req.num_unfinished:

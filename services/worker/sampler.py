@@ -17,6 +17,8 @@ from cotserve.common.sampling import SamplingParams
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float | None]
+    top: list[tuple[tuple[int, ...], tuple[float, ...]] | None] | None = None
+    """Per row that asked for `top_logprobs`: the most likely token ids and their logprobs, most likely first."""
 
 
 class Sampler:
@@ -77,13 +79,23 @@ class Sampler:
             scaled[rows] = filtered
         wants = want_logprobs if want_logprobs is not None else [p.logprobs for p in params]
         out_lp: list[float | None] = [None] * len(params)
+        top: list[tuple[tuple[int, ...], tuple[float, ...]] | None] | None = None
         asked = [r for r, w in enumerate(wants) if w]
         if asked:
             idx = torch.tensor(asked, device=logits.device)
-            lp = torch.log_softmax(scaled.index_select(0, idx), dim=-1).gather(1, tokens.index_select(0, idx)[:, None])
+            all_lp = torch.log_softmax(scaled.index_select(0, idx), dim=-1)
+            lp = all_lp.gather(1, tokens.index_select(0, idx)[:, None])
             for r, value in zip(asked, lp.squeeze(1).tolist()):
                 out_lp[r] = value
-        return SampleResult(tokens.tolist(), out_lp)
+            k = max(params[r].top_logprobs for r in asked)
+            if k:
+                top = [None] * len(params)
+                values, ids = all_lp.topk(k, dim=-1)
+                for r, row_ids, row_lp in zip(asked, ids.tolist(), values.tolist()):
+                    kr = params[r].top_logprobs
+                    if kr:
+                        top[r] = (tuple(row_ids[:kr]), tuple(row_lp[:kr]))
+        return SampleResult(tokens.tolist(), out_lp, top)
 
     @staticmethod
     def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:  # [rows, vocab]

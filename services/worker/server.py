@@ -33,6 +33,7 @@ from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.convert import check_text_length, generate_from_pb, max_token_chars, output_to_pb
+from cotserve.worker.detokenizer import TokenTexts
 from cotserve.worker.utilization import UtilizationProbe
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -155,6 +156,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
         self._engine, self._loaded = engine, loaded
         self._token_chars = max_token_chars(loaded.tokenizer)
+        self._token_texts = TokenTexts(loaded.tokenizer)
         pid = getattr(engine, "pid", None)
         self._probe = UtilizationProbe(str(loaded.device), pids=(pid,) if pid else ())
         self._block_bytes = engine.kv_spec.bytes_per_block
@@ -235,7 +237,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         break
                     if out.finish_reason is not None:
                         reasons[out.index] = out.finish_reason
-                    held.add(output_to_pb(out))
+                    held.add(output_to_pb(out, self._token_texts))
                     if out.is_last:
                         finished = True
                         self._annotate_last(span, out, reasons, phases.preemptions)
@@ -273,6 +275,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             max_context_tokens=ec.max_model_len, max_num_seqs=ec.max_num_seqs, device=str(lm.device),
             num_experts=lm.config.num_experts, num_experts_per_tok=lm.config.num_experts_per_tok,
             max_token_chars=self._token_chars,
+            reasoning_start=self.engine.reasoning.start if self.engine.reasoning else "",
+            reasoning_end=self.engine.reasoning.end if self.engine.reasoning else "",
             kv_cache=worker_pb2.KvCacheInfo(
                 dtype=self.engine.kv_spec.dtype_name, block_size_tokens=ec.block_size,
                 total_blocks=ec.num_blocks, bytes_per_token=self.engine.kv_spec.bytes_per_token,

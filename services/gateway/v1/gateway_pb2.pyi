@@ -102,6 +102,7 @@ class GenerateStreamResponse(_message.Message):
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
+    TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -137,6 +138,10 @@ class GenerateStreamResponse(_message.Message):
     def self_consistency(self) -> _common_pb2.SelfConsistencyResult:
         """With reasoning.self_consistency, on the last chunk of the stream: the vote."""
 
+    @_builtins.property
+    def token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """With sampling.logprobs: each token's text, log-probability and top alternatives (one per token id)."""
+
     def __init__(
         self,
         *,
@@ -151,10 +156,11 @@ class GenerateStreamResponse(_message.Message):
         reasoning_text: _builtins.str | None = ...,
         answer_text: _builtins.str | None = ...,
         self_consistency: _common_pb2.SelfConsistencyResult | None = ...,
+        token_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
@@ -242,6 +248,7 @@ class Choice(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Sample index, 0..n-1."""
     text: _builtins.str
@@ -260,6 +267,10 @@ class Choice(_message.Message):
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Per-token log-probabilities, when asked for."""
 
+    @_builtins.property
+    def token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """With sampling.logprobs: each token's text, log-probability and top alternatives (one per token id)."""
+
     def __init__(
         self,
         *,
@@ -270,10 +281,11 @@ class Choice(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         reasoning_text: _builtins.str | None = ...,
         answer_text: _builtins.str | None = ...,
+        token_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "text", b"text", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015

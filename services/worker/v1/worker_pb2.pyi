@@ -105,6 +105,7 @@ class GenerateResponse(_message.Message):
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
+    TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text these tokens complete (may be empty while a multi-byte character or a possible stop string is pending)."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -140,6 +141,10 @@ class GenerateResponse(_message.Message):
     def self_consistency(self) -> _common_pb2.SelfConsistencyResult:
         """With reasoning.self_consistency, on the last chunk of the stream: the vote."""
 
+    @_builtins.property
+    def token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """With sampling.logprobs: each token's text, log-probability and top alternatives (one per token id)."""
+
     def __init__(
         self,
         *,
@@ -154,10 +159,11 @@ class GenerateResponse(_message.Message):
         reasoning_text: _builtins.str | None = ...,
         answer_text: _builtins.str | None = ...,
         self_consistency: _common_pb2.SelfConsistencyResult | None = ...,
+        token_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
@@ -240,6 +246,8 @@ class InfoResponse(_message.Message):
     NUM_EXPERTS_PER_TOK_FIELD_NUMBER: _builtins.int
     MAX_TOKEN_CHARS_FIELD_NUMBER: _builtins.int
     MODEL_ALIASES_FIELD_NUMBER: _builtins.int
+    REASONING_START_FIELD_NUMBER: _builtins.int
+    REASONING_END_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Served model name: the first --served-model-name, else the checkpoint's (its folder's name, or the repo id
     of a Hugging Face cache snapshot).
@@ -266,6 +274,10 @@ class InfoResponse(_message.Message):
     """Characters of the longest token in the vocabulary: a prompt longer than max_context_tokens times this
     cannot fit, whatever it says (the gateway's default prompt-length limit; the worker checks it before tokenizing).
     """
+    reasoning_start: _builtins.str
+    """Text that opens the model's thinking (empty for a model without reasoning markers)."""
+    reasoning_end: _builtins.str
+    """Text that closes the model's thinking (empty for a model without reasoning markers)."""
     @_builtins.property
     def kv_cache(self) -> Global___KvCacheInfo:
         """The KV cache."""
@@ -290,10 +302,12 @@ class InfoResponse(_message.Message):
         num_experts_per_tok: _builtins.int = ...,
         max_token_chars: _builtins.int = ...,
         model_aliases: _abc.Iterable[_builtins.str] | None = ...,
+        reasoning_start: _builtins.str = ...,
+        reasoning_end: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "max_token_chars", b"max_token_chars", "model_aliases", b"model_aliases", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "max_token_chars", b"max_token_chars", "model_aliases", b"model_aliases", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "reasoning_end", b"reasoning_end", "reasoning_start", b"reasoning_start", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
