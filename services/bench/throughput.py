@@ -102,21 +102,22 @@ async def run_level_http(base_url: str, concurrency: int, prompt: str, max_new_t
 
         async def one() -> None:
             nonlocal tokens
-            async with sem, session.post(base_url.rstrip("/") + "/completions", json=body) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-                start = last = time.perf_counter()
+            async with sem:
+                start = last = time.perf_counter()  # (the response's headers come with its first chunk)
                 first = True
-                async for line in resp.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    now = time.perf_counter()
-                    event = json.loads(line[6:])
-                    if event.get("usage"):
-                        tokens += event["usage"]["completion_tokens"]
-                    if event["choices"]:
-                        (ttft if first else itl).append((now - (start if first else last)) * 1000)
-                        first, last = False, now
+                async with session.post(base_url.rstrip("/") + "/completions", json=body) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+                    async for line in resp.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        now = time.perf_counter()
+                        event = json.loads(line[6:])
+                        if event.get("usage"):
+                            tokens += event["usage"]["completion_tokens"]
+                        if event["choices"]:
+                            (ttft if first else itl).append((now - (start if first else last)) * 1000)
+                            first, last = False, now
 
         began = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(num_requests)))
