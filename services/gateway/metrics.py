@@ -1,5 +1,7 @@
 """The gateway's Prometheus metrics: per model and SLA class latencies, request counts by status
-and tenant, in-flight and queued requests, and each worker's load as last polled."""
+and tenant, in-flight and queued requests, and each worker's load as the gateway last polled it (under the
+gateway's own names, `cotserve_gateway_worker_*`: the workers export theirs themselves, and the same name from two
+jobs would be summed twice)."""
 
 from __future__ import annotations
 
@@ -35,11 +37,11 @@ class GatewayMetrics:
     def _live(pool: WorkerPool) -> Iterable[Metric]:
         in_flight = GaugeMetricFamily("cotserve_gateway_in_flight_requests", "Requests on a worker now.", labels=_LABELS)
         queued = GaugeMetricFamily("cotserve_gateway_queued_requests", "Requests waiting for admission now.", labels=_LABELS)
-        used = GaugeMetricFamily("cotserve_worker_kv_blocks_used", "KV blocks in use (last poll).", labels=["worker", "model"])
-        total = GaugeMetricFamily("cotserve_worker_kv_blocks_total", "KV blocks in the pool (last poll).", labels=["worker", "model"])
-        running = GaugeMetricFamily("cotserve_worker_running_seqs", "Sequences running (last poll).", labels=["worker", "model"])
-        waiting = GaugeMetricFamily("cotserve_worker_waiting_seqs", "Sequences waiting (last poll).", labels=["worker", "model"])
-        healthy = GaugeMetricFamily("cotserve_worker_healthy", "1 when the worker is in rotation.", labels=["worker", "model"])
+        used = GaugeMetricFamily("cotserve_gateway_worker_kv_blocks_used", "KV blocks in use (last poll).", labels=["worker", "model"])
+        total = GaugeMetricFamily("cotserve_gateway_worker_kv_blocks_total", "KV blocks in the pool (last poll).", labels=["worker", "model"])
+        running = GaugeMetricFamily("cotserve_gateway_worker_running_seqs", "Sequences running (last poll).", labels=["worker", "model"])
+        waiting = GaugeMetricFamily("cotserve_gateway_worker_waiting_seqs", "Sequences waiting (last poll).", labels=["worker", "model"])
+        healthy = GaugeMetricFamily("cotserve_gateway_worker_healthy", "1 when the worker is in rotation.", labels=["worker", "model"])
         sums: dict[tuple[str, str], list[int]] = {}
         for w in pool.workers:
             model = w.model or "unknown"

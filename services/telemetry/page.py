@@ -5,13 +5,11 @@ seconds) and written as a static file, data embedded, by `cotserve heatmap --out
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import time
 from typing import Callable
-from urllib.parse import parse_qs, urlsplit
 
 from cotserve.common.v1 import common_pb2
 from cotserve.telemetry.v1 import telemetry_pb2
@@ -165,43 +163,43 @@ def page_html(embedded: dict | None = None) -> str:
     return _TEMPLATE.replace("__EMBEDDED__", data)
 
 
-def _response(writer: asyncio.StreamWriter, status: str, ctype: str, body: bytes) -> None:
-    writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                 "Cache-Control: no-store\r\nConnection: close\r\n\r\n".encode() + body)
-
-
 async def start_http(heatmap: Callable[[telemetry_pb2.GetHeatmapRequest], telemetry_pb2.GetHeatmapResponse],
-                     host: str, port: int) -> tuple[asyncio.AbstractServer, int]:
-    """A minimal HTTP/1.1 server on the service's event loop: `/` (the page), `/api/heatmap` (JSON,
-    query: metric, sla, tenant, window_s, model_version; answered by `heatmap`, the service's own) and `/healthz`."""
+                     host: str, port: int):
+    """The page over HTTP (aiohttp, on the service's event loop, as the gateway's API): `/` (the page),
+    `/api/heatmap` (JSON, query: metric, sla, tenant, window_s, model_version; answered by `heatmap`, the service's
+    own) and `/healthz`. Returns the started runner (`await runner.cleanup()` stops it) and the bound port."""
+    from aiohttp import web
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    from cotserve.common.errors import CotserveError
+
+    headers = {"Cache-Control": "no-store"}
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text=page_html(), content_type="text/html", charset="utf-8", headers=headers)
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n", headers=headers)
+
+    async def api(request: web.Request) -> web.Response:
+        q = request.query
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-            method, target, _ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)
-            url = urlsplit(target)
-            if method != "GET":
-                _response(writer, "405 Method Not Allowed", "text/plain", b"GET only\n")
-            elif url.path == "/":
-                _response(writer, "200 OK", "text/html; charset=utf-8", page_html().encode())
-            elif url.path == "/healthz":
-                _response(writer, "200 OK", "text/plain", b"ok\n")
-            elif url.path == "/api/heatmap":
-                q = {k: v[-1] for k, v in parse_qs(url.query).items()}
-                try:
-                    filters = {"sla": q.get("sla", ""), "tenant": q.get("tenant", ""), "window_s": float(q.get("window_s", 0) or 0)}
-                    req = heatmap_request(q.get("metric", "ttft"), model_version=q.get("model_version", ""), **filters)
-                    body, status = heatmap_json(heatmap(req), filters), "200 OK"
-                except ValueError as exc:
-                    body, status = {"error": str(exc)}, "400 Bad Request"
-                _response(writer, status, "application/json", json.dumps(body).encode())
-            else:
-                _response(writer, "404 Not Found", "text/plain", b"not found\n")
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+            filters = {"sla": q.get("sla", ""), "tenant": q.get("tenant", ""), "window_s": float(q.get("window_s", 0) or 0)}
+            req = heatmap_request(q.get("metric", "ttft"), model_version=q.get("model_version", ""), **filters)
+            body, status = heatmap_json(heatmap(req), filters), 200
+        except (ValueError, CotserveError) as exc:
+            body, status = {"error": getattr(exc, "message", str(exc))}, 400
+        return web.json_response(body, status=status, headers=headers)
 
-    server = await asyncio.start_server(handle, host, port)
-    return server, server.sockets[0].getsockname()[1]
+    app = web.Application()
+    app.router.add_get("/", page)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/api/heatmap", api)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"http_port: cannot bind {host}:{port} ({exc.strerror})") from None
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

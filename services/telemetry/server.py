@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -155,7 +156,7 @@ class RunningTelemetry:
     server: Server
     state: TelemetryState
     cfg: TelemetryConfig
-    http: asyncio.AbstractServer | None
+    http: Any  # the page's aiohttp runner, when served
     http_port: int | None
     saver: asyncio.Task | None
 
@@ -171,7 +172,7 @@ class RunningTelemetry:
         if self.saver is not None:
             self.saver.cancel()
         if self.http is not None:
-            self.http.close()
+            await self.http.cleanup()
         self.save()
 
 

@@ -14,6 +14,7 @@ the request ends when its last sample does, and cancelling it ends every sample.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import queue
@@ -71,6 +72,10 @@ class Timing:
     ttft_ms: float
     total_ms: float
     kv_used_fraction_at_admission: float = 0.0
+
+
+STEP_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""Upper bounds of the engine-step latency histogram's buckets, in seconds."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -131,6 +136,10 @@ Sink = Callable[[RequestOutput], None]
 
 @dataclass(slots=True, frozen=True)
 class EngineStats:
+    num_running_requests: int = 0  # requests with a sequence in the running batch
+    num_waiting_requests: int = 0  # requests with no sequence running (waiting or preempted)
+    step_latency_counts: tuple[int, ...] = ()  # steps per STEP_LATENCY_BUCKETS_S bucket (the last: above them), since start
+    step_latency_sum_s: float = 0.0  # seconds all steps took, since start
     num_running_seqs: int = 0
     num_waiting_seqs: int = 0
     kv_blocks_used: int = 0
@@ -259,6 +268,8 @@ class Engine:
         self._inbox: queue.Queue[_Command] = queue.Queue()
         self._requests: dict[str, _Request] = {}
         self._step_ms: deque[float] = deque(maxlen=256)
+        self._step_counts = [0] * (len(STEP_LATENCY_BUCKETS_S) + 1)
+        self._step_sum_s = 0.0
         self._tokens: deque[tuple[float, int]] = deque()
         self._finished_total = 0
         self._generated_total = 0
@@ -448,6 +459,8 @@ class Engine:
         self._postprocess(batch, sampling, result)
         now = time.monotonic()
         self._step_ms.append((now - start) * 1000)
+        self._step_counts[bisect.bisect_left(STEP_LATENCY_BUCKETS_S, now - start)] += 1
+        self._step_sum_s += now - start
         self._publish_stats()
 
     def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
@@ -725,7 +738,11 @@ class Engine:
         span = max(1e-3, now - self._tokens[0][0]) if len(self._tokens) > 1 else 1.0
         steps = self._step_ms
         bm = self.block_manager
+        running = {s.request_id for s in self.scheduler.running if not s.is_probe}
         self._stats = EngineStats(
+            num_running_requests=len(running),
+            num_waiting_requests=len({s.request_id for s in self.scheduler.waiting if not s.is_probe} - running),
+            step_latency_counts=tuple(self._step_counts), step_latency_sum_s=self._step_sum_s,
             num_running_seqs=len(self.scheduler.running),
             num_waiting_seqs=len(self.scheduler.waiting),
             kv_blocks_used=self.block_manager.num_used_blocks,

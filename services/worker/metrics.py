@@ -1,14 +1,55 @@
-"""The worker's Prometheus metrics, read from the engine's stats snapshot at scrape time."""
+"""The worker's Prometheus metrics, read from the engine's stats snapshot at scrape time.
+
+Load is exported under cotserve's names and, for tools built for vLLM (the Kubernetes Gateway API Inference
+Extension's endpoint pickers, autoscalers configured for vLLM), also under vLLM's, label `model_name`:
+
+    cotserve_worker_num_requests_waiting   vllm:num_requests_waiting   requests with no sequence running
+    cotserve_worker_num_requests_running   vllm:num_requests_running   requests with a sequence in the batch
+    cotserve_worker_kv_cache_usage_ratio   vllm:kv_cache_usage_perc    KV blocks in use / blocks in the pool, 0..1
+"""
 
 from __future__ import annotations
 
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from cotserve.common.metrics import CallbackCollector
-from cotserve.worker.engine import EngineStats
+from cotserve.worker.engine import STEP_LATENCY_BUCKETS_S, EngineStats
+
+VLLM_NAMES = {"cotserve_worker_num_requests_waiting": "vllm:num_requests_waiting",
+              "cotserve_worker_num_requests_running": "vllm:num_requests_running",
+              "cotserve_worker_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc"}
+"""cotserve's load gauges -> vLLM's names for the same (vLLM's usage "perc" is a 0..1 fraction too)."""
+
+
+def _load(s: EngineStats, model: str, total_blocks: int) -> list[Metric]:
+    values = {"cotserve_worker_num_requests_waiting": ("Requests with no sequence running (waiting or preempted).",
+                                                       s.num_waiting_requests),
+              "cotserve_worker_num_requests_running": ("Requests with a sequence in the running batch.",
+                                                       s.num_running_requests),
+              "cotserve_worker_kv_cache_usage_ratio": ("KV-cache blocks in use over blocks in the pool, 0..1.",
+                                                       s.kv_blocks_used / total_blocks if total_blocks else 0.0)}
+    out: list[Metric] = []
+    for name, (doc, value) in values.items():
+        for metric_name, label in ((name, "model"), (VLLM_NAMES[name], "model_name")):
+            g = GaugeMetricFamily(metric_name, doc, labels=[label])
+            g.add_metric([model], value)
+            out.append(g)
+    return out
+
+
+def _step_histogram(s: EngineStats, model: str) -> HistogramMetricFamily:
+    h = HistogramMetricFamily("cotserve_worker_step_latency_seconds", "Engine step latency (schedule, forward, sample).",
+                              labels=["model"])
+    counts = s.step_latency_counts or (0,) * (len(STEP_LATENCY_BUCKETS_S) + 1)
+    cumulative, buckets = 0, []
+    for bound, n in zip([*map(str, STEP_LATENCY_BUCKETS_S), "+Inf"], counts):
+        cumulative += n
+        buckets.append((bound, cumulative))
+    h.add_metric([model], buckets, s.step_latency_sum_s)
+    return h
 
 
 def worker_registry(stats: Callable[[], EngineStats], model: str, total_blocks: int) -> CollectorRegistry:
@@ -33,8 +74,7 @@ def worker_registry(stats: Callable[[], EngineStats], model: str, total_blocks: 
             gauge("cotserve_worker_kv_blocks_total", "KV blocks in the pool.", total_blocks),
             gauge("cotserve_worker_running_seqs", "Sequences in the running batch.", s.num_running_seqs),
             gauge("cotserve_worker_waiting_seqs", "Sequences waiting (preempted ones included).", s.num_waiting_seqs),
-            gauge("cotserve_worker_step_latency_p50_seconds", "Median engine step latency over recent steps.", s.step_latency_p50_ms / 1000),
-            gauge("cotserve_worker_step_latency_p95_seconds", "95th percentile engine step latency over recent steps.", s.step_latency_p95_ms / 1000),
+            *_load(s, model, total_blocks), _step_histogram(s, model),
             counter("cotserve_worker_generated_tokens", "Tokens generated since start.", s.num_generated_tokens_total),
             counter("cotserve_worker_preemptions", "Preemptions since start.", s.num_preemptions_total),
             counter("cotserve_worker_requests_finished", "Requests finished (any way) since start.", s.num_requests_finished_total),
