@@ -39,12 +39,15 @@ def _waiter(console, stop: _Stop, start_timeout_s: float) -> Callable:
     return wait
 
 
-def _greet(console, port: int, http_port: int, redis_url: str, telemetry_port: int, telemetry_http_port: int) -> None:
+def _greet(console, port: int, http_port: int, metrics_port: int, redis_url: str, telemetry_port: int,
+           telemetry_http_port: int) -> None:
     console.print(f"cotserve is up: gateway on 127.0.0.1:{port}, OpenAI-compatible API on http://127.0.0.1:{http_port}/v1 "
                   f"(redis {redis_url})")
     console.print(f'  try: cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream')
     console.print(f"  or:  curl -s http://127.0.0.1:{http_port}/v1/chat/completions -H 'Content-Type: application/json' "
                   """-d '{"messages": [{"role": "user", "content": "37+48-12="}]}'""", markup=False, soft_wrap=True, highlight=False)
+    console.print(f"  metrics: http://127.0.0.1:{metrics_port}/metrics (gateway) to :{metrics_port + 5} (telemetry)"
+                  if metrics_port else "  metrics: off")
     console.print(f"  latency heatmaps: http://127.0.0.1:{telemetry_http_port}/  "
                   f"(or cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)")
 
@@ -56,6 +59,8 @@ def up(
     redis_url: Optional[str] = typer.Option(None, envvar="COTSERVE_REDIS_URL", help="Use this Redis instead of starting the embedded one."),
     telemetry_port: int = typer.Option(4317, envvar="COTSERVE_TELEMETRY_PORT", help="The telemetry service's OTLP/gRPC port; every service exports its spans there."),
     telemetry_http_port: int = typer.Option(8317, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Port of the live heatmap page."),
+    metrics_port: int = typer.Option(9301, envvar="COTSERVE_METRICS_PORT", help="Every service's Prometheus /metrics, "
+                                     "from this port up: gateway +0, worker +1, slo +2, router +3, sandbox +4, telemetry +5 (0: off)."),
     start_timeout_s: float = typer.Option(120.0, help="Seconds to wait for each service to report SERVING."),
     max_crashes: int = typer.Option(5, help="A service that exits this many times within two minutes stops the stack."),
 ) -> None:
@@ -70,13 +75,14 @@ def up(
     console = Console(stderr=True)
     logs = run_dir()
     children, redis_url = stack(model, port, redis_url, telemetry_port=telemetry_port,
-                                telemetry_http_port=telemetry_http_port, log_dir=logs, http_port=http_port)
+                                telemetry_http_port=telemetry_http_port, log_dir=logs, http_port=http_port,
+                                metrics_port=metrics_port)
     stop = _Stop()
     failure: str | None = None
     console.print(f"logs: {logs}")
     try:
         with running(children, grace_s=5.0, wait=_waiter(console, stop, start_timeout_s)):
-            _greet(console, port, http_port, redis_url, telemetry_port, telemetry_http_port)
+            _greet(console, port, http_port, metrics_port, redis_url, telemetry_port, telemetry_http_port)
             supervisor = Supervisor(children, lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False),
                                     start_timeout_s=start_timeout_s, max_crashes=max_crashes)
             try:

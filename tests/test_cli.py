@@ -17,12 +17,51 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive free loopback ports (as `up --metrics-port` takes them)."""
+    import socket
+
+    while True:
+        base = free_port()
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
+def check_metrics_and_http_api(metrics_base: int, http_port: int) -> None:
+    """Every service's /metrics at `up`'s documented offsets, each with its own metrics; the OpenAI API answers."""
+    import json
+    import urllib.request
+
+    own = {"gateway": "cotserve_gateway_requests_total", "worker": "vllm:num_requests_running",
+           "slo": "cotserve_slo_recommended_replicas", "router": "cotserve_router_policy_publishes",
+           "sandbox": "cotserve_sandbox_modules", "telemetry": "cotserve_telemetry_spans_received_total"}
+    for offset, (service, name) in enumerate(own.items()):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_base + offset}/metrics", timeout=10).read().decode()
+        assert name in text, (service, text[:500])
+    body = json.dumps({"messages": [{"role": "user", "content": "37+48-12="}]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    answer = json.load(urllib.request.urlopen(req, timeout=60))
+    assert answer["choices"][0]["message"]["content"].strip() == "73"
+
+
 def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
     port = free_port()
     log = open(tmp_path / "up.log", "w+")
-    telemetry_port = free_port()
+    telemetry_port, http_port, metrics_base = free_port(), free_port(), free_port_run(6)
     proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "up", "--port", str(port), "--telemetry-port", str(telemetry_port),
-                             "--telemetry-http-port", str(free_port())],
+                             "--telemetry-http-port", str(free_port()), "--http-port", str(http_port),
+                             "--metrics-port", str(metrics_base)],
                             stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
     try:
@@ -43,6 +82,7 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n[stop | 6 prompt + 17 completion tokens (14 reasoning) | queue ")
+        check_metrics_and_http_api(metrics_base, http_port)
         # up tells the demo worker that "." ends a reasoning step, so step budgets work on the stack
         steps = subprocess.run([sys.executable, "-m", "cotserve.cli", "generate", "12+30-7+5+61-20=", "--address", f"127.0.0.1:{port}",
                                 "--max-thinking-steps", "1"], capture_output=True, text=True, timeout=60)
@@ -61,7 +101,7 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
         assert check.returncode == 0 and "complete and correctly parented: 8/8 = 100.0%" in check.stdout, check.stdout + check.stderr
         heat = subprocess.run([sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{telemetry_port}"],
                               capture_output=True, text=True, timeout=60)
-        assert heat.returncode == 0 and "n=11" in heat.stdout, heat.stdout + heat.stderr  # 3 generates + 8 checked
+        assert heat.returncode == 0 and "n=12" in heat.stdout, heat.stdout + heat.stderr  # 3 generates, 1 chat, 8 checked
         # a killed worker is restarted on its port while the rest keeps running; the stack serves again
         os.kill(kids[2], signal.SIGKILL)
         killed_at = time.monotonic()

@@ -6,27 +6,37 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+METRICS_PORT_OFFSETS = {"gateway": 0, "worker": 1, "slo": 2, "router": 3, "sandbox": 4, "telemetry": 5}
+"""Each service's Prometheus /metrics port under `up`: the base port (`--metrics-port`, 9301) plus its offset."""
+
+
+def metrics_ports(base: int) -> dict[str, int]:
+    """Every service's /metrics port from the base (0: none)."""
+    return {name: base + offset for name, offset in METRICS_PORT_OFFSETS.items()} if base else {}
+
 
 def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool = True,
           worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = (),
           telemetry_port: int = 4317, telemetry_http_port: int = 8317, log_dir: Optional[Path] = None,
-          http_port: Optional[int] = None) -> tuple[list, str]:
+          http_port: Optional[int] = None, metrics_port: int = 0) -> tuple[list, str]:
     """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
     starts only the worker and the gateway. With `full`, the telemetry service starts first and every
     other service exports its spans to it over OTLP (batched every half second); the gateway reports
-    its windows to the SLO predictor and follows its forecasts.
+    its windows to the SLO predictor and follows its forecasts. `http_port` turns on the gateway's OpenAI-compatible
+    HTTP API; `metrics_port` (not 0) every service's /metrics, at it plus the service's `METRICS_PORT_OFFSETS`.
 
-    `http_port` turns on the gateway's OpenAI-compatible HTTP API there.
-
-    Only the ports a user names (the gateway's, its HTTP API's, telemetry's) are fixed. The internal services bind a
-    free port themselves and report it (`Child.argv_for`); the embedded Redis listens on a unix socket
+    Only the ports a user names (the gateway's, its HTTP API's, telemetry's, metrics) are fixed. The internal services
+    bind a free port themselves and report it (`Child.argv_for`); the embedded Redis listens on a unix socket
     of its own. Start them in order: each one's command line is built when it starts, from the
     addresses its dependencies reported."""
     from cotserve.common.procs import Child, grpc_ready, python_cli, redis_socket_child
 
+    ports = metrics_ports(metrics_port)
+    metrics = lambda name: ["--metrics-port", str(ports[name])] if ports else []  # noqa: E731
+
     def service(name: str, args: Callable[[int], list[str]], env: dict[str, str]) -> Child:
-        return Child(name, "", [], None, env, argv_for=lambda p: python_cli("serve", name, "--port", str(p), *args(p)),
-                     log_dir=log_dir)
+        return Child(name, "", [], None, env, log_dir=log_dir,
+                     argv_for=lambda p: python_cli("serve", name, "--port", str(p), *metrics(name), *args(p)))
 
     children = []
     if redis_url is None and full:
@@ -37,7 +47,8 @@ def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool
     if full:
         telemetry_addr = f"127.0.0.1:{telemetry_port}"
         children.append(Child("telemetry", telemetry_addr,
-                              python_cli("serve", "telemetry", "--port", str(telemetry_port), "--http-port", str(telemetry_http_port)),
+                              python_cli("serve", "telemetry", "--port", str(telemetry_port), "--http-port", str(telemetry_http_port),
+                                         *metrics("telemetry")),
                               grpc_ready(telemetry_addr), env, log_dir=log_dir))
         env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{telemetry_addr}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
                "OTEL_BSP_SCHEDULE_DELAY": "500"}
@@ -58,7 +69,8 @@ def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool
     def gateway_argv(p: int) -> list[str]:
         linked = ["--sandbox", gateway_args[0].address, "--slo", gateway_args[1].address] if gateway_args else []
         http = ["--http-port", str(http_port)] if http_port is not None else []
-        return python_cli("serve", "gateway", "--port", str(port), "--worker", worker.address, *linked, *http, *gateway_extra)
+        return python_cli("serve", "gateway", "--port", str(port), "--worker", worker.address, *linked, *http,
+                          *metrics("gateway"), *gateway_extra)
 
     children.append(Child("gateway", gateway_addr, [], grpc_ready(gateway_addr), env, argv_for=gateway_argv,
                           log_dir=log_dir, port=port))

@@ -30,6 +30,8 @@ class RouterConfig:
     """sign: b += gamma * sign(mean - load); proportional: b += gamma * clip((mean - load) / mean, -1, 1)."""
     models: list[str] = field(default_factory=list)
     """Models to consume load for and balance (repeatable; default: every model with a registered shape)."""
+    metrics_port: int = 0
+    """Port for Prometheus /metrics on `host` (0 = off)."""
     grace_s: float = 5.0
     """Seconds to drain in-flight calls on SIGTERM."""
 
@@ -42,6 +44,7 @@ class RouterConfig:
             (self.balance_window_s > 0, f"balance_window_s: {self.balance_window_s}, must be > 0"),
             (self.rule in ("sign", "proportional"), f"rule: {self.rule!r}, allowed: sign, proportional"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
+            (0 <= self.metrics_port <= 65535, f"metrics_port: {self.metrics_port}, allowed 0..65535"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -15,7 +15,10 @@ import redis.asyncio as aioredis
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from cotserve.common.errors import CotserveError, InvalidArgument, NotFound
+from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.common import moe_protocol as protocol
@@ -23,6 +26,21 @@ from cotserve.router.config import RouterConfig
 from cotserve.router.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("cotserve.router")
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics: policy versions and publishes, load windows folded, expert balance."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.version = Gauge("cotserve_router_policy_version", "Latest expert-policy version this router published.",
+                             ["model"], registry=r)
+        self.publishes = Counter("cotserve_router_policy_publishes", "Expert policies published, by who asked "
+                                 "(operator: SetPolicy; balance: the balancing loop).", ["model", "source"], registry=r)
+        self.windows = Counter("cotserve_router_load_windows", "Workers' expert-load windows folded into the "
+                               "per-second buckets.", ["model"], registry=r)
+        self.balance = Gauge("cotserve_router_expert_balancedness", "Mean over MoE layers of mean / max tokens per "
+                             "expert in the last balancing window (1 = perfectly even).", ["model"], registry=r)
 
 
 class Aborted(CotserveError):
@@ -33,6 +51,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, redis: aioredis.Redis, cfg: RouterConfig) -> None:
         self.redis = redis
         self.cfg = cfg
+        self.metrics = RouterMetrics()
         self._cas = redis.register_script(protocol.CAS_SCRIPT)
 
     async def shape(self, model: str) -> dict:
@@ -51,7 +70,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         p.ParseFromString(raw)
         return p
 
-    async def publish(self, policy: router_pb2.ExpertPolicy, expected_version: int) -> router_pb2.ExpertPolicy:
+    async def publish(self, policy: router_pb2.ExpertPolicy, expected_version: int,
+                      source: str = "operator") -> router_pb2.ExpertPolicy:
         """Validate, then compare-and-set: the new version is expected_version + 1."""
         if not policy.model:
             raise InvalidArgument("policy.model: required")
@@ -70,6 +90,8 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                                       args=[expected_version, out.SerializeToString()])
         if not ok:
             raise Aborted(f"expected_version: {expected_version} is stale; the current version is {current}")
+        self.metrics.publishes.labels(policy.model, source).inc()
+        self.metrics.version.labels(policy.model).set(out.version)
         return out
 
     async def GetPolicy(self, request: router_pb2.GetPolicyRequest, context: grpc.aio.ServicerContext) -> router_pb2.GetPolicyResponse:
@@ -190,6 +212,7 @@ async def balance_once(servicer: RouterServicer, model: str) -> router_pb2.Exper
     load = await expert_load(servicer.redis, model, servicer.cfg.balance_window_s)
     if not any(sum(c) for c in load.values()):
         return None
+    servicer.metrics.balance.labels(model).set(sum(map(balancedness, load.values())) / len(load))
     current = await servicer.current(model)
     by_layer = {l.layer: l for l in current.layers}
     new = router_pb2.ExpertPolicy(model=model, top_k=current.top_k)
@@ -202,7 +225,7 @@ async def balance_once(servicer: RouterServicer, model: str) -> router_pb2.Exper
         new.layers.add(layer=layer, expert_bias=nudged, disabled_experts=list(old.disabled_experts) if old else [])
     if not changed:
         return None
-    return await servicer.publish(new, current.version)
+    return await servicer.publish(new, current.version, source="balance")
 
 
 async def background(servicer: RouterServicer, cfg: RouterConfig) -> None:
@@ -211,7 +234,7 @@ async def background(servicer: RouterServicer, cfg: RouterConfig) -> None:
         try:
             models = cfg.models or sorted({k.decode().split(":")[2] async for k in servicer.redis.scan_iter(f"{protocol.PREFIX}:*:shape")})
             for model in models:
-                await consume_load(servicer.redis, model)
+                servicer.metrics.windows.labels(model).inc(await consume_load(servicer.redis, model))
                 if cfg.balance:
                     try:
                         p = await balance_once(servicer, model)
@@ -231,6 +254,8 @@ class RunningRouter:
     server: Server
     redis: aioredis.Redis
     task: asyncio.Task
+    servicer: RouterServicer
+    metrics_server: MetricsServer | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
@@ -240,6 +265,8 @@ class RunningRouter:
         self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
         await self.redis.aclose()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
 
 
 async def start_router(cfg: RouterConfig, tracer_provider: TracerProvider | None = None) -> RunningRouter:
@@ -249,11 +276,12 @@ async def start_router(cfg: RouterConfig, tracer_provider: TracerProvider | None
     spec = ServiceSpec("cotserve.router.v1.RouterService",
                        lambda srv: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)
+    metrics_server = serve_metrics(servicer.metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
     task = asyncio.create_task(background(servicer, cfg), name="cotserve-router-background")
     await server.set_serving()
     log.info("SERVING router on %s (redis %s, balancing %s)", server.address, cfg.redis_url, "on" if cfg.balance else "off")
-    return RunningRouter(server, redis, task)
+    return RunningRouter(server, redis, task, servicer, metrics_server)
 
 
 async def serve(cfg: RouterConfig) -> None:

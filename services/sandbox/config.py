@@ -53,6 +53,8 @@ class SandboxConfig:
     admin_token_file: Path | None = None
     """File holding the token RegisterModule and DeleteModule need, at least 16 characters (default: one made at
     first start in <store_dir>/admin-token, mode 0600)."""
+    metrics_port: int = 0
+    """Port for Prometheus /metrics on `host` (0 = off)."""
     grace_s: float = 5.0
     """Seconds to drain in-flight runs on SIGTERM."""
 
@@ -93,6 +95,7 @@ class SandboxConfig:
     def validate(self) -> None:
         checks = [
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
+            (0 <= self.metrics_port <= 65535, f"metrics_port: {self.metrics_port}, allowed 0..65535"),
             (self.pool_size >= 1, f"pool_size: {self.pool_size}, must be >= 1"),
             (self.per_module_concurrency is None or self.per_module_concurrency >= 1,
              f"per_module_concurrency: {self.per_module_concurrency}, must be >= 1"),

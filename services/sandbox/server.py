@@ -23,7 +23,10 @@ import wasmtime
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from cotserve.common.auth import bearer
+from cotserve.common.metrics import LATENCY_BUCKETS, MetricsServer, serve_metrics
 from cotserve.common.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, Unauthenticated
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
@@ -33,6 +36,26 @@ from cotserve.sandbox.runner import Limits, ModuleRejected, RunResult, SandboxEn
 from cotserve.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 log = logging.getLogger("cotserve.sandbox")
+
+
+class SandboxMetrics:
+    """The sandbox's Prometheus metrics: runs by module and outcome, their wall time and fuel."""
+
+    def __init__(self, registry: ModuleRegistry) -> None:
+        self.registry = r = CollectorRegistry()
+        self.runs = Counter("cotserve_sandbox_runs", "Module runs by outcome (OK, OUT_OF_FUEL, TIMEOUT, ...).",
+                            ["module", "outcome"], registry=r)
+        self.seconds = Histogram("cotserve_sandbox_run_seconds", "Wall time of a module run.", ["module"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.fuel = Counter("cotserve_sandbox_fuel_used", "Fuel (wasmtime instructions) module runs used.", ["module"],
+                            registry=r)
+        modules = Gauge("cotserve_sandbox_modules", "Modules registered.", registry=r)
+        modules.set_function(lambda: len(registry.entries()))
+
+    def record(self, module: str, result: RunResult) -> None:
+        self.runs.labels(module, result.outcome.value).inc()
+        self.seconds.labels(module).observe(result.wall_ms / 1000)
+        self.fuel.labels(module).inc(result.fuel_used)
 audit = logging.getLogger("cotserve.sandbox.audit")
 SHIPPED_DIR = Path(__file__).parent / "modules"
 ADMIN_TOKEN_FILE = "admin-token"
@@ -80,6 +103,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         self.pool = ThreadPoolExecutor(max_workers=cfg.pool_size, thread_name_prefix="cotserve-sandbox-run")
         self.per_module = cfg.per_module_concurrency or max(1, cfg.pool_size // 2)
         self._module_slots: dict[str, asyncio.Semaphore] = {}
+        self.metrics = SandboxMetrics(registry)
 
     def _admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
         """UNAUTHENTICATED unless the call carries exactly one `authorization: Bearer <admin token>`."""
@@ -159,6 +183,7 @@ class SandboxServicer(sandbox_pb2_grpc.SandboxServiceServicer):
         async with slots:
             result: RunResult = await asyncio.get_running_loop().run_in_executor(
                 self.pool, self.registry.engine.run, module, request.input, list(request.args), limits, entry.name)
+        self.metrics.record(entry.name, result)
         span = trace.get_current_span()
         span.update_name(f"sandbox.run {entry.name}")
         span.set_attributes({"cotserve.sandbox.module": entry.name, "cotserve.sandbox.sha256": entry.sha256,
@@ -184,6 +209,7 @@ class RunningSandbox:
     server: Server
     servicer: SandboxServicer
     engine: SandboxEngine
+    metrics_server: MetricsServer | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
@@ -192,6 +218,8 @@ class RunningSandbox:
     def close(self) -> None:
         self.servicer.pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
 
 
 async def start_sandbox(cfg: SandboxConfig, tracer_provider: TracerProvider | None = None) -> RunningSandbox:
@@ -207,11 +235,12 @@ async def start_sandbox(cfg: SandboxConfig, tracer_provider: TracerProvider | No
     # a message holds a run's input or a module (up to 16 MiB), plus the envelope
     server = Server([spec], cfg.host, cfg.port, tracer_provider,
                     max_message_bytes=max(cfg.max_input_bytes, MAX_MODULE_BYTES) + (64 << 10))
+    metrics_server = serve_metrics(servicer.metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
     await server.set_serving()
     log.info("SERVING sandbox on %s: %d modules, store %s, pool %d", server.address, len(registry.entries()),
              cfg.store_dir, cfg.pool_size)
-    return RunningSandbox(server, servicer, engine)
+    return RunningSandbox(server, servicer, engine, metrics_server)
 
 
 async def serve(cfg: SandboxConfig) -> None:

@@ -20,6 +20,8 @@ class TelemetryConfig:
     """gRPC port of the OTLP trace receiver and TelemetryService (0 picks a free one)."""
     http_port: int | None = None
     """Serve the live heatmap page over HTTP on this port (0 picks a free one; default: no page)."""
+    metrics_port: int = 0
+    """Port for Prometheus /metrics on `host` (0 = off)."""
     state_file: Path | None = field(default_factory=lambda: cache_dir("telemetry-state.json"))
     """Where the aggregates are kept across restarts (--no-state: nowhere)."""
     slot_s: int = 10

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Iterable
 from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cotserve.common.errors import InvalidArgument
+from cotserve.common.metrics import CallbackCollector, MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.v1 import common_pb2
 from cotserve.telemetry.config import TelemetryConfig
@@ -33,6 +36,27 @@ METRIC_NAMES = {
     telemetry_pb2.LATENCY_METRIC_TPOT: "tpot", telemetry_pb2.LATENCY_METRIC_QUEUE: "queue",
 }
 STATUS_CODE_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+
+
+def telemetry_registry(state: "TelemetryState") -> CollectorRegistry:
+    """The telemetry service's Prometheus metrics, read from its counters at scrape time."""
+    def collect() -> Iterable[Metric]:
+        counters = {"cotserve_telemetry_spans_received": ("Spans received over OTLP.", state.spans_received),
+                    "cotserve_telemetry_spans_malformed": ("Spans rejected as malformed.", state.spans_malformed),
+                    "cotserve_telemetry_requests_aggregated": ("Gateway request spans turned into heatmap samples.",
+                                                               state.requests_aggregated),
+                    "cotserve_telemetry_requests_failed": ("Gateway request spans of failed requests.",
+                                                           state.requests_failed)}
+        out: list[Metric] = [CounterMetricFamily(name, doc, value=v) for name, (doc, v) in counters.items()]
+        out.append(GaugeMetricFamily("cotserve_telemetry_traces_held", "Traces held for GetTrace.",
+                                     value=len(state.traces.traces)))
+        out.append(GaugeMetricFamily("cotserve_telemetry_slots_held", "Time slots the heatmaps hold.",
+                                     value=len(state.aggregator.slots)))
+        return out
+
+    registry = CollectorRegistry()
+    registry.register(CallbackCollector(collect))
+    return registry
 
 
 class TelemetryState:
@@ -159,6 +183,7 @@ class RunningTelemetry:
     http: Any  # the page's aiohttp runner, when served
     http_port: int | None
     saver: asyncio.Task | None
+    metrics_server: MetricsServer | None = None
 
     def save(self) -> None:
         if self.cfg.state_file is not None and self.state.aggregator.dirty:
@@ -173,6 +198,8 @@ class RunningTelemetry:
             self.saver.cancel()
         if self.http is not None:
             await self.http.cleanup()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         self.save()
 
 
@@ -203,9 +230,10 @@ async def start_telemetry(cfg: TelemetryConfig) -> RunningTelemetry:
         from cotserve.telemetry.page import start_http
 
         http, http_port = await start_http(lambda request: heatmap(state, request), cfg.host, cfg.http_port)
+    metrics_server = serve_metrics(telemetry_registry(state), cfg.host, cfg.metrics_port)
     await server.start()
     await server.set_serving()
-    running = RunningTelemetry(server, state, cfg, http, http_port, None)
+    running = RunningTelemetry(server, state, cfg, http, http_port, None, metrics_server)
     if cfg.state_file is not None:
         running.saver = asyncio.create_task(_save_periodically(running))
     page = f", heatmaps on http://{cfg.host}:{http_port}/" if http_port else ""

@@ -7,25 +7,13 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.sdk import AsyncClient, InvalidArgument
 from cotserve.worker.config import WorkerConfig
 from cotserve.worker.server import start_worker
 from tests.conftest import free_port
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-def value(samples, name, **labels) -> float:
-    return samples[(name, tuple(sorted(labels.items())))]
+from tests.metrics import scrape, value
 
 
 def test_metrics_are_scraped_from_both_services():

@@ -12,11 +12,14 @@ import pytest
 import redis.asyncio as aioredis
 from opentelemetry.sdk.trace import TracerProvider
 
+from prometheus_client import generate_latest
+
 from cotserve.common import moe_protocol as protocol
 from cotserve.router.server import (
     RouterConfig, balance_once, balancedness, consume_load, expert_load, proportional_rule, sign_rule, start_router,
 )
 from cotserve.router.v1 import router_pb2, router_pb2_grpc
+from tests.metrics import parse_metrics, value
 
 SHAPE = {"num_experts": 4, "top_k": 2, "moe_layers": [0, 1]}
 
@@ -62,9 +65,11 @@ def test_set_policy_is_compare_and_set_and_validated(redis_url):
             errors.append((err.value.code(), err.value.details()))
         stored = router_pb2.ExpertPolicy()
         stored.ParseFromString(await r.get(protocol.policy_key("m")))
-        return v1, errors, stored
+        return v1, errors, stored, parse_metrics(generate_latest(router.servicer.metrics.registry).decode())
 
-    v1, errors, stored = with_router(redis_url, body)
+    v1, errors, stored, m = with_router(redis_url, body)
+    assert value(m, "cotserve_router_policy_publishes_total", model="m", source="operator") == 1  # the refused: none
+    assert value(m, "cotserve_router_policy_version", model="m") == 1
     assert v1.version == 1 and stored.version == 1 and list(stored.layers[0].disabled_experts) == [3]
     assert "traceparent" in stored.trace_context
     assert errors[0] == (grpc.StatusCode.ABORTED, "expected_version: 0 is stale; the current version is 1")
@@ -148,9 +153,11 @@ def test_balancing_round_publishes_a_nudged_bias_and_get_expert_load_reports_it(
         servicer = RouterServicer(r, RouterConfig(redis_url=redis_url, gamma=0.5))
         published = await balance_once(servicer, "m")
         load = await stub.GetExpertLoad(router_pb2.GetExpertLoadRequest(model="m", window_ms=10_000))
-        return published, load
+        return published, load, parse_metrics(generate_latest(servicer.metrics.registry).decode())
 
-    published, load = with_router(redis_url, body)
+    published, load, m = with_router(redis_url, body)
+    assert value(m, "cotserve_router_policy_publishes_total", model="m", source="balance") == 1
+    assert round(value(m, "cotserve_router_expert_balancedness", model="m"), 3) == round((1 / 3 + 1) / 2, 3)
     layers = {l.layer: list(l.expert_bias) for l in published.layers}
     assert published.version == 1 and layers[0] == [-0.5, 0.0, 0.5, 0.5] and layers[1] == [0.0] * 4
     assert [list(l.tokens_per_expert) for l in load.layers] == [[30, 10, 0, 0], [10, 10, 10, 10]]

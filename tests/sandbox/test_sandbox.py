@@ -12,7 +12,10 @@ import grpc
 import pytest
 
 from cotserve.sandbox.runner import Limits
+from prometheus_client import generate_latest
+
 from cotserve.sandbox.server import SandboxConfig, start_sandbox
+from tests.metrics import parse_metrics, value
 from cotserve.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 OK, NONZERO = sandbox_pb2.RUN_OUTCOME_OK, sandbox_pb2.RUN_OUTCOME_EXIT_NONZERO
@@ -93,16 +96,23 @@ def test_hostile_modules_are_stopped_at_their_limits(tmp_path):
             "open": await stub.Run(run_req("open")),
             "flood": await stub.Run(run_req("flood", max_output_bytes=10_000)),
         }
-        return results
+        return results, parse_metrics(generate_latest(sb.servicer.metrics.registry).decode())
 
     start = time.monotonic()
-    r = run_with_sandbox(tmp_path, body)
+    r, m = run_with_sandbox(tmp_path, body)
     assert r["fuel"].outcome == sandbox_pb2.RUN_OUTCOME_OUT_OF_FUEL and r["fuel"].fuel_used == 1_000_000
     assert r["time"].outcome == sandbox_pb2.RUN_OUTCOME_TIMEOUT and 150 <= r["time"].wall_ms < 1000
     assert r["bomb"].outcome == sandbox_pb2.RUN_OUTCOME_MEMORY_LIMIT
     assert r["open"].outcome == NONZERO and r["open"].exit_code == 8  # EBADF: no preopened directory exists
     assert r["flood"].outcome == sandbox_pb2.RUN_OUTCOME_OUTPUT_LIMIT and len(r["flood"].output) == 10_000
     assert time.monotonic() - start < 30
+    # the runs, by module and outcome, in the sandbox's metrics
+    assert value(m, "cotserve_sandbox_runs_total", module="spin", outcome="OUT_OF_FUEL") == 1
+    assert value(m, "cotserve_sandbox_runs_total", module="spin", outcome="TIMEOUT") == 1
+    assert value(m, "cotserve_sandbox_runs_total", module="flood", outcome="OUTPUT_LIMIT") == 1
+    assert value(m, "cotserve_sandbox_run_seconds_count", module="spin") == 2
+    assert value(m, "cotserve_sandbox_fuel_used_total", module="spin") >= 1_000_000
+    assert value(m, "cotserve_sandbox_modules") >= len(HOSTILE)
 
 
 @pytest.mark.parametrize("request_,message", [

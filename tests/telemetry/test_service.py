@@ -33,7 +33,8 @@ from cotserve.worker.config import WorkerConfig
 from cotserve.worker.server import start_worker
 from tests.conftest import start_telemetry as start_telemetry_process
 from tests.telemetry.test_histogram import nearest_rank
-from tests.conftest import stop_process
+from tests.conftest import free_port, stop_process
+from tests.metrics import scrape, value as sample
 
 METRICS = {"ttft": telemetry_pb2.LATENCY_METRIC_TTFT, "e2e": telemetry_pb2.LATENCY_METRIC_E2E,
            "tpot": telemetry_pb2.LATENCY_METRIC_TPOT, "queue": telemetry_pb2.LATENCY_METRIC_QUEUE}
@@ -120,7 +121,7 @@ def test_malformed_otlp_is_counted_and_skipped_never_a_crash(tmp_path):
     now = time.time_ns()
 
     async def main():
-        running = await start_telemetry(TelemetryConfig(port=0, state_file=None))
+        running = await start_telemetry(TelemetryConfig(port=0, state_file=None, metrics_port=free_port()))
         try:
             async with grpc.aio.insecure_channel(running.server.address) as ch:
                 otlp = trace_service_pb2_grpc.TraceServiceStub(ch)
@@ -141,6 +142,9 @@ def test_malformed_otlp_is_counted_and_skipped_never_a_crash(tmp_path):
                 assert (await otlp.Export(export_request([]))).partial_success.rejected_spans == 0
                 stats = await tel.GetStats(telemetry_pb2.GetStatsRequest())
                 assert (stats.spans_received, stats.spans_malformed, stats.requests_aggregated, stats.requests_failed) == (8, 5, 1, 1)
+                m = await asyncio.to_thread(scrape, running.cfg.metrics_port)  # the same counts, for Prometheus
+                assert [sample(m, f"cotserve_telemetry_{name}_total") for name in
+                        ("spans_received", "spans_malformed", "requests_aggregated", "requests_failed")] == [8, 5, 1, 1]
                 hm = await tel.GetHeatmap(telemetry_pb2.GetHeatmapRequest(metric=telemetry_pb2.LATENCY_METRIC_TTFT))
                 assert [(c.model_version, c.count) for c in hm.cells] == [("m@abc", 1)] and 12 <= hm.cells[0].p50_ms < 13
                 got = await tel.GetTrace(telemetry_pb2.GetTraceRequest(trace_id=other.trace_id))
