@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -65,3 +66,34 @@ def test_the_declared_license_ships_and_the_python_floor_is_true():
     assert cfg["requires-python"] == ">=3.11"
     uses_tomllib = [p for p in (ROOT / "services").rglob("*.py") if "import tomllib" in p.read_text()]
     assert uses_tomllib  # (if this ever fails, the floor may go back down)
+
+
+FLOORS = ("protobuf", "grpcio", "grpcio-health-checking", "grpcio-reflection")
+
+
+def _floor(requirement: str) -> tuple[str, str] | None:
+    name, _, version = requirement.partition(">=")
+    return (name.strip(), version.split(",")[0].strip()) if name.strip() in FLOORS and version else None
+
+
+def test_the_generated_code_imports_on_the_declared_floors(tmp_path):
+    """protobuf's and grpcio's generated code refuses a runtime older than its generator: install the floors
+    pyproject declares (nothing newer) and import every service's API and server with them."""
+    import subprocess
+    import sys
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = dict(f for f in map(_floor, deps) if f is not None)
+    assert set(floors) == set(FLOORS), floors
+    target = tmp_path / "floors"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                    *(f"{name}=={version}" for name, version in floors.items())], check=True, timeout=300)
+    modules = sorted(f"cotserve.{p.parent.parent.name}.v1.{p.stem}" for p in (ROOT / "services").glob("*/v1/*_pb2*.py"))
+    servers = [f"cotserve.{name}.server" for name in ("gateway", "worker", "router", "sandbox", "slo", "telemetry")]
+    script = ("import importlib, google.protobuf, grpc, sys\n"
+              "for m in sys.argv[1:]: importlib.import_module(m)\n"
+              "print(google.protobuf.__version__, grpc.__version__)")
+    out = subprocess.run([sys.executable, "-c", script, *modules, *servers], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(target)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == [floors["protobuf"], floors["grpcio"]]

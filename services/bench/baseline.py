@@ -192,7 +192,7 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
     children = []
     gateway = address
     if gateway is None:
-        children, _ = stack(model_dir, free_port(), None, full=False, worker_extra=("--stream-interval", str(interval)))
+        children, _ = stack(model_dir, free_port(), None, full=False, worker_extra=("--stream-interval", str(interval), "--batch-stream-interval", str(interval)))
         gateway = children[-1].address
     with running(children, on_start=lambda child: say(f"starting {child.name} ...")):
         procs = _service_pids(children)

@@ -109,6 +109,8 @@ def bench_isolation(
     interactive_rps: float = typer.Option(4.0, help="Tenant B's INTERACTIVE requests per second (Poisson)."),
     realtime_rps: float = typer.Option(1.0, help="Tenant B's REALTIME requests per second (Poisson)."),
     max_num_seqs: int = typer.Option(32, help="The worker's batch size, so that the flood contends for it."),
+    compare_batch_interval: bool = typer.Option(True, help="Also run the flood with BATCH streamed token by token "
+                                                "(--batch-stream-interval 1), the design before BATCH's 8-token messages."),
 ) -> None:
     """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
     from cotserve.bench.isolation import RunResult, drive, goals, summarize
@@ -119,8 +121,12 @@ def bench_isolation(
     runs = [
         ("B alone", 0, worker_common, ()),
         ("B + flood, SLA on", flood_concurrency, worker_common, ()),
-        ("B + flood, FIFO", flood_concurrency, (*worker_common, "--scheduling", "fifo"), ("--no-admission",)),
+        ("B + flood, FIFO", flood_concurrency, (*worker_common, "--scheduling", "fifo", "--batch-stream-interval", "1"),
+         ("--no-admission",)),
     ]
+    if compare_batch_interval:  # the design before: BATCH streamed token by token as every class
+        runs.append(("B + flood, SLA on, BATCH per token", flood_concurrency,
+                     (*worker_common, "--batch-stream-interval", "1"), ()))
     results = []
     for name, flood, wargs, gargs in runs:
         children, _ = stack(model, free_port(), None, full=False, worker_extra=wargs, gateway_extra=gargs)
@@ -131,7 +137,7 @@ def bench_isolation(
                 interactive_rps=interactive_rps, realtime_rps=realtime_rps))
             results.append(RunResult(name, seconds, records, flood_tokens))
     console.print(summarize(results))
-    for line in goals(*results):
+    for line in goals(*results[:3]):
         console.print(line)
 
 

@@ -27,6 +27,8 @@ class RequestRecord:
     itl_ms: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str | None = None
+    gateway_ttft_ms: float | None = None  # the same first token, timed at the gateway (from its arrival there)
+    queue_ms: float | None = None  # of that: waiting for admission at the gateway and in the worker's queue
 
     def missed(self, target: SlaTarget) -> bool:
         if self.error is not None or self.ttft_ms is None or self.ttft_ms > target.ttft_ms:
@@ -59,6 +61,8 @@ async def _one(client: AsyncClient, prompt: str, cls: str, max_new_tokens: int, 
                 rec.itl_ms.extend([(now - last) * 1000] + [0.0] * (len(chunk.token_ids) - 1))
             last = now
             rec.tokens += len(chunk.token_ids)
+            if chunk.timing is not None:
+                rec.gateway_ttft_ms, rec.queue_ms = chunk.timing.ttft_ms, chunk.timing.queue_ms
     except CotserveError as err:
         rec.error = err.code.name
 
@@ -159,8 +163,13 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
 def summarize(results: list[RunResult]):
     from rich.table import Table
 
+    def p50_99(values: list[float | None]) -> str:
+        got = [v for v in values if v is not None]
+        return f"{percentile(got, 50):.1f}/{percentile(got, 99):.1f}" if got else "-"
+
     t = Table(title="tenant B under tenant A's BATCH flood")
-    for col in ("run", "class", "requests", "TTFT p50/p99 ms", "ITL p50/p99 ms", "missed", "TTFT spread ms", "total tok/s"):
+    for col in ("run", "class", "requests", "TTFT p50/p99 ms", "at the gateway", "of it queued", "ITL p50/p99 ms",
+                "missed", "TTFT spread ms", "total tok/s"):
         t.add_column(col, justify="right")
     for r in results:
         for cls, recs in r.by_class.items():
@@ -169,6 +178,7 @@ def summarize(results: list[RunResult]):
             missed = sum(x.missed(DEFAULT_SLA_TARGETS[cls]) for x in recs) / max(1, len(recs))
             t.add_row(r.name, cls.name, str(len(recs)),
                       f"{percentile(ttft, 50):.1f}/{percentile(ttft, 99):.1f}",
+                      p50_99([x.gateway_ttft_ms for x in recs]), p50_99([x.queue_ms for x in recs]),
                       f"{percentile(itl, 50):.1f}/{percentile(itl, 99):.1f}",
                       f"{missed:.1%}", f"{percentile(ttft, 99) - percentile(ttft, 50):.1f}",
                       f"{r.total_tokens_per_s:.0f}")

@@ -123,8 +123,8 @@ class OpenAIServer:
 
     async def start(self) -> None:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
-        app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, "chat"))
-        app.router.add_post("/v1/completions", lambda r: self._generate(r, "completion"))
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -190,6 +190,12 @@ class OpenAIServer:
     async def _health(self, request: web.Request) -> web.Response:
         healthy = any(w.healthy for w in self.relay.pool.workers)
         return _json_response(200 if healthy else 503, {"status": "SERVING" if healthy else "NOT_SERVING"})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         context = propagate.extract(request.headers)

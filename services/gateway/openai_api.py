@@ -400,7 +400,9 @@ class Responder:
         finish = FINISH_NAME.get(chunk.finish_reason)
         if self.api.kind == "chat":
             split = self._split(chunk.index)
-            reasoning, content = split.feed(chunk.text, chunk.part)
+            # a post-processor's output is all text of its own: no reasoning part to split off
+            part = common_pb2.TEXT_PART_UNSPECIFIED if self.api.request.post_processor else chunk.part
+            reasoning, content = split.feed(chunk.text, part)
             if finish is not None:
                 reasoning += split.finish()
             delta: dict[str, Any] = {}

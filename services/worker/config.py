@@ -80,6 +80,10 @@ class WorkerConfig:
     """Tokens a stream holds before writing them as one message (the first token and the end are written at once);
     1 writes every step's token. Larger values cut the serving CPU per token on both hops (one gRPC message per
     N tokens of each sample) at the cost of burstier streams (as vLLM's and SGLang's --stream-interval)."""
+    batch_stream_interval: int = 8
+    """The stream interval of BATCH requests (at least stream_interval): their inter-token target is a second, so
+    their tokens go out N at a time, and the CPU a flood of them costs on every hop (this worker's front, the
+    gateway, the client) is left to the urgent classes; 1 streams them token by token."""
     engine_process: bool = True
     """Run the engine (model, KV cache, scheduler) in a process of its own, so that serving work in this one
     never shares a GIL with the model's steps; False: a thread of this process (as before, for debugging)."""
@@ -100,7 +104,7 @@ class WorkerConfig:
                      "kv_topk_dense_layers", "reasoning_start", "reasoning_end", "reasoning_step", "answer_regex", "block_size",
                      "max_num_seqs", "max_num_batched_tokens", "max_model_len", "served_model_name", "batch_min_share",
                      "scheduling", "max_batch_tokens_when_urgent", "redis_url", "worker_id", "torch_threads", "grace_s",
-                     "stream_interval"),
+                     "stream_interval", "batch_stream_interval"),
         "enable_prefix_caching": Cli(flag="--prefix-caching/--no-prefix-caching", env=("COTSERVE_PREFIX_CACHING",)),
         "engine_process": Cli(flag="--engine-process/--engine-thread", env=("COTSERVE_ENGINE_PROCESS",)),
     }
@@ -128,6 +132,7 @@ class WorkerConfig:
             (0.0 <= self.batch_min_share <= 1.0, f"batch_min_share: {self.batch_min_share}, allowed 0..1"),
             (self.torch_threads is None or self.torch_threads >= 1, f"torch_threads: {self.torch_threads}, must be >= 1"),
             (self.stream_interval >= 1, f"stream_interval: {self.stream_interval}, must be >= 1"),
+            (self.batch_stream_interval >= 1, f"batch_stream_interval: {self.batch_stream_interval}, must be >= 1"),
             (all(n.strip() for n in self.served_model_name), "served_model_name: names must not be empty"),
             (len(set(self.served_model_name)) == len(self.served_model_name),
              f"served_model_name: {list(self.served_model_name)} names a model twice"),

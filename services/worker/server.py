@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import InvalidArgument, Unavailable
 from cotserve.common.metrics import MetricsServer, serve_metrics
+from cotserve.common.sampling import SlaClass
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.streams import coalesce
 from cotserve.common.tracing import make_tracer_provider
@@ -141,9 +142,11 @@ class _Held:
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin: converts at the edge and hands the request to the engine."""
 
-    def __init__(self, tracer_provider: TracerProvider | None = None, stream_interval: int = 1) -> None:
+    def __init__(self, tracer_provider: TracerProvider | None = None, stream_interval: int = 1,
+                 batch_stream_interval: int = 1) -> None:
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.worker")
         self.stream_interval = stream_interval  # WorkerConfig.stream_interval
+        self.batch_stream_interval = max(stream_interval, batch_stream_interval)  # WorkerConfig.batch_stream_interval
         self._engine: Engine | None = None
         self._loaded: LoadedModel | None = None
         self._mailbox: LoopMailbox | None = None
@@ -221,7 +224,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finished = False
         reasons: dict[int, str] = {}  # finish reason per sample
         phases = _PhaseSpans(self.tracer, span, arrival_ns)
-        held = _Held(self.stream_interval)
+        held = _Held(self.batch_stream_interval if call.sla_class == SlaClass.BATCH else self.stream_interval)
         try:
             while not finished:
                 # everything the engine produced since the last write: one message per sample and part when this
@@ -362,7 +365,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     dies, health turns NOT_SERVING (in-flight calls fail with the reason) and `on_engine_death` is called."""
     cfg.validate()
     set_torch_threads(cfg, resolve_device(cfg.device))
-    servicer = WorkerServicer(tracer_provider, cfg.stream_interval)
+    servicer = WorkerServicer(tracer_provider, cfg.stream_interval, cfg.batch_stream_interval)
     spec = ServiceSpec("cotserve.worker.v1.WorkerService",
                        lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider)

@@ -96,6 +96,23 @@ def test_a_stream_interval_sends_tokens_in_groups_on_both_hops_from_the_first_to
     assert chunks[-1].usage.completion_tokens == NEW_TOKENS and chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_batch_streams_go_out_eight_tokens_at_a_time_by_default(demo_worker):
+    """BATCH's inter-token target is a second: the worker holds its tokens until 8 are pending (the first alone and
+    at once), cutting what a flood of BATCH streams costs every hop; the tokens and texts are those of the same
+    request as INTERACTIVE (streamed token by token while its reader keeps up: how many chunks that makes depends on
+    the machine's load, so only the BATCH stream's sizes are checked)."""
+    def run(sla: int) -> list:
+        req = worker_pb2.GenerateRequest(prompt_text="37+48-12=", sampling=sampling(), sla_class=sla)
+        with grpc.insecure_channel(demo_worker) as ch:
+            return list(worker_pb2_grpc.WorkerServiceStub(ch).Generate(req, timeout=60))
+
+    batch, interactive = run(common_pb2.SLA_CLASS_BATCH), run(common_pb2.SLA_CLASS_INTERACTIVE)
+    assert [t for c in batch for t in c.token_ids] == [t for c in interactive for t in c.token_ids]
+    assert "".join(c.text for c in batch) == "".join(c.text for c in interactive)
+    sizes = [len(c.token_ids) for c in batch]
+    assert sizes[0] == 1 and sum(1 for n in sizes[1:] if n < 8) <= 3 and len(batch) <= 3 + (NEW_TOKENS - 1) // 8, sizes
+
+
 def test_a_stream_interval_below_one_is_refused_naming_the_field():
     from cotserve.worker.config import WorkerConfig
 

@@ -290,3 +290,46 @@ def test_the_throughput_benchs_http_client_counts_every_token(http_gateway):
     _, base = http_gateway
     level = asyncio.run(run_level_http(base, 3, PROMPT, 5, 4))
     assert (level.num_requests, level.output_tokens, len(level.ttft_ms)) == (4, 20, 4)
+
+
+def test_processors_and_reasoning_options_as_extra_body_fields(tmp_path):
+    """cotserve's own options travel beside OpenAI's: a post-processor's output is the whole content, and
+    reasoning_effort / max_thinking_tokens budget the thinking as the gRPC API's reasoning options do."""
+    from cotserve.gateway.server import GatewayConfig, start_gateway as start_gw
+    from cotserve.sandbox.server import SandboxConfig, start_sandbox
+    from cotserve.sdk import AsyncClient, Reasoning
+    from cotserve.worker.config import WorkerConfig
+    from cotserve.worker.server import start_worker
+
+    hard = [{"role": "user", "content": "12+30-7+5+61-20="}]
+
+    async def main():
+        sandbox = await start_sandbox(SandboxConfig(port=0, store_dir=tmp_path / "store"))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, reasoning_step="."))
+        gw = await start_gw(GatewayConfig(port=0, workers=[worker.server.address], http_port=0,
+                                          sandbox_address=sandbox.server.address))
+        try:
+            while not gw.pool.models():
+                await asyncio.sleep(0.05)
+            async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gw.http.port}/v1", api_key="x", max_retries=0) as c:
+                post = await c.chat.completions.create(model="cotserve-demo", messages=MESSAGES, max_tokens=64,
+                                                       extra_body={"post_processor": "strip-think"})
+                none = await c.chat.completions.create(model="cotserve-demo", messages=hard, max_tokens=64,
+                                                       reasoning_effort="none")
+                steps = await c.chat.completions.create(model="cotserve-demo", messages=hard, max_tokens=64,
+                                                        extra_body={"max_thinking_tokens": 8})
+            async with AsyncClient(gw.server.address) as sdk:
+                grpc_steps = await sdk.generate(messages=hard, max_new_tokens=64, reasoning=Reasoning(max_thinking_tokens=8))
+            return post, none, steps, grpc_steps
+        finally:
+            await gw.stop()
+            await worker.stop()
+            await sandbox.stop()
+
+    post, none, steps, grpc_steps = asyncio.run(main())
+    assert post.choices[0].message.content == "73" and getattr(post.choices[0].message, "reasoning", None) is None
+    assert none.usage.completion_tokens_details.reasoning_tokens <= 2  # the markers alone: no thinking budget
+    assert not getattr(none.choices[0].message, "reasoning", "").strip() and none.choices[0].message.content.strip()
+    assert steps.choices[0].message.reasoning == grpc_steps.reasoning_text
+    assert steps.choices[0].message.content.strip() == grpc_steps.answer_text
+    assert steps.usage.completion_tokens_details.reasoning_tokens == grpc_steps.usage.reasoning_tokens
