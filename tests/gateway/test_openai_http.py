@@ -318,15 +318,20 @@ def test_processors_and_reasoning_options_as_extra_body_fields(tmp_path):
                                                        reasoning_effort="none")
                 steps = await c.chat.completions.create(model="cotserve-demo", messages=hard, max_tokens=64,
                                                         extra_body={"max_thinking_tokens": 8})
+                vote = await c.chat.completions.create(model="cotserve-demo", messages=hard, max_tokens=64,
+                                                       temperature=1.0, seed=3,
+                                                       extra_body={"self_consistency": {"max_samples": 4}})
             async with AsyncClient(gw.server.address) as sdk:
                 grpc_steps = await sdk.generate(messages=hard, max_new_tokens=64, reasoning=Reasoning(max_thinking_tokens=8))
-            return post, none, steps, grpc_steps
+            return post, none, steps, grpc_steps, vote
         finally:
             await gw.stop()
             await worker.stop()
             await sandbox.stop()
 
-    post, none, steps, grpc_steps = asyncio.run(main())
+    post, none, steps, grpc_steps, vote = asyncio.run(main())
+    result = vote.self_consistency  # cotserve's field beside OpenAI's
+    assert 1 <= result["samples_used"] <= 4 and result["answer"] and sum(v["count"] for v in result["votes"]) >= 1
     assert post.choices[0].message.content == "73" and getattr(post.choices[0].message, "reasoning", None) is None
     assert none.usage.completion_tokens_details.reasoning_tokens <= 2  # the markers alone: no thinking budget
     assert not getattr(none.choices[0].message, "reasoning", "").strip() and none.choices[0].message.content.strip()
