@@ -13,6 +13,14 @@ from cotserve.common.sla import SlaTarget, sla_targets
 from cotserve.gateway.admission import AdmissionConfig
 
 PREFIX_CACHE_SCOPES = ("tenant", "global")
+
+
+def split_name(target: str) -> tuple[str, int]:
+    """NAME:PORT (a worker_dns entry) -> (NAME, PORT); ValueError names the bad value."""
+    name, _, port = target.rpartition(":")
+    if not name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"worker_dns: {target!r} is not NAME:PORT")
+    return name, int(port)
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
@@ -28,6 +36,11 @@ class GatewayConfig:
     """Worker address HOST:PORT (repeatable)."""
     workers_file: Path | None = None
     """TOML file with `workers = ["HOST:PORT", ...]`, added to `workers`."""
+    worker_dns: list[str] = field(default_factory=list)
+    """NAME:PORT whose every address is a worker, e.g. a Kubernetes headless Service (repeatable): re-resolved every
+    dns_interval_s; new addresses join, vanished ones are drained (their streams finish, no new ones start)."""
+    dns_interval_s: float = 5.0
+    """Seconds between resolutions of worker_dns (a scale-up or scale-down is seen within about this long)."""
     poll_interval_s: float = 0.5
     """Seconds between Stats polls of each worker."""
     sla_target: tuple[str, ...] = ()
@@ -123,8 +136,8 @@ class GatewayConfig:
             host, _, port = a.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"worker: {a!r} is not HOST:PORT")
-        if not addresses:
-            raise ValueError("worker: give at least one --worker HOST:PORT (or --workers-file)")
+        if not addresses and not self.worker_dns:
+            raise ValueError("worker: give at least one --worker HOST:PORT (or --workers-file, or --worker-dns NAME:PORT)")
         return list(dict.fromkeys(addresses))
 
     def validate(self) -> None:
@@ -138,6 +151,7 @@ class GatewayConfig:
             (self.slo_predict_budget_ms > 0, f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0"),
             (self.max_request_bytes >= 1024, f"max_request_bytes: {self.max_request_bytes}, must be >= 1024"),
             (self.worker_wait_s >= 0, f"worker_wait_s: {self.worker_wait_s}, must be >= 0"),
+            (self.dns_interval_s > 0, f"dns_interval_s: {self.dns_interval_s}, must be > 0"),
             (self.max_prompt_chars >= 0 and self.max_prompt_tokens >= 0,
              "max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)"),
             (self.batch_limit >= 0, f"batch_limit: {self.batch_limit}, must be >= 0"),
@@ -149,3 +163,5 @@ class GatewayConfig:
                 raise ValueError(message)
         sla_targets(self.sla_target)  # each override parses, or a ValueError names sla_target
         self.all_workers()
+        for target in self.worker_dns:
+            split_name(target)

@@ -5,15 +5,22 @@ interval; routing reads the latest snapshot and never calls a worker itself. A w
 rotation when it refuses the connection (UNAVAILABLE), when a request sees it fail, or after
 `down_after_failed_polls` polls in a row fail otherwise (a slow poll alone says little: a busy
 worker can answer late and still serve); it is back on its next good poll.
+
+Workers are the addresses given, and with `dns` every address a name resolves to (a Kubernetes headless Service
+resolves to one address per ready worker pod): the names are resolved again every `dns_interval_s`, new addresses
+join the pool (in rotation once their first poll answers), and addresses gone from the answer are drained: no new
+requests go to them, the streams they carry finish, then their channel closes. A name that fails to resolve keeps
+the workers it had (a DNS hiccup must not empty the pool).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -21,10 +28,20 @@ from opentelemetry.sdk.trace import TracerProvider
 from cotserve.common.errors import NotFound, Unavailable
 from cotserve.common.sampling import SlaClass
 from cotserve.gateway.admission import Admission, AdmissionConfig, WorkerLoad
+from cotserve.gateway.config import split_name
 from cotserve.common.tracing import RECONNECT_OPTIONS, client_interceptors
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("cotserve.gateway.pool")
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+"""NAME, PORT -> the HOST:PORT addresses of the workers the name stands for."""
+
+
+async def resolve_dns(name: str, port: int) -> list[str]:
+    """Every address `name` resolves to (A and AAAA records, as getaddrinfo answers), each with `port`."""
+    infos = await asyncio.get_running_loop().getaddrinfo(name, port, type=socket.SOCK_STREAM)
+    return sorted({f"[{a[4][0]}]:{port}" if a[0] == socket.AF_INET6 else f"{a[4][0]}:{port}" for a in infos})
 
 
 @dataclass(slots=True, eq=False)
@@ -61,33 +78,72 @@ class WorkerPool:
     down_after_failed_polls: int = 3
     on_change: Callable[[bool], None] | None = None
     """Called with whether any worker is healthy, whenever that changes."""
+    dns: list[str] = field(default_factory=list)
+    """NAME:PORT names whose every address is a worker (re-resolved every `dns_interval_s`)."""
+    dns_interval_s: float = 5.0
+    resolve: Resolver = resolve_dns
     workers: list[WorkerHandle] = field(default_factory=list)
-    _task: asyncio.Task | None = None
+    draining: list[WorkerHandle] = field(default_factory=list)
+    """Workers gone from DNS whose streams are still running."""
+    _tasks: list[asyncio.Task] = field(default_factory=list)
     _any_healthy: bool | None = None
+    _resolved: dict[str, set[str]] = field(default_factory=dict)
+
+    def _handle(self, address: str) -> WorkerHandle:
+        channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS,
+                                            interceptors=client_interceptors(self.tracer_provider))
+        return WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel), admission=Admission(self.admission))
 
     async def start(self) -> None:
-        for address in self.addresses:
-            channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS,
-                                                interceptors=client_interceptors(self.tracer_provider))
-            self.workers.append(WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel),
-                                             admission=Admission(self.admission)))
+        self.workers.extend(self._handle(a) for a in self.addresses)
+        if self.dns:
+            await self.resolve_once()
+            self._tasks.append(asyncio.create_task(self._every(self.dns_interval_s, self.resolve_once),
+                                                   name="cotserve-gateway-dns"))
         await self.poll_once()
-        self._task = asyncio.create_task(self._poll_forever(), name="cotserve-gateway-pool")
+        self._tasks.append(asyncio.create_task(self._every(self.poll_interval_s, self.poll_once), name="cotserve-gateway-pool"))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        for w in self.workers:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for w in [*self.workers, *self.draining]:
             await w.channel.close()
 
-    async def _poll_forever(self) -> None:
+    @staticmethod
+    async def _every(interval_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while True:
-            await asyncio.sleep(self.poll_interval_s)
-            await self.poll_once()
+            await asyncio.sleep(interval_s)
+            await step()
+
+    async def resolve_once(self) -> None:
+        """Resolve every name; add the addresses that are new, drain the ones no name (and no --worker) gives now."""
+        for target in self.dns:
+            name, port = split_name(target)
+            try:
+                self._resolved[target] = set(await self.resolve(name, port))
+            except OSError as exc:  # keep what it had: a failed lookup says nothing about the workers
+                log.warning("worker_dns %s: cannot resolve (%s); keeping its %d workers", target, exc,
+                            len(self._resolved.get(target, ())))
+        wanted = set(self.addresses).union(*self._resolved.values())
+        have = {w.address for w in self.workers}
+        for address in sorted(wanted - have):
+            log.info("worker %s joined (DNS)", address)
+            self.workers.append(self._handle(address))
+        for w in [w for w in self.workers if w.address not in wanted]:
+            log.info("worker %s left DNS: draining (%d streams)", w.address, w.in_flight)
+            self.workers.remove(w)
+            self.draining.append(w)
+            self._tasks.append(asyncio.get_running_loop().create_task(self._drain(w), name=f"cotserve-drain-{w.address}"))
+        self._notify()
+
+    async def _drain(self, w: WorkerHandle) -> None:
+        """No new requests reach `w` (it left `workers`); close its channel once its streams have ended."""
+        while w.in_flight > 0:
+            await asyncio.sleep(0.1)
+        self.draining.remove(w)
+        await w.channel.close()
+        log.info("worker %s drained and closed", w.address)
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))

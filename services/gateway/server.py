@@ -18,7 +18,7 @@ from cotserve.common.tracing import make_tracer_provider
 from cotserve.gateway.config import GatewayConfig
 from cotserve.gateway.http import OpenAIServer
 from cotserve.gateway.metrics import GatewayMetrics
-from cotserve.gateway.pool import WorkerPool
+from cotserve.gateway.pool import Resolver, WorkerPool, resolve_dns
 from cotserve.gateway.processors import Processors
 from cotserve.gateway.quota import QuotaEnforcer
 from cotserve.gateway.relay import Relay
@@ -149,10 +149,13 @@ def tenancy(cfg: GatewayConfig) -> tuple[TenantRegistry, QuotaEnforcer | None]:
     return registry, QuotaEnforcer.from_url(cfg.redis_url)
 
 
-async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | None = None) -> RunningGateway:
+async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | None = None,
+                        resolve: Resolver = resolve_dns) -> RunningGateway:
+    """Start the gateway; `resolve` answers `worker_dns` lookups (the system's resolver by default)."""
     cfg.validate()
     pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
-                      admission=cfg.admission_config)
+                      admission=cfg.admission_config, dns=list(cfg.worker_dns), dns_interval_s=cfg.dns_interval_s,
+                      resolve=resolve)
     metrics = GatewayMetrics(pool)
     tenants, quota = tenancy(cfg)
     processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider)

@@ -90,7 +90,7 @@ def test_gateway_without_workers_refuses_to_start():
     proc = subprocess.run([sys.executable, "-m", "cotserve.cli", "serve", "gateway", "--port", str(free_port())],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "worker: give at least one --worker HOST:PORT (or --workers-file)" in proc.stderr
+    assert "worker: give at least one --worker HOST:PORT (or --workers-file, or --worker-dns NAME:PORT)" in proc.stderr
 
 
 def test_workers_file(tmp_path, demo_worker):
