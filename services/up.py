@@ -40,16 +40,32 @@ def _waiter(console, stop: _Stop, start_timeout_s: float) -> Callable:
 
 
 def _greet(console, port: int, http_port: int, metrics_port: int, redis_url: str, telemetry_port: int,
-           telemetry_http_port: int) -> None:
-    console.print(f"cotserve is up: gateway on 127.0.0.1:{port}, OpenAI-compatible API on http://127.0.0.1:{http_port}/v1 "
+           telemetry_http_port: int, ca: Optional[Path] = None) -> None:
+    scheme, env, cacert = ("https", f"COTSERVE_TLS_CA={ca} ", f" --cacert {ca}") if ca else ("http", "", "")
+    console.print(f"cotserve is up: gateway on 127.0.0.1:{port}, OpenAI-compatible API on {scheme}://127.0.0.1:{http_port}/v1 "
                   f"(redis {redis_url})")
-    console.print(f'  try: cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream')
-    console.print(f"  or:  curl -s http://127.0.0.1:{http_port}/v1/chat/completions -H 'Content-Type: application/json' "
+    console.print(f'  try: {env}cotserve generate "37+48-12=" --address 127.0.0.1:{port} --stream', markup=False,
+                  soft_wrap=True, highlight=False)
+    console.print(f"  or:  curl -s{cacert} {scheme}://127.0.0.1:{http_port}/v1/chat/completions -H 'Content-Type: application/json' "
                   """-d '{"messages": [{"role": "user", "content": "37+48-12="}]}'""", markup=False, soft_wrap=True, highlight=False)
     console.print(f"  metrics: http://127.0.0.1:{metrics_port}/metrics (gateway) to :{metrics_port + 5} (telemetry)"
                   if metrics_port else "  metrics: off")
-    console.print(f"  latency heatmaps: http://127.0.0.1:{telemetry_http_port}/  "
+    console.print(f"  latency heatmaps: {scheme}://127.0.0.1:{telemetry_http_port}/  "
                   f"(or cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)")
+
+
+def _local_tls(console, logs: Path):
+    """A local CA and certificates for this run (`--tls`), trusted by this process's own health checks."""
+    import os
+
+    from cotserve.common.tls import TLS_CA_ENV
+    from cotserve.common.tlsgen import local_tls
+
+    files = local_tls(logs / "tls")
+    os.environ[TLS_CA_ENV] = str(files.ca)
+    console.print(f"TLS: local CA {files.ca} (client certificate {files.client_cert})", markup=False, soft_wrap=True,
+                  highlight=False)
+    return files
 
 
 def up(
@@ -61,6 +77,8 @@ def up(
     telemetry_http_port: int = typer.Option(8317, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Port of the live heatmap page."),
     metrics_port: int = typer.Option(9301, envvar="COTSERVE_METRICS_PORT", help="Every service's Prometheus /metrics, "
                                      "from this port up: gateway +0, worker +1, slo +2, router +3, sandbox +4, telemetry +5 (0: off)."),
+    tls: bool = typer.Option(False, "--tls", help="Every service speaks TLS only, with certificates from a local CA made for "
+                             "this run (in its log folder, tls/); clients trust it with COTSERVE_TLS_CA=<that folder>/cotserve-local-ca.pem."),
     start_timeout_s: float = typer.Option(120.0, help="Seconds to wait for each service to report SERVING."),
     max_crashes: int = typer.Option(5, help="A service that exits this many times within two minutes stops the stack."),
 ) -> None:
@@ -74,15 +92,17 @@ def up(
 
     console = Console(stderr=True)
     logs = run_dir()
+    tls_files = _local_tls(console, logs) if tls else None
     children, redis_url = stack(model, port, redis_url, telemetry_port=telemetry_port,
                                 telemetry_http_port=telemetry_http_port, log_dir=logs, http_port=http_port,
-                                metrics_port=metrics_port)
+                                metrics_port=metrics_port, tls=tls_files)
     stop = _Stop()
     failure: str | None = None
     console.print(f"logs: {logs}")
     try:
         with running(children, grace_s=5.0, wait=_waiter(console, stop, start_timeout_s)):
-            _greet(console, port, http_port, metrics_port, redis_url, telemetry_port, telemetry_http_port)
+            _greet(console, port, http_port, metrics_port, redis_url, telemetry_port, telemetry_http_port,
+                   tls_files.ca if tls_files else None)
             supervisor = Supervisor(children, lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False),
                                     start_timeout_s=start_timeout_s, max_crashes=max_crashes)
             try:

@@ -13,8 +13,15 @@ from tests.conftest import free_port
 
 
 def children_of(pid: int) -> list[int]:
+    """The process's children in the order they started (not by pid: pids wrap around)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
+
+    def started(kid: int) -> int:
+        try:
+            return int(open(f"/proc/{kid}/stat").read().rsplit(")", 1)[1].split()[19])
+        except OSError:
+            return 0
+    return sorted((int(x) for x in out.split()), key=started)
 
 
 def free_port_run(n: int) -> int:
@@ -191,3 +198,56 @@ def test_version_prints_the_installed_version():
 
     out = subprocess.run([sys.executable, "-m", "cotserve.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == f"cotserve {version('cotserve')}"
+
+
+def test_up_tls_serves_only_tls_clients_that_trust_its_local_ca(tmp_path):
+    """`up --tls`: a local CA made for the run; every gRPC port and the HTTP API speak TLS only; a client given the CA
+    (COTSERVE_TLS_CA) gets through, a plaintext one does not; the spans still reach telemetry over TLS."""
+    import json
+    import re
+
+    port, http_port, page_port, tel_port = free_port(), free_port(), free_port(), free_port()
+    log = tmp_path / "up.log"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("COTSERVE_TLS_CA", None)
+    proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "up", "--tls", "--port", str(port), "--http-port",
+                             str(http_port), "--telemetry-port", str(tel_port), "--telemetry-http-port", str(page_port),
+                             "--metrics-port", "0"], stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while "cotserve is up" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        ca = re.search(r"TLS: local CA (\S+)", log.read_text()).group(1)
+        cmd = [sys.executable, "-m", "cotserve.cli", "generate", "37+48-12=", "--address", f"127.0.0.1:{port}", "--timeout-s", "20"]
+        trusted = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**env, "COTSERVE_TLS_CA": ca})
+        plain = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+        body = json.dumps({"messages": [{"role": "user", "content": "37+48-12="}]})
+        https = subprocess.run(["curl", "-s", "--cacert", ca, f"https://127.0.0.1:{http_port}/v1/chat/completions",
+                                "-H", "Content-Type: application/json", "-d", body], capture_output=True, text=True, timeout=60)
+        insecure_http = subprocess.run(["curl", "-s", f"http://127.0.0.1:{http_port}/v1/models"], capture_output=True,
+                                       text=True, timeout=60)
+        heat = 0  # the two requests' spans reach telemetry over TLS (the page, over HTTPS, counts them)
+        while heat < 2 and time.monotonic() < deadline + 30:
+            page = subprocess.run(["curl", "-s", "--cacert", ca, f"https://127.0.0.1:{page_port}/api/heatmap?metric=ttft"],
+                                  capture_output=True, text=True, timeout=60).stdout
+            heat = sum(c["count"] for c in json.loads(page)["cells"]) if page else 0
+            time.sleep(0.5)
+        admin = [sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{tel_port}", "--metric", "ttft"]
+        admin_tls = subprocess.run(admin, capture_output=True, text=True, timeout=60, env={**env, "COTSERVE_TLS_CA": ca})
+        admin_plain = subprocess.run(admin, capture_output=True, text=True, timeout=60, env=env)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)
+    assert trusted.returncode == 0 and trusted.stdout.startswith("<think>37+48=85. 85-12=73.</think> 73\n"), trusted.stderr
+    assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+    assert json.loads(https.stdout)["choices"][0]["message"]["content"].strip() == "73"
+    assert "data" not in insecure_http.stdout  # plain HTTP to the HTTPS port gets no answer
+    assert heat == 2
+    assert admin_tls.returncode == 0 and "time to first token" in admin_tls.stdout, admin_tls.stderr  # admin commands read the CA too
+    assert admin_plain.returncode != 0 and "UNAVAILABLE" in admin_plain.stderr
+    text = log.read_text()
+    assert "exited" not in text and "restarting" not in text, text  # every service came up on TLS and stayed up

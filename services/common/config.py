@@ -98,7 +98,8 @@ def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
 def settings(cls: type, service: str) -> dict[str, Setting]:
     """Every field of `cls` as a command-line setting (fields without a docstring are an error: each needs help)."""
     hints, docs, out = typing.get_type_hints(cls), field_docs(cls), {}
-    for f in dataclasses.fields(cls):
+    own = cls.__dict__.get("__annotations__", {})  # the class's own settings first, inherited ones (TLS) after
+    for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
         if f.name not in docs:
             raise TypeError(f"{cls.__name__}.{f.name}: no docstring under the field (it is the setting's help)")
         meta: Cli = getattr(cls, "CLI", {}).get(f.name, Cli())

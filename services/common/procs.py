@@ -21,12 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cotserve.common.lifetime import follow_parent
 from cotserve.common.server import ADDRESS_FILE_ENV
+from cotserve.common.tls import client_channel
 
 
 def health_status(address: str, timeout_s: float = 1.0) -> int | None:
     """The server's overall health status, or None when it does not answer."""
     try:
-        with grpc.insecure_channel(address) as ch:
+        with client_channel(address) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
             return resp.status
     except grpc.RpcError:
@@ -203,7 +204,7 @@ def wait_kernels_ready(address: str, timeout_s: float = 180.0) -> None:
     from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with client_channel(address) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         while not stub.Stats(worker_pb2.StatsRequest(), timeout=10).kernels_ready:
             if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.heap import freeze_startup_heap
 from cotserve.common.errors import CotserveError, InvalidArgument
+from cotserve.common.tls import TlsSettings
 from cotserve.common.tracing import server_interceptors
 
 log = logging.getLogger("cotserve.rpc")
@@ -177,7 +178,7 @@ class Server:
     """A running service. Health starts NOT_SERVING and turns SERVING on `set_serving()`."""
 
     def __init__(self, specs: list[ServiceSpec], host: str, port: int, tracer_provider: TracerProvider | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TlsSettings | None = None) -> None:
         interceptors = [StreamCloser(), *server_interceptors(tracer_provider), ErrorInterceptor()]
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)])
@@ -188,8 +189,11 @@ class Server:
         self.names = [s.name for s in specs]
         self.tracer_provider = tracer_provider
         reflection.enable_server_reflection([*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        credentials = tls.server_credentials() if tls is not None else None
+        self.tls = credentials is not None
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+                         else self.server.add_insecure_port(f"{host}:{port}"))
         except RuntimeError:
             self.port = 0
         if self.port == 0:

@@ -10,6 +10,25 @@ METRICS_PORT_OFFSETS = {"gateway": 0, "worker": 1, "slo": 2, "router": 3, "sandb
 """Each service's Prometheus /metrics port under `up`: the base port (`--metrics-port`, 9301) plus its offset."""
 
 
+def tls_env(tls) -> dict[str, str]:
+    """Every service's TLS settings as environment variables (each reads only its own), the gateway trusting the CA
+    for the services it calls."""
+    if tls is None:
+        return {}
+    env = {"COTSERVE_GATEWAY_UPSTREAM_TLS_CA": str(tls.ca)}
+    for name in METRICS_PORT_OFFSETS:
+        env[f"COTSERVE_{name.upper()}_TLS_CERT"] = str(tls.server_cert)
+        env[f"COTSERVE_{name.upper()}_TLS_KEY"] = str(tls.server_key)
+    return env
+
+
+def otlp_env(telemetry_addr: str, tls) -> dict[str, str]:
+    """Where every service exports its spans (batched every half second), over TLS trusting the CA with `tls`."""
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"{'https' if tls else 'http'}://{telemetry_addr}",
+            "OTEL_EXPORTER_OTLP_INSECURE": "false" if tls else "true", "OTEL_BSP_SCHEDULE_DELAY": "500",
+            **({"OTEL_EXPORTER_OTLP_CERTIFICATE": str(tls.ca)} if tls else {})}
+
+
 def metrics_ports(base: int) -> dict[str, int]:
     """Every service's /metrics port from the base (0: none)."""
     return {name: base + offset for name, offset in METRICS_PORT_OFFSETS.items()} if base else {}
@@ -18,12 +37,12 @@ def metrics_ports(base: int) -> dict[str, int]:
 def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool = True,
           worker_extra: tuple[str, ...] = (), gateway_extra: tuple[str, ...] = (),
           telemetry_port: int = 4317, telemetry_http_port: int = 8317, log_dir: Optional[Path] = None,
-          http_port: Optional[int] = None, metrics_port: int = 0) -> tuple[list, str]:
+          http_port: Optional[int] = None, metrics_port: int = 0, tls=None) -> tuple[list, str]:
     """The services `up` starts, in start order, and the Redis URL they share. `full=False` (benchmarks)
-    starts only the worker and the gateway. With `full`, the telemetry service starts first and every
-    other service exports its spans to it over OTLP (batched every half second); the gateway reports
-    its windows to the SLO predictor and follows its forecasts. `http_port` turns on the gateway's OpenAI-compatible
-    HTTP API; `metrics_port` (not 0) every service's /metrics, at it plus the service's `METRICS_PORT_OFFSETS`.
+    starts only the worker and the gateway. With `full`, the telemetry service starts first and every other service
+    exports its spans to it (`otlp_env`); the gateway reports its windows to the SLO predictor and follows its
+    forecasts. `http_port` turns on the gateway's HTTP API; `metrics_port` (not 0) every service's /metrics, at it plus
+    the service's `METRICS_PORT_OFFSETS`; `tls` (`common.tlsgen.TlsFiles`) makes every service speak TLS only.
 
     Only the ports a user names (the gateway's, its HTTP API's, telemetry's, metrics) are fixed. The internal services
     bind a free port themselves and report it (`Child.argv_for`); the embedded Redis listens on a unix socket
@@ -44,14 +63,14 @@ def stack(model: Optional[Path], port: int, redis_url: Optional[str], full: bool
         redis.log_dir = log_dir
         children.append(redis)
     env = {"COTSERVE_REDIS_URL": redis_url} if redis_url else {}
+    env.update(tls_env(tls))
     if full:
         telemetry_addr = f"127.0.0.1:{telemetry_port}"
         children.append(Child("telemetry", telemetry_addr,
                               python_cli("serve", "telemetry", "--port", str(telemetry_port), "--http-port", str(telemetry_http_port),
                                          *metrics("telemetry")),
                               grpc_ready(telemetry_addr), env, log_dir=log_dir))
-        env = {**env, "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://{telemetry_addr}", "OTEL_EXPORTER_OTLP_INSECURE": "true",
-               "OTEL_BSP_SCHEDULE_DELAY": "500"}
+        env = {**env, **otlp_env(telemetry_addr, tls)}
     # the bundled demo model ends each reasoning step with "."; another model's steps are its operator's to name
     demo = ["--reasoning-step", "."] if model is None and "--model" not in worker_extra else []
     model_args = ["--model", str(model)] if model else []

@@ -10,6 +10,7 @@ from typing import ClassVar
 from cotserve.common.config import Cli, legacy_env
 from cotserve.common.sampling import SlaClass
 from cotserve.common.sla import SlaTarget, sla_targets
+from cotserve.common.tls import TlsSettings
 from cotserve.gateway.admission import AdmissionConfig
 
 PREFIX_CACHE_SCOPES = ("tenant", "global")
@@ -25,7 +26,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
-class GatewayConfig:
+class GatewayConfig(TlsSettings):
     """Everything `cotserve serve gateway` takes: each field is one setting (`common.config`), its docstring the help."""
 
     host: str = "127.0.0.1"
@@ -94,6 +95,9 @@ class GatewayConfig:
     worker_wait_s: float = 10.0
     """Seconds a request waits for a worker of its model to come (back) into rotation, e.g. while one restarts,
     before it fails with UNAVAILABLE (never past its deadline; 0: fail at once)."""
+    upstream_tls_ca: Path | None = None
+    """PEM CA bundle of the workers', sandbox's and SLO predictor's certificates: set, the gateway calls them over TLS
+    (presenting its own tls_cert when it has one, for their mutual TLS); unset, in plaintext."""
     grace_s: float = 5.0
     """Seconds to drain in-flight streams on SIGTERM."""
 
@@ -141,6 +145,7 @@ class GatewayConfig:
         return list(dict.fromkeys(addresses))
 
     def validate(self) -> None:
+        self.check_tls()
         checks = [
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
             (self.http_port is None or 0 <= self.http_port <= 65535, f"http_port: {self.http_port}, allowed 0..65535"),

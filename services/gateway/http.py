@@ -117,8 +117,9 @@ def _sse(event: dict[str, Any] | str) -> bytes:
 class OpenAIServer:
     """The HTTP API on `host:port` (0 picks a free one; `port` is the bound one once started)."""
 
-    def __init__(self, relay: Relay, host: str, port: int, max_body_bytes: int) -> None:
+    def __init__(self, relay: Relay, host: str, port: int, max_body_bytes: int, ssl_context: Any = None) -> None:
         self.relay, self.host, self.port, self.max_body_bytes = relay, host, port, max_body_bytes
+        self.ssl_context = ssl_context  # HTTPS with the gateway's certificate when it has one
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -129,7 +130,7 @@ class OpenAIServer:
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
         try:
             await site.start()
         except OSError as exc:

@@ -20,7 +20,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -29,6 +29,7 @@ from cotserve.common.errors import NotFound, Unavailable
 from cotserve.common.sampling import SlaClass
 from cotserve.gateway.admission import Admission, AdmissionConfig, WorkerLoad
 from cotserve.gateway.config import split_name
+from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS, client_interceptors
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -82,6 +83,8 @@ class WorkerPool:
     """NAME:PORT names whose every address is a worker (re-resolved every `dns_interval_s`)."""
     dns_interval_s: float = 5.0
     resolve: Resolver = resolve_dns
+    credentials: Any = None
+    """grpc.ChannelCredentials for workers that speak TLS (None: plaintext)."""
     workers: list[WorkerHandle] = field(default_factory=list)
     draining: list[WorkerHandle] = field(default_factory=list)
     """Workers gone from DNS whose streams are still running."""
@@ -90,8 +93,8 @@ class WorkerPool:
     _resolved: dict[str, set[str]] = field(default_factory=dict)
 
     def _handle(self, address: str) -> WorkerHandle:
-        channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS,
-                                            interceptors=client_interceptors(self.tracer_provider))
+        channel = aio_channel(address, self.credentials, options=RECONNECT_OPTIONS,
+                              interceptors=client_interceptors(self.tracer_provider))
         return WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel), admission=Admission(self.admission))
 
     async def start(self) -> None:

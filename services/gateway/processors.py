@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import NotFound, Unavailable
+from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS, client_interceptors
 from cotserve.gateway.tenants import PermissionDenied, Tenant
 from cotserve.sandbox.v1 import sandbox_pb2, sandbox_pb2_grpc
@@ -30,13 +32,14 @@ class Processors:
     address: str | None
     fail_open: frozenset[str] = frozenset()
     tracer_provider: TracerProvider | None = None
+    credentials: Any = None  # grpc.ChannelCredentials for a sandbox that speaks TLS (None: plaintext)
     _channel: grpc.aio.Channel | None = field(default=None, init=False)
     _stub: sandbox_pb2_grpc.SandboxServiceStub | None = field(default=None, init=False)
 
     def _client(self) -> sandbox_pb2_grpc.SandboxServiceStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=RECONNECT_OPTIONS,
-                                                      interceptors=client_interceptors(self.tracer_provider))
+            self._channel = aio_channel(self.address, self.credentials, options=RECONNECT_OPTIONS,
+                                        interceptors=client_interceptors(self.tracer_provider))
             self._stub = sandbox_pb2_grpc.SandboxServiceStub(self._channel)
         return self._stub
 

@@ -153,27 +153,29 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
                         resolve: Resolver = resolve_dns) -> RunningGateway:
     """Start the gateway; `resolve` answers `worker_dns` lookups (the system's resolver by default)."""
     cfg.validate()
+    upstream = cfg.client_credentials(cfg.upstream_tls_ca)
     pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
                       admission=cfg.admission_config, dns=list(cfg.worker_dns), dns_interval_s=cfg.dns_interval_s,
-                      resolve=resolve)
+                      resolve=resolve, credentials=upstream)
     metrics = GatewayMetrics(pool)
     tenants, quota = tenancy(cfg)
-    processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider)
+    processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider, upstream)
     slo = None
     if cfg.slo_address:
         slo = SloLink(SloLinkConfig(cfg.slo_address, admission=cfg.slo_admission, routing=cfg.slo_routing,
-                                    predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms), pool)
+                                    predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms,
+                                    credentials=upstream), pool)
     relay = Relay(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope,
                   cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.worker_wait_s)
     servicer = GatewayServicer(relay)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
-    server = Server([spec], cfg.host, cfg.port, tracer_provider, max_message_bytes=cfg.max_request_bytes)
+    server = Server([spec], cfg.host, cfg.port, tracer_provider, max_message_bytes=cfg.max_request_bytes, tls=cfg)
     metrics_server = serve_metrics(metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
     http = None
     if cfg.http_port is not None:
-        http = OpenAIServer(relay, cfg.host, cfg.http_port, cfg.max_request_bytes)
+        http = OpenAIServer(relay, cfg.host, cfg.http_port, cfg.max_request_bytes, cfg.ssl_context())
         await http.start()
     health_tasks: set[asyncio.Task] = set()
 

@@ -16,9 +16,11 @@ import logging
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
+from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS
 
 from cotserve.common.sampling import SLA_PB, SlaClass
@@ -58,12 +60,13 @@ class SloLinkConfig:
     backoff_s: float = 5.0
     max_backlog: int = 600
     retry_after_ms: int = 10_000  # long enough for deferred BATCH to come back after a burst, not into it
+    credentials: Any = None  # grpc.ChannelCredentials for an SLO predictor that speaks TLS (None: plaintext)
 
 
 class SloLink:
     def __init__(self, cfg: SloLinkConfig, pool) -> None:
         self.cfg, self.pool = cfg, pool
-        self.channel = grpc.aio.insecure_channel(cfg.address, options=RECONNECT_OPTIONS)
+        self.channel = aio_channel(cfg.address, cfg.credentials, options=RECONNECT_OPTIONS)
         self.stub = slo_pb2_grpc.SloServiceStub(self.channel)
         self.acc: dict[tuple[str, str, SlaClass], _Acc] = defaultdict(_Acc)
         self.in_flight: dict[tuple[str, str, SlaClass], int] = defaultdict(int)

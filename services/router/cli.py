@@ -7,6 +7,7 @@ import typer
 
 from cotserve.common.clitools import rpc_error_exit
 from cotserve.common.config import serve_service
+from cotserve.common.tls import client_channel
 from cotserve.router.config import RouterConfig
 
 
@@ -23,7 +24,7 @@ def moe_policy(
 
     from cotserve.router.v1 import router_pb2, router_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    with client_channel(address) as ch:
         try:
             p = router_pb2_grpc.RouterServiceStub(ch).GetPolicy(router_pb2.GetPolicyRequest(model=model), timeout=10).policy
         except grpc.RpcError as err:
@@ -45,7 +46,7 @@ def moe_load(
 
     from cotserve.router.v1 import router_pb2, router_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    with client_channel(address) as ch:
         try:
             resp = router_pb2_grpc.RouterServiceStub(ch).GetExpertLoad(
                 router_pb2.GetExpertLoadRequest(model=model, window_ms=int(window_s * 1000)), timeout=10)

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from cotserve.common.config import Cli, legacy_env
+from cotserve.common.tls import TlsSettings
 
 
 @dataclass(slots=True)
-class RouterConfig:
+class RouterConfig(TlsSettings):
     """Everything `cotserve serve router` takes: each field is one setting (`common.config`), its docstring the help."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -38,6 +39,7 @@ class RouterConfig:
     CLI: ClassVar[dict[str, Cli]] = {**legacy_env("redis_url", "host", "grace_s"), "models": Cli(flag="--model")}
 
     def validate(self) -> None:
+        self.check_tls()
         checks = [
             (self.gamma > 0, f"gamma: {self.gamma}, must be > 0"),
             (self.balance_interval_s > 0, f"balance_interval_s: {self.balance_interval_s}, must be > 0"),

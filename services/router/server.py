@@ -275,7 +275,7 @@ async def start_router(cfg: RouterConfig, tracer_provider: TracerProvider | None
     servicer = RouterServicer(redis, cfg)
     spec = ServiceSpec("cotserve.router.v1.RouterService",
                        lambda srv: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, srv))
-    server = Server([spec], cfg.host, cfg.port, tracer_provider)
+    server = Server([spec], cfg.host, cfg.port, tracer_provider, tls=cfg)
     metrics_server = serve_metrics(servicer.metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
     task = asyncio.create_task(background(servicer, cfg), name="cotserve-router-background")

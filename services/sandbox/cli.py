@@ -18,11 +18,10 @@ sandbox_app = typer.Typer(help="The WASI sandbox: register, list and run modules
 
 
 def _sandbox_stub(address: str):
-    import grpc
-
+    from cotserve.common.tls import client_channel
     from cotserve.sandbox.v1 import sandbox_pb2_grpc
 
-    return grpc.insecure_channel(address), sandbox_pb2_grpc.SandboxServiceStub
+    return client_channel(address), sandbox_pb2_grpc.SandboxServiceStub
 
 
 def _admin_metadata(token: Optional[str], token_file: Optional[Path]) -> tuple[tuple[str, str], ...]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from cotserve.common.config import Cli, legacy_env
 from cotserve.common.paths import cache_dir
+from cotserve.common.tls import TlsSettings
 
 if TYPE_CHECKING:
     from cotserve.sandbox.runner import Limits
@@ -17,7 +18,7 @@ ADMIN_TOKEN_MIN_CHARS = 16
 
 
 @dataclass(slots=True)
-class SandboxConfig:
+class SandboxConfig(TlsSettings):
     """Everything `cotserve serve sandbox` takes: each field is one setting (`common.config`), its docstring the help."""
 
     host: str = "127.0.0.1"
@@ -93,6 +94,7 @@ class SandboxConfig:
         return token
 
     def validate(self) -> None:
+        self.check_tls()
         checks = [
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
             (0 <= self.metrics_port <= 65535, f"metrics_port: {self.metrics_port}, allowed 0..65535"),

@@ -234,7 +234,7 @@ async def start_sandbox(cfg: SandboxConfig, tracer_provider: TracerProvider | No
                        lambda srv: sandbox_pb2_grpc.add_SandboxServiceServicer_to_server(servicer, srv))
     # a message holds a run's input or a module (up to 16 MiB), plus the envelope
     server = Server([spec], cfg.host, cfg.port, tracer_provider,
-                    max_message_bytes=max(cfg.max_input_bytes, MAX_MODULE_BYTES) + (64 << 10))
+                    max_message_bytes=max(cfg.max_input_bytes, MAX_MODULE_BYTES) + (64 << 10), tls=cfg)
     metrics_server = serve_metrics(servicer.metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
     await server.set_serving()

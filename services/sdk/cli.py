@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -115,6 +116,9 @@ def generate(
     min_samples: Optional[int] = typer.Option(None, help="With --self-consistency: samples per round and before any stop (default min(3, max))."),
     vote_rule: str = typer.Option("window", help="With --self-consistency: window (identical answers in a row) or posterior (the leader stays the majority)."),
     confidence_weighted: bool = typer.Option(False, "--confidence-weighted", help="With --self-consistency: weight votes by each sample's mean token probability."),
+    tls_ca: Optional[Path] = typer.Option(None, envvar="COTSERVE_TLS_CA", help="Speak TLS to the gateway, trusting this PEM CA bundle."),
+    tls_cert: Optional[Path] = typer.Option(None, envvar="COTSERVE_TLS_CLIENT_CERT", help="PEM client certificate, for a gateway that asks for mutual TLS (with --tls-key)."),
+    tls_key: Optional[Path] = typer.Option(None, envvar="COTSERVE_TLS_CLIENT_KEY", help="PEM private key of --tls-cert."),
 ) -> None:
     """Generate a completion through the gateway and print it with its timing line."""
     from cotserve.sdk import Client, CotserveError
@@ -130,11 +134,15 @@ def generate(
                   n=n, cache_salt=cache_salt, reasoning=reasoning)
     single = n == 1 and self_consistency is None  # one sample: its text alone; else a line per sample
     try:
-        with Client(address) as client:
+        with Client(address, root_certificates=str(tls_ca) if tls_ca else None,
+                    client_cert=str(tls_cert) if tls_cert else None, client_key=str(tls_key) if tls_key else None) as client:
             outcome = (_stream if stream else _unary)(client, prompt, single, kwargs)
     except CotserveError as err:
         typer.echo(f"error: {err.code.name}: {err.message}", err=True)
         raise typer.Exit(1) from None
+    except (ValueError, OSError) as err:  # the TLS files
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     _summary(*outcome, single=single)
 
 

@@ -61,6 +61,23 @@ class _Base:
         }
 
 
+def _pem(value: bytes | str | None) -> bytes | None:
+    """PEM bytes as given, or read from the path given."""
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as fh:
+        return fh.read()
+
+
+def _credentials(tls: bool, root: bytes | str | None, cert: bytes | str | None, key: bytes | str | None):
+    """Channel credentials (None: plaintext); giving any certificate implies TLS."""
+    if not (tls or root is not None or cert is not None):
+        return None
+    if (cert is None) != (key is None):
+        raise ValueError("client_cert / client_key: give both (mutual TLS) or neither")
+    return grpc.ssl_channel_credentials(_pem(root), _pem(key), _pem(cert))
+
+
 class Client(_Base):
     """Blocking client. `Client("127.0.0.1:50051").generate("37+48-12=", max_new_tokens=64)`.
 
@@ -72,11 +89,16 @@ class Client(_Base):
     Give a `prompt`, or `messages` (a chat: `[{"role": "user", "content": "..."}]`, each turn with `role`,
     `content` and optionally `reasoning_content`) that the model's chat template renders into its prompt.
     gRPC errors are raised as `cotserve.sdk.errors` exceptions that keep the code and message.
+    `tls=True` speaks TLS, trusting the system's CAs, or `root_certificates` (PEM bytes or a file's path) when
+    given; `client_cert` and `client_key` (PEM bytes or paths) are presented to a gateway that asks for mutual TLS.
     """
 
-    def __init__(self, address: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None, timeout_s: float | None = None, tls: bool = False,
+                 root_certificates: bytes | str | None = None, client_cert: bytes | str | None = None,
+                 client_key: bytes | str | None = None) -> None:
         super().__init__(address, api_key=api_key, timeout_s=timeout_s)
-        self._channel = grpc.insecure_channel(address)
+        creds = _credentials(tls, root_certificates, client_cert, client_key)
+        self._channel = grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
     def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
@@ -141,9 +163,12 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The same API as `Client`, as coroutines and async iterators (`async with AsyncClient(...)`)."""
 
-    def __init__(self, address: str, *, api_key: str | None = None, timeout_s: float | None = None) -> None:
+    def __init__(self, address: str, *, api_key: str | None = None, timeout_s: float | None = None, tls: bool = False,
+                 root_certificates: bytes | str | None = None, client_cert: bytes | str | None = None,
+                 client_key: bytes | str | None = None) -> None:
         super().__init__(address, api_key=api_key, timeout_s=timeout_s)
-        self._channel = grpc.aio.insecure_channel(address)
+        creds = _credentials(tls, root_certificates, client_cert, client_key)
+        self._channel = grpc.aio.secure_channel(address, creds) if creds is not None else grpc.aio.insecure_channel(address)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
     async def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None,

@@ -11,6 +11,7 @@ import typer
 
 from cotserve.common.clitools import rpc_error_exit, wide_console
 from cotserve.common.config import serve_service
+from cotserve.common.tls import client_channel
 from cotserve.slo.config import SloConfig
 
 slo_app = typer.Typer(help="SLO predictor: record windows, train and evaluate offline, read forecasts.", no_args_is_help=True)
@@ -30,7 +31,7 @@ def slo_record(
 
     since, windows, requests = 0, 0, 0
     end = time.monotonic() + duration_s
-    with grpc.insecure_channel(address) as ch:
+    with client_channel(address) as ch:
         stub = slo_pb2_grpc.SloServiceStub(ch)
         while True:
             try:
@@ -112,7 +113,7 @@ def slo_forecast(
     cls = SLA_PB_BY_NAME.get(sla.lower())
     if cls is None:
         raise typer.BadParameter(f"want realtime, interactive or batch, got {sla!r}", param_hint="--sla")
-    with grpc.insecure_channel(address) as ch:
+    with client_channel(address) as ch:
         try:
             f = slo_pb2_grpc.SloServiceStub(ch).Forecast(slo_pb2.ForecastRequest(model=model, sla_class=cls), timeout=10)
         except grpc.RpcError as err:

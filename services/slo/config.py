@@ -10,10 +10,11 @@ from cotserve.common.config import Cli, legacy_env
 from cotserve.common.paths import cache_dir
 from cotserve.common.sampling import SlaClass
 from cotserve.common.sla import SlaTarget, sla_targets
+from cotserve.common.tls import TlsSettings
 
 
 @dataclass(slots=True)
-class SloConfig:
+class SloConfig(TlsSettings):
     """Everything `cotserve serve slo` takes: each field is one setting (`common.config`), its docstring the help."""
 
     host: str = "127.0.0.1"
@@ -62,6 +63,7 @@ class SloConfig:
         return sla_targets(self.sla_target)
 
     def validate(self) -> None:
+        self.check_tls()
         checks = [
             (1 <= self.horizon_s <= 600, f"horizon_s: {self.horizon_s}, must be within 1..600"),
             (0 < self.threshold < 1, f"threshold: {self.threshold}, must be within (0, 1)"),

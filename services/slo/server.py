@@ -310,7 +310,7 @@ async def start_slo(cfg: SloConfig, tracer_provider=None) -> RunningSlo:
                     log.warning("cannot publish advice to Redis: %s", exc)
 
     spec = ServiceSpec("cotserve.slo.v1.SloService", lambda srv: slo_pb2_grpc.add_SloServiceServicer_to_server(SloServicer(state), srv))
-    server = Server([spec], cfg.host, cfg.port, tracer_provider)
+    server = Server([spec], cfg.host, cfg.port, tracer_provider, tls=cfg)
     await server.start()
     await server.set_serving()
     tasks = [asyncio.create_task(_every(cfg.retrain_interval_s, state.maybe_retrain, "retraining")),

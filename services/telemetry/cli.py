@@ -10,6 +10,7 @@ import typer
 
 from cotserve.common.clitools import rpc_error_exit, wide_console
 from cotserve.common.config import serve_service
+from cotserve.common.tls import client_channel
 from cotserve.telemetry.config import TelemetryConfig
 
 trace_app = typer.Typer(help="Traces: check that every hop arrives, correctly parented.", no_args_is_help=True)
@@ -36,7 +37,7 @@ def heatmap_command(
         req = heatmap_request(metric, "" if sla == "all" else sla, tenant, window_s, model_version)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    with grpc.insecure_channel(address) as ch:
+    with client_channel(address) as ch:
         try:
             resp = telemetry_pb2_grpc.TelemetryServiceStub(ch).GetHeatmap(req, timeout=10)
         except grpc.RpcError as err:

@@ -8,10 +8,11 @@ from typing import ClassVar
 
 from cotserve.common.config import Cli, legacy_env
 from cotserve.common.paths import cache_dir
+from cotserve.common.tls import TlsSettings
 
 
 @dataclass(slots=True)
-class TelemetryConfig:
+class TelemetryConfig(TlsSettings):
     """Everything `cotserve serve telemetry` takes: each field is one setting (`common.config`), its docstring the help."""
 
     host: str = "127.0.0.1"
@@ -43,6 +44,7 @@ class TelemetryConfig:
     }
 
     def validate(self) -> None:
+        self.check_tls()
         if self.slot_s < 1:
             raise ValueError(f"slot_s: must be >= 1, got {self.slot_s}")
         if self.retention_s < self.slot_s:

@@ -164,7 +164,7 @@ def page_html(embedded: dict | None = None) -> str:
 
 
 async def start_http(heatmap: Callable[[telemetry_pb2.GetHeatmapRequest], telemetry_pb2.GetHeatmapResponse],
-                     host: str, port: int):
+                     host: str, port: int, ssl_context=None):
     """The page over HTTP (aiohttp, on the service's event loop, as the gateway's API): `/` (the page),
     `/api/heatmap` (JSON, query: metric, sla, tenant, window_s, model_version; answered by `heatmap`, the service's
     own) and `/healthz`. Returns the started runner (`await runner.cleanup()` stops it) and the bound port."""
@@ -196,7 +196,7 @@ async def start_http(heatmap: Callable[[telemetry_pb2.GetHeatmapRequest], teleme
     app.router.add_get("/api/heatmap", api)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     try:
         await site.start()
     except OSError as exc:

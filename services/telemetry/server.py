@@ -224,12 +224,13 @@ async def start_telemetry(cfg: TelemetryConfig) -> RunningTelemetry:
         ServiceSpec("cotserve.telemetry.v1.TelemetryService",
                     lambda srv: telemetry_pb2_grpc.add_TelemetryServiceServicer_to_server(TelemetryServicer(state), srv)),
     ]
-    server = Server(specs, cfg.host, cfg.port, tracer_provider=None)
+    server = Server(specs, cfg.host, cfg.port, tracer_provider=None, tls=cfg)
     http, http_port = None, None
     if cfg.http_port is not None:
         from cotserve.telemetry.page import start_http
 
-        http, http_port = await start_http(lambda request: heatmap(state, request), cfg.host, cfg.http_port)
+        http, http_port = await start_http(lambda request: heatmap(state, request), cfg.host, cfg.http_port,
+                                           cfg.ssl_context())
     metrics_server = serve_metrics(telemetry_registry(state), cfg.host, cfg.metrics_port)
     await server.start()
     await server.set_serving()

@@ -81,7 +81,10 @@ async def check_traces(gateway: str, telemetry: str, n: int, concurrency: int = 
 
     sent: list[tuple[bytes, bytes]] = []
     failures: list[str] = []
-    async with grpc.aio.insecure_channel(gateway) as gch, grpc.aio.insecure_channel(telemetry) as tch:
+    from cotserve.common.tls import aio_channel, env_credentials
+
+    creds = env_credentials()
+    async with aio_channel(gateway, creds) as gch, aio_channel(telemetry, creds) as tch:
         gw, tel = gateway_pb2_grpc.GatewayServiceStub(gch), telemetry_pb2_grpc.TelemetryServiceStub(tch)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(n):

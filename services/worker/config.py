@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import ClassVar
 
 from cotserve.common.config import Cli, legacy_env
+from cotserve.common.tls import TlsSettings
 
 DEMO_MODEL = Path(__file__).parent / "demo" / "cotserve-demo"
 
 
 @dataclass(slots=True)
-class WorkerConfig:
+class WorkerConfig(TlsSettings):
     """Everything `cotserve serve worker` takes: each field is one setting (`common.config`), its docstring the help."""
 
     model: Path = DEMO_MODEL
@@ -110,6 +111,7 @@ class WorkerConfig:
     }
 
     def validate(self) -> None:
+        self.check_tls()
         from cotserve.worker.kv_spec import KV_CACHE_DTYPES  # (torch: imported when a config is checked, not named)
         from cotserve.worker.models.loader import DTYPES
 

@@ -368,7 +368,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     servicer = WorkerServicer(tracer_provider, cfg.stream_interval, cfg.batch_stream_interval)
     spec = ServiceSpec("cotserve.worker.v1.WorkerService",
                        lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))
-    server = Server([spec], cfg.host, cfg.port, tracer_provider)
+    server = Server([spec], cfg.host, cfg.port, tracer_provider, tls=cfg)
     await server.start()
     log.info("worker listening on %s, loading %s", server.address, cfg.model)
     loop = asyncio.get_running_loop()

@@ -1,0 +1,79 @@
+"""A local certificate authority for `cotserve up --tls` (and the TLS tests): a CA, a server certificate for the
+loopback addresses every service binds, and a client certificate, as PEM files in one folder."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _write(folder: Path, stem: str, cert, key) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+
+    (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path = folder / f"{stem}.key"
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return folder / f"{stem}.pem", key_path
+
+
+def _builder(subject: str, issuer, public_key, days: int):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer).public_key(public_key).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=days)))
+
+
+def make_ca(folder: Path, name: str = "cotserve-local-ca", days: int = 30):
+    """A self-signed CA, written as `<name>.pem` / `<name>.key`; returns (certificate, key) to issue with."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    cert = (_builder(name, subject, key.public_key(), days)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True).sign(key, hashes.SHA256()))
+    _write(folder, name, cert, key)
+    return cert, key
+
+
+def issue(folder: Path, ca, stem: str, server: bool, days: int = 30) -> tuple[Path, Path]:
+    """A certificate signed by `ca` (from `make_ca`): for a server, valid for 127.0.0.1, ::1 and localhost."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    ca_cert, ca_key = ca
+    key = ec.generate_private_key(ec.SECP256R1())
+    builder = _builder(stem, ca_cert.subject, key.public_key(), days)
+    if server:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("::1")),
+             x509.DNSName("localhost")]), critical=False)
+    return _write(folder, stem, builder.sign(ca_key, hashes.SHA256()), key)
+
+
+def local_tls(folder: Path) -> TlsFiles:
+    """A fresh CA with a server and a client certificate in `folder`."""
+    ca = make_ca(folder)
+    server = issue(folder, ca, "server", server=True)
+    client = issue(folder, ca, "client", server=False)
+    return TlsFiles(folder / "cotserve-local-ca.pem", *server, *client)
