@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install install-dev up test browser protos lint-protos readme demo-model testbed-model wasm-modules clean
+.PHONY: install install-dev up test browser protos lint-protos envoy-descriptor readme demo-model testbed-model wasm-modules clean
 
 # Strict editable mode: `cotserve` is a tree of links (build/__editable__.*) that editors and tools can follow
 # without setuptools' import hooks; a new module appears there at the next `make install` (or `make test`).
@@ -42,6 +42,10 @@ protos:
 
 lint-protos:
 	cd protos && buf lint
+
+## The gateway API's descriptor set for Envoy's gRPC-JSON transcoder (a test fails when it is stale).
+envoy-descriptor:
+	cd protos && buf build --path cotserve/gateway --as-file-descriptor-set --exclude-source-info -o ../deploy/envoy/gateway.binpb
 
 ## Remake README.md's command table from the command line's own definitions (a test fails when it is stale).
 readme:

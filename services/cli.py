@@ -14,7 +14,7 @@ import typer.main
 
 ROOMS = ("cotserve.up", "cotserve.sdk.cli", "cotserve.worker.cli", "cotserve.gateway.cli", "cotserve.telemetry.cli",
          "cotserve.slo.cli", "cotserve.router.cli", "cotserve.sandbox.cli", "cotserve.bench.cli", "cotserve.kveval.cli",
-         "cotserve.demo.cli")
+         "cotserve.demo.cli", "cotserve.common.tlsgen")
 """The modules whose `mount(root, serve)` adds commands, in the order `cotserve --help` lists them."""
 
 app = typer.Typer(help="cotserve: serve language models, reasoning models first.", no_args_is_help=True, add_completion=False,

@@ -34,3 +34,58 @@ def test_collector_fans_traces_out_to_telemetry_and_jaeger():
     endpoints = {cfg["exporters"][e]["endpoint"] for e in pipeline["exporters"]}
     assert endpoints == {"telemetry:4317", "jaeger:4317"}
     assert set(pipeline["processors"]) <= set(cfg["processors"])
+
+
+def _dockerfile() -> list[tuple[str, str]]:
+    """deploy/Dockerfile as (instruction, rest) pairs, continuation lines joined."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in lines]
+
+
+def test_the_image_runs_as_a_user_and_builds_dependencies_before_the_code():
+    steps = _dockerfile()
+    kinds = [k for k, _ in steps]
+    copies = [i for i, (k, rest) in enumerate(steps) if k == "COPY"]
+    code = next(i for i in copies if steps[i][1].startswith("services"))
+    torch = next(i for i, (k, rest) in enumerate(steps) if k == "RUN" and "torch" in rest)
+    deps = next(i for i, (k, rest) in enumerate(steps) if k == "RUN" and "requirements" in rest)
+    assert torch < deps < code, "torch and the requirements are layers below the code"
+    assert "download.pytorch.org/whl/cpu" in steps[torch][1] and 'cuda) pip install "torch' in steps[torch][1]
+    user = kinds.index("USER")
+    assert user > code and steps[user][1] == "cotserve" and any("useradd" in rest and "--uid 10001" in rest for k, rest in steps if k == "RUN")
+    assert steps[kinds.index("ENTRYPOINT")][1] == '["cotserve"]'
+    # every port a cotserve container publishes in the compose stack is one the image declares
+    exposed = {int(p) for k, rest in steps if k == "EXPOSE" for p in rest.split()}
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    for name, spec in compose.items():
+        if "build" in spec:
+            for mapping in spec.get("ports", []):
+                assert int(str(mapping).split(":")[-1]) in exposed, (name, mapping)
+    # the state folders the stack mounts volumes on exist in the image, owned by its user
+    made = next(rest for k, rest in steps if k == "RUN" and "useradd" in rest)
+    for name, spec in compose.items():
+        for volume in spec.get("volumes", []) if "build" in spec else []:
+            inside = volume.split(":")[1]
+            assert inside in made.split() and "chown -R cotserve:cotserve /var/lib/cotserve" in made, (name, inside)
+    ignored = [ln.strip() for ln in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")]
+    assert not {"services", "pyproject.toml", "README.md", "LICENSE"} & set(ignored)
+    assert {".git", "deploy/envoy/tls"} <= set(ignored)
+
+
+def test_compose_puts_envoy_in_front_of_the_gateway_with_its_files():
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    envoy = compose["envoy"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in envoy["volumes"]}
+    cfg = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+    assert envoy["command"][:2] == ["-c", "/etc/envoy/envoy.yaml"]
+    for inside, outside in mounts.items():
+        if inside != "/etc/envoy/tls":
+            assert (DEPLOY / outside).is_file(), outside
+    tls = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["transport_socket"]["typed_config"]
+    for cert in tls["common_tls_context"]["tls_certificates"]:
+        for key in ("certificate_chain", "private_key"):
+            assert cert[key]["filename"].startswith("/etc/envoy/tls/")
+    assert envoy["depends_on"]["gateway"]["condition"] == "service_healthy"
+    assert "8000:8000" in compose["gateway"]["ports"] and "--http-port" in compose["gateway"]["command"]

