@@ -195,7 +195,7 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
         children, _ = stack(model_dir, free_port(), None, full=False, worker_extra=("--stream-interval", str(interval), "--batch-stream-interval", str(interval)))
         gateway = children[-1].address
     with running(children, on_start=lambda child: say(f"starting {child.name} ...")):
-        procs = _service_pids(children)
+        procs = service_pids(children)
         cpu_before: dict[str, float] = {}
 
         async def measure():
@@ -217,7 +217,7 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
     return GatewayRun(interval, level, cpu, ttft, prompt, ids)
 
 
-def _service_pids(children: list) -> dict[str, int]:
+def service_pids(children: list) -> dict[str, int]:
     """The processes whose CPU time the bench reports: the worker's front, its engine process, the gateway."""
     if not children:
         return {}

@@ -111,9 +111,14 @@ def bench_isolation(
     max_num_seqs: int = typer.Option(32, help="The worker's batch size, so that the flood contends for it."),
     compare_batch_interval: bool = typer.Option(True, help="Also run the flood with BATCH streamed token by token "
                                                 "(--batch-stream-interval 1), the design before BATCH's 8-token messages."),
+    compare_batch_yield: bool = typer.Option(True, help="Also run the flood with BATCH decoding beside urgent prompts "
+                                             "(--no-batch-yields-to-urgent-prompts), the scheduler before BATCH yielded."),
+    compare_stagger: bool = typer.Option(True, help="Also run the flood with held streams writing in step with each "
+                                         "other (--no-stream-stagger), the design before their writes were spread."),
 ) -> None:
     """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
-    from cotserve.bench.isolation import RunResult, drive, goals, summarize
+    from cotserve.bench.baseline import service_pids
+    from cotserve.bench.isolation import cpu_table, drive, goals, summarize
     from cotserve.common.procs import free_port, running
 
     console = wide_console()
@@ -127,16 +132,23 @@ def bench_isolation(
     if compare_batch_interval:  # the design before: BATCH streamed token by token as every class
         runs.append(("B + flood, SLA on, BATCH per token", flood_concurrency,
                      (*worker_common, "--batch-stream-interval", "1"), ()))
+    if compare_batch_yield:  # the scheduler before: BATCH decodes in the step of an urgent prompt
+        runs.append(("B + flood, SLA on, BATCH not yielding", flood_concurrency,
+                     (*worker_common, "--no-batch-yields-to-urgent-prompts"), ()))
+    if compare_stagger:
+        runs.append(("B + flood, SLA on, writes not spread", flood_concurrency, (*worker_common, "--no-stream-stagger"), ()))
     results = []
     for name, flood, wargs, gargs in runs:
         children, _ = stack(model, free_port(), None, full=False, worker_extra=wargs, gateway_extra=gargs)
         with running(children):
             console.print(f"{name}: {duration_s:.0f} s ...", style="dim")
-            seconds, records, flood_tokens = asyncio.run(drive(
-                children[-1].address, duration_s=duration_s, flood_concurrency=flood,
-                interactive_rps=interactive_rps, realtime_rps=realtime_rps))
-            results.append(RunResult(name, seconds, records, flood_tokens))
+            result = asyncio.run(drive(children[-1].address, duration_s=duration_s, flood_concurrency=flood,
+                                       interactive_rps=interactive_rps, realtime_rps=realtime_rps,
+                                       pids=service_pids(children)))
+            result.name = name
+            results.append(result)
     console.print(summarize(results))
+    console.print(cpu_table(results))
     for line in goals(*results[:3]):
         console.print(line)
 

@@ -42,6 +42,7 @@ class RunResult:
     seconds: float
     by_class: dict[SlaClass, list[RequestRecord]]
     flood_tokens: int
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds of each process in B's window
 
     @property
     def total_tokens_per_s(self) -> float:
@@ -119,10 +120,18 @@ async def flood(address: str, concurrency: int) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _cpu(pids: dict[str, int]) -> dict[str, float]:
+    from cotserve.worker.utilization import process_cpu_seconds
+
+    return {name: process_cpu_seconds(pid) for name, pid in pids.items()}
+
+
 async def drive(address: str, *, duration_s: float, flood_concurrency: int, interactive_rps: float,
-                realtime_rps: float, seed: int = 0) -> tuple[float, dict[SlaClass, list[RequestRecord]], int]:
+                realtime_rps: float, seed: int = 0, pids: dict[str, int] | None = None) -> RunResult:
     """Tenant B's load for `duration_s` against `address`, with tenant A's flood (its own process) when
-    `flood_concurrency` > 0: the seconds, B's records by class, and A's tokens in B's window."""
+    `flood_concurrency` > 0: the seconds, B's records by class, A's tokens and the CPU seconds of each process in
+    `pids` (and of the two clients) in B's window."""
+    import os
     import sys
 
     rng = random.Random(seed)
@@ -139,7 +148,9 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
             await asyncio.sleep(2.0)  # let the flood fill the worker before B starts
             proc.stdin.write(b"start\n")
             await proc.stdin.drain()
+        pids = {**(pids or {}), "tenant B's client": os.getpid(), **({"tenant A's flood client": proc.pid} if proc else {})}
         async with AsyncClient(address) as b_client:
+            cpu_before = _cpu(pids)
             start = time.perf_counter()
             stop_at = start + duration_s
             await asyncio.gather(
@@ -147,6 +158,7 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
                 _open_loop(b_client, realtime_rps, stop_at, "realtime", prompts, 16, records[SlaClass.REALTIME], rng),
             )
             seconds = time.perf_counter() - start
+            cpu_s = {name: v - cpu_before[name] for name, v in _cpu(pids).items()}
         tokens_in_window = 0
         if proc is not None:
             proc.stdin.write(b"stop\n")
@@ -157,7 +169,22 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
         if proc is not None and proc.returncode is None:
             proc.kill()
             await proc.wait()
-    return seconds, records, tokens_in_window
+    return RunResult("", seconds, records, tokens_in_window, cpu_s)
+
+
+def cpu_table(results: list[RunResult]):
+    """Each process's share of one core in B's window, per run: where the flood's cost lands on the machine."""
+    from rich.table import Table
+
+    t = Table(title="CPU in tenant B's window (% of one core)")
+    t.add_column("process")
+    for r in results:
+        t.add_column(r.name, justify="right")
+    names = list(dict.fromkeys(n for r in results for n in r.cpu_s))
+    for name in names:
+        t.add_row(name, *(f"{100 * r.cpu_s[name] / r.seconds:.0f}" if name in r.cpu_s else "-" for r in results))
+    t.add_row("all", *(f"{100 * sum(r.cpu_s.values()) / r.seconds:.0f}" for r in results))
+    return t
 
 
 def summarize(results: list[RunResult]):

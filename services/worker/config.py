@@ -69,6 +69,9 @@ class WorkerConfig(TlsSettings):
     """priority (SLA class, then arrival) or fifo (arrival only; a baseline for benchmarks)."""
     max_batch_tokens_when_urgent: int = 256
     """BATCH tokens per step at most while REALTIME/INTERACTIVE work is present (BATCH's share still holds)."""
+    batch_yields_to_urgent_prompts: bool = True
+    """A step that computes a REALTIME/INTERACTIVE prompt runs no BATCH work (BATCH still runs at least every other
+    step), so an urgent request's first token waits on a step of urgent work only."""
     redis_url: str | None = None
     """Redis of the MoE control plane (an MoE model then follows its routing policy there)."""
     worker_id: str | None = None
@@ -85,6 +88,10 @@ class WorkerConfig(TlsSettings):
     """The stream interval of BATCH requests (at least stream_interval): their inter-token target is a second, so
     their tokens go out N at a time, and the CPU a flood of them costs on every hop (this worker's front, the
     gateway, the client) is left to the urgent classes; 1 streams them token by token."""
+    stream_stagger: bool = True
+    """Spread held streams' writes over the steps: each stream's first held message waits 1..interval tokens (dealt
+    round-robin), so streams that started together do not all write in the same step; an urgent stream's token
+    then never queues behind a burst of them on any hop."""
     engine_process: bool = True
     """Run the engine (model, KV cache, scheduler) in a process of its own, so that serving work in this one
     never shares a GIL with the model's steps; False: a thread of this process (as before, for debugging)."""

@@ -59,6 +59,7 @@ class EngineConfig:
     batch_min_share: float = _WORKER_DEFAULTS["batch_min_share"]
     scheduling: str = _WORKER_DEFAULTS["scheduling"]
     max_batch_tokens_when_urgent: int = _WORKER_DEFAULTS["max_batch_tokens_when_urgent"]
+    batch_yields_to_urgent_prompts: bool = _WORKER_DEFAULTS["batch_yields_to_urgent_prompts"]
     kv_cache_dtype: str = _WORKER_DEFAULTS["kv_cache_dtype"]
     kv_topk_pages: int = _WORKER_DEFAULTS["kv_topk_pages"]
     kv_skip_layers: tuple[int, ...] = _WORKER_DEFAULTS["kv_skip_layers"]
@@ -148,6 +149,7 @@ class EngineStats:
     step_latency_p95_ms: float = 0.0
     generated_tokens_per_s: float = 0.0
     num_preemptions_total: int = 0
+    num_batch_yields_total: int = 0  # steps BATCH sat out for an urgent prompt
     num_requests_finished_total: int = 0
     num_waiting_urgent_seqs: int = 0
     num_generated_tokens_total: int = 0
@@ -255,6 +257,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.batch_min_share, by_class=config.scheduling == "priority",
                                    max_batch_tokens_when_urgent=config.max_batch_tokens_when_urgent,
+                                   batch_yields_to_urgent_prompts=config.batch_yields_to_urgent_prompts,
                                    max_model_len=config.max_model_len, eos_token_ids=loaded.eos_token_ids)
         self.kv_spec = kv_spec_of(config, loaded)
         self.runner = ModelRunner(loaded, config.num_blocks, self.kv_spec)
@@ -751,6 +754,7 @@ class Engine:
             step_latency_p95_ms=percentile(steps, 95, empty=0.0),
             generated_tokens_per_s=sum(n for _, n in self._tokens) / span if self._tokens else 0.0,
             num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_batch_yields_total=self.scheduler.num_batch_yields_total,
             num_requests_finished_total=self._finished_total,
             num_generated_tokens_total=self._generated_total,
             moe_policy_version=self.policy_version,

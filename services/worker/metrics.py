@@ -77,6 +77,8 @@ def worker_registry(stats: Callable[[], EngineStats], model: str, total_blocks: 
             *_load(s, model, total_blocks), _step_histogram(s, model),
             counter("cotserve_worker_generated_tokens", "Tokens generated since start.", s.num_generated_tokens_total),
             counter("cotserve_worker_preemptions", "Preemptions since start.", s.num_preemptions_total),
+            counter("cotserve_worker_batch_yields", "Steps BATCH work sat out so that a REALTIME/INTERACTIVE prompt "
+                    "ran alone.", s.num_batch_yields_total),
             counter("cotserve_worker_requests_finished", "Requests finished (any way) since start.", s.num_requests_finished_total),
             counter("cotserve_worker_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache at admission.", s.prefix_cache_queried_tokens),
             counter("cotserve_worker_prefix_cache_hit_tokens", "Tokens found in the prefix cache at admission.", s.prefix_cache_hit_tokens),

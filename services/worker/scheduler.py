@@ -70,10 +70,15 @@ class Scheduler:
       sequence, it waits a step and takes it from the cache instead of computing it twice.
     - A sequence whose samples fork once its prompt is computed (`group_size` > 1) is admitted
       only when there are seats for all of them.
-    - BATCH work, when there is any, keeps `batch_min_share` of each step's token budget; while
+    - BATCH work, when there is any, keeps `batch_min_share` of each step's token budget (each step it
+      does not sit out, below); while
       urgent work is present, BATCH takes at most `max_batch_tokens_when_urgent` tokens a step
       (but never less than its share), so a wave of BATCH prefill cannot stretch the steps that
       urgent sequences wait on.
+    - A step that computes an urgent sequence's prompt (a REALTIME/INTERACTIVE arrival, or one back from
+      preemption) runs no BATCH work at all (`batch_yields_to_urgent_prompts`): the urgent request's first
+      token then waits on a step of urgent work only, not on every BATCH decode besides. BATCH yields at most
+      every other step, so a stream of urgent arrivals cannot starve it.
 
     Only the engine thread calls it. Every path that ends a sequence (`finish`, `abort`) frees
     its blocks, so no block outlives its sequence.
@@ -81,7 +86,8 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  batch_min_share: float = 0.1, by_class: bool = True, max_batch_tokens_when_urgent: int = 256,
-                 max_model_len: int = 2**31 - 1, eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 max_model_len: int = 2**31 - 1, eos_token_ids: frozenset[int] = frozenset(),
+                 batch_yields_to_urgent_prompts: bool = True) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if not 0.0 <= batch_min_share <= 1.0:
@@ -93,6 +99,9 @@ class Scheduler:
         self.key = priority if by_class else arrival_order
         self.by_class = by_class
         self.max_batch_tokens_when_urgent = max_batch_tokens_when_urgent
+        self.batch_yields_to_urgent_prompts = batch_yields_to_urgent_prompts and by_class
+        self.batch_yielded = False  # the last step ran no BATCH work because of an urgent prompt
+        self.num_batch_yields_total = 0
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
@@ -121,19 +130,28 @@ class Scheduler:
             return 0
         return math.ceil(self.batch_min_share * self.max_num_batched_tokens)
 
+    def _may_yield(self) -> bool:
+        """Whether BATCH may sit this step out: it ran last step and an urgent sequence has prompt tokens to compute."""
+        return self.batch_yields_to_urgent_prompts and not self.batch_yielded and any(
+            s.sla_class != SlaClass.BATCH and s.num_computed_tokens < len(s) - 1 for s in (*self.running, *self.waiting))
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        reserve = self._batch_reserve()
+        may_yield = self._may_yield()
+        reserve = 0 if may_yield else self._batch_reserve()  # a step BATCH sits out keeps no share for it
         batch_cap = self.max_num_batched_tokens
         if self.by_class and any(s.sla_class != SlaClass.BATCH for s in (*self.running, *self.waiting)):
             batch_cap = max(reserve, self.max_batch_tokens_when_urgent)
         used_urgent = used_batch = 0
         scheduled: set[int] = set()
-        admission_blocked = False
+        admission_blocked = urgent_prompt = yielded = False
         for seq in sorted([*self.running, *self.waiting], key=self.key):
             if seq.status == SequenceStatus.PREEMPTED and seq in batch.preempted:
                 continue  # preempted a moment ago in this very step
             is_batch = seq.sla_class == SlaClass.BATCH
+            if is_batch and urgent_prompt and may_yield:
+                yielded = True  # every urgent sequence came first (priority order): BATCH sits this step out
+                break
             limit = self.max_num_batched_tokens - used_urgent - used_batch
             if is_batch:
                 limit = min(limit, batch_cap - used_batch)
@@ -154,19 +172,9 @@ class Scheduler:
             else:
                 if admission_blocked:
                     continue
-                if not self._can_admit(seq, target, scheduled, hit) or not (
-                    self._make_seat(seq, batch, scheduled) and self._make_room(seq, target, batch, scheduled, False, hit)
-                ):
+                if not self._admit(seq, start, target, hit, batch, scheduled):
                     admission_blocked = True  # strict priority: nothing newer jumps ahead of it
                     continue
-                self.waiting.remove(seq)
-                seq.status = SequenceStatus.RUNNING
-                if not seq.num_preemptions:
-                    bm = self.block_manager
-                    seq.kv_used_fraction_at_admission = bm.num_used_blocks / bm.num_blocks
-                    seq.num_cached_tokens = min(start, len(seq.prompt_ids))
-                seq.record("scheduled")
-                self.running.append(seq)
             self.block_manager.allocate(seq, target, hit)
             batch.items.append(ScheduledSeq(seq, n))
             scheduled.add(seq.seq_id)
@@ -174,9 +182,30 @@ class Scheduler:
                 used_batch += n
             else:
                 used_urgent += n
+                urgent_prompt = urgent_prompt or start < len(seq) - 1
+        self.batch_yielded = yielded
+        self.num_batch_yields_total += yielded
         if batch.items:  # an empty batch runs nothing: planned copies wait for the next one
             batch.block_copies = self.block_manager.take_copies()
         return batch
+
+    def _admit(self, seq: Sequence, start: int, target: int, hit: CacheHit, batch: ScheduledBatch,
+               scheduled: set[int]) -> bool:
+        """Move a waiting `seq` to running with room for `target` tokens (a seat and blocks, preempting less urgent
+        work when it must); False, and nothing changed, when it cannot be."""
+        if not self._can_admit(seq, target, scheduled, hit) or not (
+            self._make_seat(seq, batch, scheduled) and self._make_room(seq, target, batch, scheduled, False, hit)
+        ):
+            return False
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        if not seq.num_preemptions:
+            bm = self.block_manager
+            seq.kv_used_fraction_at_admission = bm.num_used_blocks / bm.num_blocks
+            seq.num_cached_tokens = min(start, len(seq.prompt_ids))
+        seq.record("scheduled")
+        self.running.append(seq)
+        return True
 
     def advance(self, batch: ScheduledBatch) -> None:
         """After the forward pass: the scheduled tokens are computed; full blocks join the prefix cache."""

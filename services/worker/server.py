@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import os
 import signal
@@ -117,10 +118,16 @@ class _PhaseSpans:
 
 class _Held:
     """A stream's messages produced and not yet written: held until `interval` tokens are (the worker's
-    --stream-interval); the first token and the stream's end go out at once."""
+    --stream-interval); the first token and the stream's end go out at once.
 
-    def __init__(self, interval: int) -> None:
+    `phase` (1..interval) is how many tokens the first held message waits for; every later one waits `interval`.
+    The servicer deals phases round-robin, so that streams which started together (a wave of BATCH) do not all
+    write in the same step every `interval` steps: their messages spread evenly over the steps, and an urgent
+    stream's token never queues behind a burst of them in this process, the gateway and the clients."""
+
+    def __init__(self, interval: int, phase: int | None = None) -> None:
         self.interval = interval
+        self.due = interval if phase is None else max(1, min(phase, interval))
         self.messages: list[worker_pb2.GenerateResponse] = []
         self.tokens = 0
         self.written = False
@@ -131,9 +138,11 @@ class _Held:
 
     def take(self, finished: bool) -> list[worker_pb2.GenerateResponse]:
         """What to write now, merged (common/streams.coalesce): nothing while the interval holds it back."""
-        if not (finished or not self.written or self.tokens >= self.interval):
+        if not (finished or not self.written or self.tokens >= self.due):
             return []
         out = coalesce(self.messages)
+        if self.written and self.tokens:
+            self.due = self.interval
         self.written = self.written or self.tokens > 0
         self.messages, self.tokens = [], 0
         return out
@@ -143,7 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Thin: converts at the edge and hands the request to the engine."""
 
     def __init__(self, tracer_provider: TracerProvider | None = None, stream_interval: int = 1,
-                 batch_stream_interval: int = 1) -> None:
+                 batch_stream_interval: int = 1, stream_stagger: bool = True) -> None:
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.worker")
         self.stream_interval = stream_interval  # WorkerConfig.stream_interval
         self.batch_stream_interval = max(stream_interval, batch_stream_interval)  # WorkerConfig.batch_stream_interval
@@ -154,6 +163,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._block_bytes = 0  # KV bytes per block, known once the model is loaded
         self._token_chars = 1  # characters of the longest token, known once the model is loaded
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cotserve-tokenize")
+        self._phases = itertools.count() if stream_stagger else None  # _Held's phases, dealt round-robin
 
     def attach(self, engine: Engine | EngineProcess, loaded: LoadedModel) -> None:
         """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
@@ -224,7 +234,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         finished = False
         reasons: dict[int, str] = {}  # finish reason per sample
         phases = _PhaseSpans(self.tracer, span, arrival_ns)
-        held = _Held(self.batch_stream_interval if call.sla_class == SlaClass.BATCH else self.stream_interval)
+        interval = self.batch_stream_interval if call.sla_class == SlaClass.BATCH else self.stream_interval
+        held = _Held(interval, None if self._phases is None else 1 + next(self._phases) % interval)
         try:
             while not finished:
                 # everything the engine produced since the last write: one message per sample and part when this
@@ -365,7 +376,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     dies, health turns NOT_SERVING (in-flight calls fail with the reason) and `on_engine_death` is called."""
     cfg.validate()
     set_torch_threads(cfg, resolve_device(cfg.device))
-    servicer = WorkerServicer(tracer_provider, cfg.stream_interval, cfg.batch_stream_interval)
+    servicer = WorkerServicer(tracer_provider, cfg.stream_interval, cfg.batch_stream_interval, cfg.stream_stagger)
     spec = ServiceSpec("cotserve.worker.v1.WorkerService",
                        lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider, tls=cfg)

@@ -64,18 +64,20 @@ def test_baseline_command_prints_ratios_against_transformers():
 
 
 def test_isolation_drive_records_every_tenant_b_request(demo_gateway):
-    from cotserve.bench.isolation import RunResult, drive, goals, summarize
+    from cotserve.bench.isolation import cpu_table, drive, goals, summarize
     from cotserve.common.sampling import SlaClass
 
-    seconds, records, flood_tokens = asyncio.run(drive(demo_gateway, duration_s=1.0, flood_concurrency=2,
-                                                       interactive_rps=4.0, realtime_rps=2.0))
-    assert flood_tokens > 0 and seconds >= 1.0
+    run = asyncio.run(drive(demo_gateway, duration_s=1.0, flood_concurrency=2, interactive_rps=4.0, realtime_rps=2.0))
+    assert run.flood_tokens > 0 and run.seconds >= 1.0
     for cls in (SlaClass.INTERACTIVE, SlaClass.REALTIME):
-        assert records[cls], cls
-        assert all(r.error is None and r.tokens == (32 if cls == SlaClass.INTERACTIVE else 16) for r in records[cls])
-    run = RunResult("x", seconds, records, flood_tokens)
+        assert run.by_class[cls], cls
+        assert all(r.error is None and r.tokens == (32 if cls == SlaClass.INTERACTIVE else 16) for r in run.by_class[cls])
     assert run.total_tokens_per_s > 0
+    # both clients' CPU in B's window is measured (this process and the flood's)
+    assert set(run.cpu_s) == {"tenant B's client", "tenant A's flood client"}
+    assert run.cpu_s["tenant B's client"] > 0 and run.cpu_s["tenant A's flood client"] > 0
     summarize([run])
+    cpu_table([run])
     assert len(goals(run, run, run)) == 3
 
 

@@ -90,9 +90,10 @@ def test_a_stream_interval_sends_tokens_in_groups_on_both_hops_from_the_first_to
     assert "".join(c.text for c in chunks) == "".join(c.text for c in every)
     sizes = [len(c.token_ids) for c in chunks]
     assert sizes[0] == 1, sizes  # the first token is not held back
-    # the others 8 or more to a message, but where the reasoning part ends (one write, two chunks) and at the end
-    assert sum(1 for n in sizes[1:] if n < 8) <= 3, sizes
-    assert len(chunks) <= 3 + (NEW_TOKENS - 1) // 8, sizes
+    # the second message: the stream's phase (1..8 tokens: streams' writes are spread over the steps); the
+    # others 8 or more to a message, but where the reasoning part ends (one write, two chunks) and at the end
+    assert sum(1 for n in sizes[2:] if n < 8) <= 3, sizes
+    assert len(chunks) <= 4 + (NEW_TOKENS - 1) // 8, sizes
     assert chunks[-1].usage.completion_tokens == NEW_TOKENS and chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
@@ -110,7 +111,41 @@ def test_batch_streams_go_out_eight_tokens_at_a_time_by_default(demo_worker):
     assert [t for c in batch for t in c.token_ids] == [t for c in interactive for t in c.token_ids]
     assert "".join(c.text for c in batch) == "".join(c.text for c in interactive)
     sizes = [len(c.token_ids) for c in batch]
-    assert sizes[0] == 1 and sum(1 for n in sizes[1:] if n < 8) <= 3 and len(batch) <= 3 + (NEW_TOKENS - 1) // 8, sizes
+    assert sizes[0] == 1 and sum(1 for n in sizes[2:] if n < 8) <= 3 and len(batch) <= 4 + (NEW_TOKENS - 1) // 8, sizes
+
+
+@pytest.mark.parametrize("phase", range(1, 9))
+def test_a_held_stream_writes_its_first_token_then_its_phase_then_every_interval(phase):
+    from cotserve.worker.server import _Held
+
+    held = _Held(8, phase)
+    writes = []
+    for step in range(1, 31):
+        held.add(worker_pb2.GenerateResponse(token_ids=[step]))
+        taken = held.take(finished=step == 30)
+        if taken:
+            writes.append([t for m in taken for t in m.token_ids])
+    sizes = [len(w) for w in writes]
+    assert [t for w in writes for t in w] == list(range(1, 31))  # every token, in order, none twice
+    full, rest = divmod(30 - 1 - phase, 8)
+    assert sizes == [1, phase] + [8] * full + ([rest] if rest else []), sizes
+
+
+def test_streams_that_start_together_write_on_different_steps():
+    """Eight BATCH streams admitted in the same step, phases dealt round-robin: after their first tokens, each step
+    writes one of them, not all eight every eighth step."""
+    from cotserve.worker.server import _Held
+
+    streams = [_Held(8, 1 + k % 8) for k in range(8)]
+    writers_per_step = []
+    for step in range(40):
+        writers = 0
+        for held in streams:
+            held.add(worker_pb2.GenerateResponse(token_ids=[step]))
+            writers += bool(held.take(finished=False))
+        writers_per_step.append(writers)
+    assert writers_per_step[0] == 8  # every first token at once
+    assert writers_per_step[1:] == [1] * 39
 
 
 def test_a_stream_interval_below_one_is_refused_naming_the_field():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from cotserve.worker.block_manager import BlockManager
 from cotserve.worker.scheduler import Scheduler
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
@@ -21,12 +23,12 @@ def seq(cls: SlaClass, prompt_len: int = 4, max_new_tokens: int = 16, name: str 
     return s
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, share=0.1) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, share)
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, share=0.1, yields=True) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, share, batch_yields_to_urgent_prompts=yields)
 
 
 def test_orders_by_class_then_arrival():
-    s = make(budget=4)  # BATCH keeps ceil(10% of 4) = 1 token per step; urgent work gets 3
+    s = make(budget=4, yields=False)  # BATCH keeps ceil(10% of 4) = 1 token per step; urgent work gets 3
     b, i1, i2, r = seq(B), seq(I), seq(I), seq(R)
     for q in (b, i1, i2, r):
         s.add(q)
@@ -117,19 +119,24 @@ def test_preempted_sequence_is_readmitted_before_newer_work_of_its_class():
     assert_no_leak(s)
 
 
-def test_batch_keeps_its_minimum_share_of_the_token_budget():
-    s = make(num_blocks=256, block_size=16, budget=100, share=0.1)
+@pytest.mark.parametrize("yields", [False, True])
+def test_batch_keeps_its_minimum_share_of_the_token_budget(yields):
+    """Its share of every step, or (yielding to urgent prompts) of every other step; a step it sits out gives the
+    whole budget to the urgent prompts."""
+    s = make(num_blocks=256, block_size=16, budget=100, share=0.1, yields=yields)
     for _ in range(5):
         s.add(seq(I, 200, max_new_tokens=4))  # interactive prompts that alone would fill every step
     b = seq(B, 50, max_new_tokens=4)
     s.add(b)
-    batch_tokens = []
-    for _ in range(3):
+    batch_tokens, totals = [], []
+    for _ in range(4):
         batch = s.schedule()
-        assert batch.num_tokens <= 100
+        totals.append(batch.num_tokens)
         batch_tokens.append(sum(x.num_tokens for x in batch.items if x.seq is b))
         run_step(s, batch)
-    assert batch_tokens == [10, 10, 10]
+    assert totals == [100] * 4
+    assert batch_tokens == ([0, 10, 0, 10] if yields else [10, 10, 10, 10])
+    assert s.num_batch_yields_total == (2 if yields else 0)
 
 
 def test_without_batch_work_interactive_uses_the_whole_budget():
@@ -182,6 +189,47 @@ def test_batch_prefill_is_capped_while_urgent_work_is_present():
         s.add(q)
     urgent = seq(I, 8, max_new_tokens=4)
     s.add(urgent)
+    def tokens_by_class(batch):
+        return {c: sum(x.num_tokens for x in batch.items if x.seq.sla_class == c) for c in (I, B)}
+
     batch = s.schedule()
-    by_class = {c: sum(x.num_tokens for x in batch.items if x.seq.sla_class == c) for c in (I, B)}
-    assert by_class[I] == 8 and by_class[B] == 300  # 2 decodes + 298 prefill tokens, not 800
+    assert tokens_by_class(batch) == {I: 8, B: 0}  # the urgent prompt's step: BATCH sits it out
+    run_step(s, batch)
+    assert tokens_by_class(s.schedule()) == {I: 1, B: 300}  # 2 decodes + 298 prefill tokens, not 800
+
+
+def test_a_step_with_an_urgent_prompt_runs_no_batch_and_batch_never_sits_out_twice_in_a_row():
+    s = make(num_blocks=256, block_size=4, max_num_seqs=16, budget=64)
+    flood = [seq(B, 4, max_new_tokens=50) for _ in range(6)]
+    for q in flood:
+        s.add(q)
+    run_step(s, s.schedule())
+    run_step(s, s.schedule())  # BATCH decoding, nothing urgent
+    arrivals = []
+    classes_per_step = []
+    for step in range(6):  # an urgent arrival every step
+        arrivals.append(seq(R if step % 2 else I, 5, max_new_tokens=8))
+        s.add(arrivals[-1])
+        batch = s.schedule()
+        classes_per_step.append({x.seq.sla_class for x in batch.items})
+        prompts = [x.seq for x in batch.items if x.num_tokens > 1]
+        run_step(s, batch)
+        if B not in classes_per_step[-1]:
+            assert prompts == [arrivals[-1]]  # BATCH sat out for this step's urgent prompt, and only then
+    # steps alternate: an urgent prompt alone, then urgent prompt + urgent decodes + every BATCH decode
+    assert [B in c for c in classes_per_step] == [False, True, False, True, False, True]
+    assert s.num_batch_yields_total == 3
+    # with only urgent decodes left, BATCH runs every step
+    batch = s.schedule()
+    assert {x.seq for x in batch.items if x.seq.sla_class == B} == set(flood)
+    assert_no_leak(s)
+
+
+def test_fifo_and_the_switch_off_never_make_batch_yield():
+    for s in (Scheduler(BlockManager(64, 4), 8, 64, 0.1, by_class=False), make(yields=False)):
+        b = seq(B, 4)
+        s.add(b)
+        run_step(s, s.schedule())
+        s.add(seq(I, 5))
+        assert b in [x.seq for x in s.schedule().items]
+        assert s.num_batch_yields_total == 0
