@@ -109,3 +109,35 @@ def test_a_hugging_face_cache_snapshot_loads_by_repo_id_and_is_named_after_it(go
     assert resolve_checkpoint("acme/tiny-llama")[0] == repo / "snapshots" / new
     with pytest.raises(ModelLoadError, match=f"acme/other: model folder not found, nor a Hugging Face repo id with a snapshot in {cache}"):
         load_model("acme/other")
+
+
+def test_projections_are_fused_without_a_second_copy_and_compute_the_same(good):
+    """After loading, each layer's q/k/v and gate/up run as one matrix multiply each: the checkpoint's parameters
+    are slices of the fused weight (same storage, nothing held twice), hold the checkpoint's values, and the
+    fused forward gives what the separate projections give."""
+    from safetensors.torch import load_file
+
+    from cotserve.worker.models.attention import DenseCausalAttention
+
+    loaded = load_model(good)
+    model = loaded.model
+    saved = load_file(str(good / "model.safetensors"))
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, _ = attn.qkv
+        gate_up, _ = mlp.gate_up
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+            assert lin.weight.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()
+        for lin in (mlp.gate_proj, mlp.up_proj):
+            assert lin.weight.untyped_storage().data_ptr() == gate_up.untyped_storage().data_ptr()
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            key = f"model.layers.{i}.{name}.weight"
+            assert torch.equal(model.state_dict()[key], saved[key]), key
+    assert set(model.state_dict()) >= {k for k in saved if "rotary" not in k}
+    ids = torch.tensor([5, 9, 13, 200, 7, 42, 3, 11])
+    positions = torch.arange(8)
+    fused = model.compute_logits(model(ids, positions, DenseCausalAttention(1, 8)))
+    for layer in model.model.layers:
+        layer.self_attn.qkv, layer.mlp.gate_up = None, None  # back to one multiply per projection
+    separate = model.compute_logits(model(ids, positions, DenseCausalAttention(1, 8)))
+    torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)

@@ -65,6 +65,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for `linears` that read the same input: their rows concatenated, and each linear's own
+    parameters re-pointed at its slice, so the checkpoint's names still hold the weights and nothing is stored
+    twice. One matrix multiply then does the work of several (a step's cost on small models is per operation)."""
+    weight = torch.cat([lin.weight for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start:start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -75,14 +92,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv_out, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, kv_out, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_out, h, bias=cfg.o_bias)
+        self.splits = (q_out, kv_out, kv_out)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse` once the weights are loaded
+
+    def fuse(self) -> None:
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = nn.functional.linear(x, *self.qkv).split(self.splits, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(q.reshape(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = attn.attend(self.layer, q, k, v)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
@@ -96,9 +122,16 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse`
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = nn.functional.linear(x, *self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -155,6 +188,13 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)
+
+    def fuse_projections(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections into one matrix multiply each (after loading)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            if hasattr(layer, "mlp"):
+                layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         return self.lm_head(hidden)

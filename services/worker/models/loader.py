@@ -194,6 +194,7 @@ def load_model(
     for block in model.moe_blocks():  # plain-tensor state made on the meta device: make it real
         block.load = torch.zeros(block.num_experts, dtype=torch.int64)
     model.eval().requires_grad_(False)
+    model.fuse_projections()
     tokenizer, eos = load_tokenizer(folder, cfg)
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, eos_token_ids=eos,
