@@ -13,11 +13,11 @@ EDITABLE := --config-settings editable_mode=strict
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
-	$(PIP) install -q -e . $(EDITABLE)
+	$(PIP) install -q -e ".[all]" $(EDITABLE)
 
 install-dev:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
-	$(PIP) install -q -e ".[dev]" $(EDITABLE)
+	$(PIP) install -q -e ".[all,dev]" $(EDITABLE)
 
 ## Start the whole stack on the embedded defaults (bundled demo model), Ctrl-C to stop.
 up: install

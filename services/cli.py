@@ -8,6 +8,7 @@ wins over defaults.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
 import typer.main
@@ -53,11 +54,30 @@ def readme_with_commands(text: str) -> str:
     return f"{head}{TABLE_START}\n{command_table(typer.main.get_command(app))}{TABLE_END}{tail}"
 
 
+SERVICE_EXTRAS = ("worker", "gateway", "router", "slo", "sandbox", "telemetry")
+"""Services whose packages are the extra of their name (`pip install 'cotserve[worker]'`); everything else that needs
+more than the client's packages (`up`, `bench`, ...) is in `cotserve[all]`."""
+
+
+def missing_extra_message(argv: list[str], err: ModuleNotFoundError) -> str:
+    """What to tell a user whose install lacks a package the command imports: the extra that brings it."""
+    extra = argv[2] if argv[1:2] == ["serve"] and argv[2:3] and argv[2] in SERVICE_EXTRAS else "all"
+    command = " ".join(["cotserve", *argv[1:3 if extra != "all" else 2]])
+    return (f"{command}: a package it needs is not installed ({err.name or err}): "
+            f"pip install 'cotserve[{extra}]'")
+
+
 def main() -> None:
     from cotserve.common.procs import die_with_supervisor
 
     die_with_supervisor()
-    app()
+    try:
+        app(standalone_mode=True)
+    except ModuleNotFoundError as err:
+        if err.name and err.name.partition(".")[0] in ("cotserve",):
+            raise  # our own code missing is a bug, not an install choice
+        typer.echo(missing_extra_message(sys.argv, err), err=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ from cotserve.common.procs import free_port, health_status, redis_child, wait_se
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _start_service(service: str, args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
-    """Start `cotserve serve SERVICE` on a free loopback port and wait until it reports SERVING."""
+def _start_service(service: str, args: list[str], timeout_s: float,
+                   env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `cotserve serve SERVICE` on a free loopback port and wait until it reports SERVING (`env`: more
+    environment variables for it)."""
     from grpc_health.v1 import health_pb2
 
     port = free_port()
@@ -30,7 +32,7 @@ def _start_service(service: str, args: list[str], timeout_s: float) -> tuple[sub
     proc = subprocess.Popen(
         [sys.executable, "-m", "cotserve.cli", "serve", service, "--port", str(port), *args],
         stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
 
     def output() -> str:

@@ -37,10 +37,49 @@ def test_collector_fans_traces_out_to_telemetry_and_jaeger():
 
 
 def _dockerfile() -> list[tuple[str, str]]:
-    """deploy/Dockerfile as (instruction, rest) pairs, continuation lines joined."""
-    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in lines]
+    """deploy/Dockerfile as (instruction, rest) pairs, continuation lines joined, a heredoc's lines part of its RUN."""
+    steps: list[tuple[str, str]] = []
+    heredoc = None
+    for line in (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ").splitlines():
+        if heredoc is not None:
+            if line.strip() == heredoc:
+                heredoc = None
+            else:
+                steps[-1] = (steps[-1][0], steps[-1][1] + "\n" + line)
+            continue
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        kind, _, rest = line.strip().partition(" ")
+        steps.append((kind.upper(), rest))
+        if "<<'" in rest:
+            heredoc = rest.split("<<'", 1)[1].split("'", 1)[0]
+    return steps
+
+
+def test_the_image_installs_the_services_extras():
+    """The requirements the image installs are pyproject's service extras: all but [gpu] on the CPU image
+    (no triton, no NVIDIA libraries), everything on the CUDA one."""
+    import subprocess
+    import sys
+    import tomllib
+
+    script = next(rest for k, rest in _dockerfile() if k == "RUN" and "requirements.txt <<" in rest).split("\n", 1)[1]
+
+    def requirements(variant: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-", variant], input=script, capture_output=True, text=True,
+                             cwd=DEPLOY.parent, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split("\n")
+
+    cpu, cuda = requirements("cpu"), requirements("cuda")
+    project = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    for extra in ("worker", "gateway", "router", "slo", "sandbox", "telemetry", "serve"):
+        for req in extras[extra]:
+            assert req.startswith("cotserve[") or req in cpu, (extra, req)
+    assert set(project["dependencies"]) <= set(cpu)
+    assert not [r for r in cpu if r.startswith(("triton", "nvidia"))]
+    assert [r for r in cuda if r.startswith("triton")] and set(cpu) < set(cuda)
 
 
 def test_the_image_runs_as_a_user_and_builds_dependencies_before_the_code():

@@ -34,7 +34,7 @@ def test_the_editable_install_is_a_tree_of_links_editors_can_follow():
     holds every module of services/ (a module added since the install needs `make install` again)."""
     makefile = (ROOT / "Makefile").read_text()
     assert "EDITABLE := --config-settings editable_mode=strict" in makefile
-    assert "install -q -e . $(EDITABLE)" in makefile and 'install -q -e ".[dev]" $(EDITABLE)' in makefile
+    assert 'install -q -e ".[all]" $(EDITABLE)' in makefile and 'install -q -e ".[all,dev]" $(EDITABLE)' in makefile
     import cotserve
 
     tree = Path(cotserve.__file__).parent
@@ -82,7 +82,8 @@ def test_the_generated_code_imports_on_the_declared_floors(tmp_path):
     import subprocess
     import sys
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["serve"]
     floors = dict(f for f in map(_floor, deps) if f is not None)
     assert set(floors) == set(FLOORS), floors
     target = tmp_path / "floors"
@@ -97,3 +98,129 @@ def test_the_generated_code_imports_on_the_declared_floors(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(target)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == [floors["protobuf"], floors["grpcio"]]
+
+
+# ---- extras: each runs with only its own packages ----------------------------------------------------------------
+ONLY_DISTS = ROOT / "tests" / "only_dists"  # sitecustomize.py: COTSERVE_ONLY_DISTS hides every other distribution
+
+
+def extra_distributions(*extras: str) -> list[str]:
+    """The distributions `pip install cotserve[EXTRAS]` asks for (the client's, and each extra's, self-references
+    expanded; environment markers evaluated here)."""
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out, todo, seen = list(project["dependencies"]), list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        seen.add(extra)
+        for text in project["optional-dependencies"][extra]:
+            req = Requirement(text)
+            if req.name == "cotserve":
+                todo.extend(req.extras)
+            elif req.marker is None or req.marker.evaluate():
+                out.append(text)
+    return sorted({Requirement(t).name for t in out})
+
+
+def only(*extras: str) -> dict[str, str]:
+    """Environment for a process that sees only what `pip install cotserve[EXTRAS]` installs (and the standard
+    library; cotserve's own code is always there)."""
+    return {"PYTHONPATH": os.pathsep.join([str(ONLY_DISTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            "COTSERVE_ONLY_DISTS": ",".join(extra_distributions(*extras))}
+
+
+def run_cotserve(env: dict[str, str], *args: str, timeout: float = 120):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "cotserve.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env})
+
+
+def test_the_guard_hides_what_an_extra_does_not_install():
+    """The check the tests below rely on: with only the client's packages, torch and xgboost cannot be imported
+    (though installed here), grpc can."""
+    import subprocess
+    import sys
+
+    script = ("import importlib\nfor m in ('grpc', 'google.protobuf', 'typer', 'torch', 'xgboost', 'aiohttp'):\n"
+              "    try: importlib.import_module(m); print(m, 'ok')\n"
+              "    except ModuleNotFoundError: print(m, 'missing')")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **only()})
+    assert out.stdout.split("\n")[:6] == ["grpc ok", "google.protobuf ok", "typer ok", "torch missing",
+                                          "xgboost missing", "aiohttp missing"], out.stderr
+    assert "torch" not in extra_distributions() and "torch" in extra_distributions("worker")
+
+
+def test_the_client_alone_runs_every_help_and_generate(demo_gateway):
+    """`pip install cotserve`: the SDK and the client commands, without torch, xgboost, wasmtime or the servers'
+    packages: every command's --help, and a real `cotserve generate` through a gateway."""
+    env = only()
+    for args in (["--help"], ["--version"], ["generate", "--help"], ["serve", "worker", "--help"], ["bench", "--help"],
+                 ["serve", "gateway", "--help"], ["tls", "init", "--help"]):
+        out = run_cotserve(env, *args)
+        assert out.returncode == 0, (args, out.stderr[-2000:])
+    out = run_cotserve(env, "generate", "--address", demo_gateway, "--max-new-tokens", "4", "37+48-12=")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip()
+    sdk = "from cotserve.sdk import Client\nwith Client(ADDRESS) as c: print(len(c.generate('1+2=', max_new_tokens=3).token_ids))"
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", sdk.replace("ADDRESS", repr(demo_gateway))], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, **env})
+    assert out.returncode == 0 and out.stdout.split() == ["3"], out.stderr[-2000:]
+
+
+def test_a_service_without_its_extra_says_which_to_install():
+    out = run_cotserve(only(), "serve", "sandbox", "--port", "0")
+    assert out.returncode == 1
+    assert "pip install 'cotserve[sandbox]'" in out.stderr and "wasmtime" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("service", ["worker", "gateway", "router", "slo", "sandbox", "telemetry"])
+def test_each_service_serves_with_only_its_extra(service, demo_worker):
+    """`pip install cotserve[SERVICE]` is enough for `cotserve serve SERVICE` (the worker's engine process
+    included): it starts and reports SERVING with every other package hidden."""
+    from tests.conftest import _start_service, stop_process
+
+    args = {"gateway": ["--worker", demo_worker], "worker": ["--max-num-seqs", "4"]}.get(service, [])
+    proc, _ = _start_service(service, args, 120, env=only(service))
+    stop_process(proc)
+
+
+def test_the_client_installs_alone_into_a_fresh_environment(tmp_path, demo_gateway):
+    """`pip install cotserve` in a new virtual environment (nothing shared with this one): the client's packages and
+    nothing of the services' (no torch, xgboost, wasmtime, aiohttp, OpenTelemetry SDK), and `cotserve generate` runs."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(ROOT)], capture_output=True,
+                         text=True, timeout=600)
+    assert pip.returncode == 0, pip.stderr[-3000:]
+    listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format", "freeze"],
+                            capture_output=True, text=True, timeout=120).stdout
+    names = {line.split("==")[0].lower().replace("_", "-") for line in listed.split()}
+    assert {"cotserve", "grpcio", "protobuf", "typer"} <= names
+    assert not names & {"torch", "triton", "xgboost", "xgboost-cpu", "wasmtime", "aiohttp", "opentelemetry-sdk",
+                        "numpy", "redis", "matplotlib"}, names
+    out = subprocess.run([str(venv / "bin" / "cotserve"), "generate", "--address", demo_gateway, "--max-new-tokens",
+                          "4", "37+48-12="], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
+
+
+def test_the_missing_package_message_names_the_extra_to_install():
+    from cotserve.cli import missing_extra_message
+
+    err = ModuleNotFoundError("No module named 'torch'", name="torch")
+    assert missing_extra_message(["cotserve", "serve", "worker", "--port", "1"], err) == (
+        "cotserve serve worker: a package it needs is not installed (torch): pip install 'cotserve[worker]'")
+    assert missing_extra_message(["cotserve", "bench", "baseline"], err) == (
+        "cotserve bench: a package it needs is not installed (torch): pip install 'cotserve[all]'")

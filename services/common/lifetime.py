@@ -8,6 +8,10 @@ import ctypes
 import os
 import signal
 
+ADDRESS_FILE_ENV = "COTSERVE_ADDRESS_FILE"
+"""When set (by `cotserve up`), the file a service writes its bound gRPC address to once it listens: services
+started with port 0 bind a free port themselves and report it, so no port is picked free and then raced for."""
+
 
 def follow_parent(parent: int) -> None:
     """Ask the kernel to SIGTERM this process when its parent dies, even by SIGKILL (Linux; the request

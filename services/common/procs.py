@@ -19,8 +19,7 @@ from typing import Callable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cotserve.common.lifetime import follow_parent
-from cotserve.common.server import ADDRESS_FILE_ENV
+from cotserve.common.lifetime import ADDRESS_FILE_ENV, follow_parent
 from cotserve.common.tls import client_channel
 
 

@@ -21,14 +21,12 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.heap import freeze_startup_heap
+from cotserve.common.lifetime import ADDRESS_FILE_ENV
 from cotserve.common.errors import CotserveError, InvalidArgument
 from cotserve.common.tls import TlsSettings
 from cotserve.common.tracing import server_interceptors
 
 log = logging.getLogger("cotserve.rpc")
-ADDRESS_FILE_ENV = "COTSERVE_ADDRESS_FILE"
-"""When set (by `cotserve up`), the file a service writes its bound gRPC address to once it listens: services
-started with port 0 bind a free port themselves and report it, so no port is picked free and then raced for."""
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 """The largest request message a service accepts unless its config says otherwise (gRPC's own default,
 set explicitly so that every server states it); larger ones are RESOURCE_EXHAUSTED before any work."""
