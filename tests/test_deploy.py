@@ -128,3 +128,104 @@ def test_compose_puts_envoy_in_front_of_the_gateway_with_its_files():
             assert cert[key]["filename"].startswith("/etc/envoy/tls/")
     assert envoy["depends_on"]["gateway"]["condition"] == "service_healthy"
     assert "8000:8000" in compose["gateway"]["ports"] and "--http-port" in compose["gateway"]["command"]
+
+
+def _compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def test_compose_file_follows_the_compose_specification():
+    """Validated against the Compose Specification's own JSON schema (tests/data/compose-spec.json): an unknown
+    or misspelt key anywhere fails, as a misspelt field would make `docker compose` refuse the file."""
+    import json
+
+    import jsonschema
+
+    schema = json.loads((DEPLOY.parent / "tests" / "data" / "compose-spec.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    compose = _compose()
+    assert [e.message for e in validator.iter_errors(compose)] == []
+    typo = {**compose, "services": {**compose["services"], "redis": {**compose["services"]["redis"], "restrat": "always"}}}
+    assert list(validator.iter_errors(typo))
+
+
+def test_every_cotserve_command_in_compose_parses_with_the_real_command_line():
+    """Each service's command parses into `cotserve serve <that service>`; its COTSERVE_* variables are its
+    settings; it listens beyond loopback, exports metrics on 9090 and waits for what it needs to be healthy."""
+    from tests.cli_parse import envvars, parse_cli
+
+    compose = _compose()["services"]
+    served = {name: spec for name, spec in compose.items() if spec.get("command", [None])[0] == "serve"}
+    assert set(served) == {"gateway", "worker", "router", "slo", "sandbox", "telemetry"}
+    for name, spec in served.items():
+        cmd, params = parse_cli(spec["command"])
+        assert spec["command"][1] == name and params["host"] == "0.0.0.0" and params["metrics_port"] == 9090, name
+        for env in spec.get("environment", {}):
+            if env.startswith("COTSERVE_"):
+                assert env in envvars(cmd), (name, env)
+        assert spec["restart"] == "unless-stopped" and "healthcheck" in spec, name
+        if "COTSERVE_REDIS_URL" in spec.get("environment", {}):
+            assert spec["depends_on"]["redis"]["condition"] == "service_healthy", name
+    _, gateway = parse_cli(compose["gateway"]["command"])
+    for address in (*gateway["workers"], gateway["sandbox_address"], gateway["slo_address"]):
+        assert compose["gateway"]["depends_on"][address.split(":")[0]]["condition"] == "service_healthy", address
+
+
+def test_prometheus_scrapes_every_service_and_grafana_is_provisioned_on_it():
+    compose = _compose()["services"]
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in prom["scrape_configs"] for group in job["static_configs"] for t in group["targets"]}
+    served = [name for name, spec in compose.items() if spec.get("command", [None])[0] == "serve"]
+    assert targets == {f"{name}:9090" for name in served}
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in compose["prometheus"]["volumes"]}
+    assert (DEPLOY / mounts["/etc/prometheus/prometheus.yml"]).resolve() == (DEPLOY / "prometheus" / "prometheus.yml")
+    grafana = {v.split(":")[1]: DEPLOY / v.split(":")[0] for v in compose["grafana"]["volumes"]}
+    source = yaml.safe_load((grafana["/etc/grafana/provisioning"] / "datasources" / "prometheus.yaml").read_text())
+    (ds,) = source["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and ds["uid"] == "prometheus"
+    provider = yaml.safe_load((grafana["/etc/grafana/provisioning"] / "dashboards" / "cotserve.yaml").read_text())
+    assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+    assert (grafana["/var/lib/grafana/dashboards"] / "cotserve.json").is_file()
+
+
+def _exported_metric_names() -> set[str]:
+    """Every metric name the services define (quoted in their code), as Prometheus exposes it."""
+    import re
+
+    names = set()
+    for path in (DEPLOY.parent / "services").rglob("*.py"):
+        names |= set(re.findall(r'"((?:cotserve_|vllm:)[a-z_]+)"', path.read_text()))
+    return names
+
+
+def test_the_grafana_dashboard_reads_metrics_the_services_export():
+    """Every query names metrics the services define (a histogram's _bucket/_count/_sum, a counter's _total);
+    the heatmap panels read the telemetry service's latency histogram by model version and KV occupancy, in
+    Grafana's heatmap format; every panel reads the provisioned data source."""
+    import json
+    import re
+
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "cotserve.json").read_text())
+    exported = _exported_metric_names()
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert {p["type"] for p in panels} == {"heatmap", "timeseries"}
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "prometheus"
+        for target in panel["targets"]:
+            for name in re.findall(r"\b((?:cotserve_|vllm:)[a-z_]+)", target["expr"]):
+                base = re.sub(r"_(bucket|count|sum|total)$", "", name)
+                assert base in exported, (panel["title"], name)
+    heatmaps = [p for p in panels if p["type"] == "heatmap"]
+    assert {t["format"] for p in heatmaps for t in p["targets"]} == {"heatmap"}
+    for p in heatmaps:
+        expr = p["targets"][0]["expr"]
+        assert expr.startswith("sum by (le) (increase(cotserve_telemetry_request_latency_seconds_bucket{")
+        assert 'model_version=~"$model_version"' in expr and 'kv_occupancy="$kv_occupancy"' in expr
+        assert p["repeat"] == "kv_occupancy"
+    server = (DEPLOY.parent / "services" / "telemetry" / "server.py").read_text()
+    assert '["metric", "model_version", "sla_class", "kv_occupancy"]' in server  # the labels the queries filter on
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    assert variables == {"model_version", "sla_class", "kv_occupancy"}
+    titles = " ".join(p["title"] for p in panels)
+    for topic in ("TTFT", "by class", "KV-cache", "balancedness", "SLO violation", "Recommended"):
+        assert topic in titles, topic

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import copy
 import subprocess
-from typing import Any
 
 import pytest
-import typer.main
 import yaml
 
+from tests.cli_parse import envvars, parse_cli
 from tests.conftest import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
@@ -47,19 +46,6 @@ def cotserve_containers(docs: list[dict]):
         for c in dep["spec"]["template"]["spec"]["containers"]:
             if c["image"].startswith("cotserve:"):
                 yield dep, c
-
-
-def parse_cli(args: list[str]) -> tuple[Any, dict]:
-    """`args` parsed by the real `cotserve` command line down to the command they name: (command, its parameters).
-    A bad option or value raises click's usage error, as `cotserve` would exit 2 on it."""
-    from cotserve.cli import app
-
-    cmd = typer.main.get_command(app)
-    ctx = cmd.make_context("cotserve", list(args), resilient_parsing=False)
-    while hasattr(cmd, "resolve_command"):  # a group (typer's groups are not click.Group subclasses)
-        name, cmd, rest = cmd.resolve_command(ctx, ctx._protected_args + ctx.args)
-        ctx = cmd.make_context(name, rest, parent=ctx)
-    return cmd, ctx.params
 
 
 def test_the_folders_are_the_ones_checked():
@@ -104,10 +90,9 @@ def test_every_cotserve_container_parses_with_the_real_command_line(rendered, fo
         cmd, params = parse_cli(c["args"])
         assert c["args"][:2] == ["serve", dep["metadata"]["name"]], c["args"]
         seen.add(dep["metadata"]["name"])
-        envvars = {v for p in cmd.params for v in ([p.envvar] if isinstance(p.envvar, str) else p.envvar or [])}
         for env in c.get("env", []):
             if env["name"].startswith("COTSERVE_"):
-                assert env["name"] in envvars, f"{dep['metadata']['name']}: {env['name']} is not a setting of {c['args'][:2]}"
+                assert env["name"] in envvars(cmd), f"{dep['metadata']['name']}: {env['name']} is not a setting of {c['args'][:2]}"
         declared = {p["containerPort"] for p in c["ports"]}
         for key in ("port", "http_port", "metrics_port", "otlp_port"):
             if params.get(key):

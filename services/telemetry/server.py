@@ -17,7 +17,7 @@ from typing import Any, Iterable
 from dataclasses import dataclass
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from cotserve.common.errors import InvalidArgument
@@ -56,7 +56,17 @@ def telemetry_registry(state: "TelemetryState") -> CollectorRegistry:
 
     registry = CollectorRegistry()
     registry.register(CallbackCollector(collect))
+    registry.register(state.latency)
     return registry
+
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""Bounds of the exported latency histogram (seconds): a millisecond to a minute, about 2.5x apart."""
+
+
+def kv_occupancy_label(kv_pct: int) -> str:
+    """The occupancy bucket as a label value: 0-25, 25-50, 50-75, 75-100 (percent of the worker's KV pool)."""
+    return f"{kv_pct}-{kv_pct + 25}"
 
 
 class TelemetryState:
@@ -70,6 +80,13 @@ class TelemetryState:
         self.requests_aggregated = 0
         self.requests_failed = 0
         self.last_error = ""
+        # the heatmaps' samples as a Prometheus histogram too (Grafana's heatmap panels in deploy/grafana): one series
+        # per latency metric x model version x SLA class x KV occupancy bucket (tenants left out: unbounded)
+        self.latency = Histogram("cotserve_telemetry_request_latency_seconds",
+                                 "Request latencies from the gateway's request spans, by metric (e2e, ttft, tpot, queue), "
+                                 "model version, SLA class and KV-cache occupancy at admission (percent bucket).",
+                                 ["metric", "model_version", "sla_class", "kv_occupancy"], buckets=LATENCY_BUCKETS_S,
+                                 registry=None)
 
     def ingest(self, request: trace_service_pb2.ExportTraceServiceRequest) -> tuple[int, str]:
         """Take every span of an OTLP export; returns (spans rejected, first error message)."""
@@ -105,8 +122,13 @@ class TelemetryState:
                 self.requests_failed += 1  # a failed request has no latency to aggregate
             else:
                 attrs = {kv.key: any_value(kv.value) for kv in span.attributes}
-                if self.aggregator.add(sample_from_attributes(attrs, span.end_time_unix_nano)):
+                sample = sample_from_attributes(attrs, span.end_time_unix_nano)
+                if self.aggregator.add(sample):
                     self.requests_aggregated += 1
+                    key = sample.key
+                    for metric, ms in sample.latencies_ms.items():
+                        self.latency.labels(metric, key.model_version, key.sla_class,
+                                            kv_occupancy_label(key.kv_pct)).observe(ms / 1000)
         self.traces.add(span.trace_id, service, span)
 
 

@@ -145,6 +145,17 @@ def test_malformed_otlp_is_counted_and_skipped_never_a_crash(tmp_path):
                 m = await asyncio.to_thread(scrape, running.cfg.metrics_port)  # the same counts, for Prometheus
                 assert [sample(m, f"cotserve_telemetry_{name}_total") for name in
                         ("spans_received", "spans_malformed", "requests_aggregated", "requests_failed")] == [8, 5, 1, 1]
+                # the one good request, as the histogram Grafana's heatmaps read: each of its four latencies once,
+                # labelled with its version, class and KV bucket (10% -> 0-25); its 12 ms TTFT between 10 and 25 ms
+                hist = {(dict(labels)["metric"], dict(labels)["le"]): v for (name, labels), v in m.items()
+                        if name == "cotserve_telemetry_request_latency_seconds_bucket"}
+                counts = {dict(labels)["metric"]: (v, dict(labels)) for (name, labels), v in m.items()
+                          if name == "cotserve_telemetry_request_latency_seconds_count"}
+                assert {k: v for k, (v, _) in counts.items()} == {"ttft": 1, "e2e": 1, "tpot": 1, "queue": 1}
+                labels = counts["ttft"][1]
+                assert (labels["model_version"], labels["kv_occupancy"]) == ("m@abc", "0-25")
+                assert "INTERACTIVE" in labels["sla_class"]
+                assert (hist[("ttft", "0.01")], hist[("ttft", "0.025")], hist[("ttft", "+Inf")]) == (0, 1, 1)
                 hm = await tel.GetHeatmap(telemetry_pb2.GetHeatmapRequest(metric=telemetry_pb2.LATENCY_METRIC_TTFT))
                 assert [(c.model_version, c.count) for c in hm.cells] == [("m@abc", 1)] and 12 <= hm.cells[0].p50_ms < 13
                 got = await tel.GetTrace(telemetry_pb2.GetTraceRequest(trace_id=other.trace_id))
