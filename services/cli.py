@@ -72,9 +72,9 @@ def main() -> None:
 
     die_with_supervisor()
     try:
-        app(standalone_mode=True)
+        app()
     except ModuleNotFoundError as err:
-        if err.name and err.name.partition(".")[0] in ("cotserve",):
+        if (err.name or "").partition(".")[0] == "cotserve":
             raise  # our own code missing is a bug, not an install choice
         typer.echo(missing_extra_message(sys.argv, err), err=True)
         raise SystemExit(1) from None

@@ -190,7 +190,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def fuse_projections(self) -> None:
-        """Fuse each layer's q/k/v and gate/up projections into one matrix multiply each (after loading)."""
+        """Fuse each layer's q/k/v and gate/up projections into one matrix multiply each. Call it once the weights
+        are loaded on their device and in their dtype: the fused weights are plain tensors, which `.to()` would
+        not move (the loader does this last)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             if hasattr(layer, "mlp"):
