@@ -66,6 +66,15 @@ def print_evaluation(ev, console) -> None:
     table.add_row(f"baseline: queue depth >= {ev.baseline_threshold:g}", _fmt(ev.baseline_auc), _fmt(ev.baseline_precision, True),
                   _fmt(ev.baseline_recall, True), "n/a" if math.isnan(ev.baseline_median_lead_s) else f"{ev.baseline_median_lead_s:.0f} s")
     console.print(table)
+    if ev.events is not None:
+        events = Table(title="The same forecasts by episode: violation onsets, alarms (runs of seconds over the threshold)")
+        for col in ("", "onsets", "forecast >= 10 s ahead", "median lead time", "false alarms", "false alarms / hour"):
+            events.add_column(col, justify="right")
+        for name, e in (("XGBoost forecast", ev.events), ("baseline", ev.baseline_events)):
+            events.add_row(name, str(e.onsets), f"{e.forecast_ahead} ({_fmt(e.share_ahead, True)})",
+                           "n/a" if math.isnan(e.median_lead_s) else f"{e.median_lead_s:.0f} s", str(e.false_alarms),
+                           "n/a" if math.isnan(e.false_alarms_per_hour) else f"{e.false_alarms_per_hour:.1f}")
+        console.print(events)
     console.print(f"latency predictions on {ev.latency_test_requests} held-out requests: TTFT MAPE {_fmt(ev.ttft_mape, True)}, "
                   f"TPOT MAPE {_fmt(ev.tpot_mape, True)}")
     for note in ev.notes:

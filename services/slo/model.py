@@ -124,25 +124,74 @@ def precision_recall(y: np.ndarray, score: np.ndarray, threshold: float) -> tupl
     return (tp / pred.sum() if pred.sum() else math.nan, tp / y.sum() if y.sum() else math.nan)
 
 
-def lead_times(data: ForecastData, score: np.ndarray, threshold: float, horizon_s: int) -> list[float]:
-    """Per violation onset (a violating second with none in the 10 s before): seconds from the
-    start of the run of above-threshold scores that reaches the second before it (0: not foreseen)."""
-    leads = []
+def _per_key(data: ForecastData, score: np.ndarray, threshold: float):
+    """Each (model, class) series of `data` in time order: its seconds, above-threshold flags and violations."""
     keys = np.array([f"{m}\0{c}" for m, c in data.key]) if data.key else np.array([])
     for key in np.unique(keys):
         idx = np.nonzero(keys == key)[0]
         idx = idx[np.argsort(data.t_ms[idx])]
-        t = (data.t_ms[idx] // 1000).astype(np.int64)
-        above = dict(zip(t.tolist(), (score[idx] >= threshold).tolist()))
-        viol = dict(zip(t.tolist(), data.violation[idx].tolist()))
-        for sec in t.tolist():
-            if not viol[sec] or any(viol.get(sec - k, False) for k in range(1, 11)):
+        t = (data.t_ms[idx] // 1000).astype(np.int64).tolist()
+        yield t, dict(zip(t, (score[idx] >= threshold).tolist())), dict(zip(t, data.violation[idx].tolist()))
+
+
+ONSET_QUIET_S = 10
+"""A violation onset is a violating second with no violation in the seconds before it (an episode's start)."""
+
+
+def lead_times(data: ForecastData, score: np.ndarray, threshold: float, horizon_s: int) -> list[float]:
+    """Per violation onset (a violating second with none in the 10 s before): seconds from the
+    start of the run of above-threshold scores that reaches the second before it (0: not foreseen)."""
+    leads = []
+    for t, above, viol in _per_key(data, score, threshold):
+        for sec in t:
+            if not viol[sec] or any(viol.get(sec - k, False) for k in range(1, ONSET_QUIET_S + 1)):
                 continue
             lead = 0
             while lead < horizon_s and above.get(sec - lead - 1, False):
                 lead += 1
             leads.append(float(lead))
     return leads
+
+
+@dataclass(slots=True, frozen=True)
+class EventMetrics:
+    """The forecast judged by episodes, not seconds (a violation lasts many seconds, so per-second figures count
+    one episode many times): violation onsets, the share of them forecast at least `ahead_s` ahead, and alarms
+    (runs of above-threshold seconds) that no violation followed within the horizon, per hour of series."""
+
+    onsets: int
+    forecast_ahead: int
+    false_alarms: int
+    hours: float
+    median_lead_s: float
+
+    @property
+    def share_ahead(self) -> float:
+        return self.forecast_ahead / self.onsets if self.onsets else math.nan
+
+    @property
+    def false_alarms_per_hour(self) -> float:
+        return self.false_alarms / self.hours if self.hours else math.nan
+
+
+def event_metrics(data: ForecastData, score: np.ndarray, threshold: float, horizon_s: int,
+                  ahead_s: int = 10) -> EventMetrics:
+    leads = lead_times(data, score, threshold, horizon_s)
+    false_alarms, seconds = 0, 0
+    for t, above, viol in _per_key(data, score, threshold):
+        seconds += len(t)
+        start = None
+        for sec in [*t, None]:  # None closes a run still open at the end
+            if sec is not None and above[sec]:
+                start = sec if start is None else start
+                continue
+            if start is not None:
+                end = sec if sec is not None else t[-1] + 1  # the run covered start .. end - 1
+                if not any(viol.get(s, False) for s in range(start, end + horizon_s)):
+                    false_alarms += 1
+                start = None
+    return EventMetrics(len(leads), sum(lead >= ahead_s for lead in leads), false_alarms, seconds / 3600,
+                        float(np.median(leads)) if leads else math.nan)
 
 
 def best_threshold(y: np.ndarray, score: np.ndarray) -> float:
@@ -314,6 +363,8 @@ class Evaluation:
     latency_test_requests: int
     threshold: float = 0.7
     notes: list[str] = field(default_factory=list)
+    events: EventMetrics | None = None           # the forecast by episodes (see EventMetrics)
+    baseline_events: EventMetrics | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -361,5 +412,6 @@ def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7
     ev = Evaluation(split, len(train.y), len(test.y), int(test.y.sum()), roc_auc(test.y, score), p, r,
                     float(np.median(leads)) if leads else math.nan, len(leads),
                     roc_auc(test.y, test.baseline), bp, br, float(np.median(bleads)) if bleads else math.nan, bthr,
-                    ttft_mape, tpot_mape, n_test, threshold, notes)
+                    ttft_mape, tpot_mape, n_test, threshold, notes,
+                    event_metrics(test, score, threshold, horizon_s), event_metrics(test, test.baseline, bthr, horizon_s))
     return ev, fc, lm

@@ -33,6 +33,7 @@ def test_record_then_train_then_forecast(tmp_path):
                                capture_output=True, text=True, timeout=120)
         assert train.returncode == 0, train.stderr
         assert "XGBoost forecast" in train.stdout and "baseline: queue depth" in train.stdout and "TTFT MAPE" in train.stdout
+        assert "by episode" in train.stdout and "false alarms / hour" in train.stdout  # the event-level table too
         assert (tmp_path / "models" / "forecast.json").exists() and (tmp_path / "models" / "ttft.json").exists()
         deadline = time.monotonic() + 60
         while True:

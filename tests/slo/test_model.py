@@ -131,3 +131,43 @@ def test_history_pages_by_time_without_losing_or_repeating_anything():
         if not since:
             break
     assert pages > 4 and got_w == windows and sorted(got_r, key=lambda r: r.start_unix_ms) == sorted(requests, key=lambda r: r.start_unix_ms)
+
+
+def _series(seconds: int, violating: set[int], scores: dict[int, float]):
+    """One (model, class) series of `seconds` seconds: the violating seconds and each second's forecast score."""
+    import numpy as np
+
+    from cotserve.slo.model import ForecastData
+
+    t = np.arange(seconds, dtype=np.int64) * 1000
+    viol = np.array([s in violating for s in range(seconds)])
+    score = np.array([scores.get(s, 0.0) for s in range(seconds)])
+    return ForecastData(np.zeros((seconds, 1)), viol, t, [("m", 1)] * seconds, score, viol), score
+
+
+def test_event_metrics_count_episodes_not_seconds():
+    """Two violation episodes (each 20 s long: per second they would count 40 times) and one spurious alarm:
+    the first onset foreseen 15 s ahead, the second 5 s; the alarm at 500-505 s has no violation within the
+    horizon after it, the alarms before the onsets do; 3,600 s of series is one hour."""
+    from cotserve.slo.model import event_metrics
+
+    violating = set(range(100, 120)) | set(range(300, 320))
+    scores = {s: 0.9 for s in [*range(85, 120), *range(295, 320), *range(500, 506)]}
+    data, score = _series(3600, violating, scores)
+    ev = event_metrics(data, score, threshold=0.7, horizon_s=30)
+    assert (ev.onsets, ev.forecast_ahead, ev.false_alarms) == (2, 1, 1)
+    assert ev.share_ahead == 0.5 and ev.false_alarms_per_hour == 1.0 and ev.median_lead_s == 10.0
+    # a forecast that never alarms: nothing foreseen, no false alarm; one that always alarms: every onset foreseen
+    # (leads capped at the horizon) and its one long alarm ran into violations, so it is not false
+    quiet = event_metrics(data, score * 0, 0.7, 30)
+    assert (quiet.onsets, quiet.forecast_ahead, quiet.false_alarms, quiet.median_lead_s) == (2, 0, 0, 0.0)
+    loud = event_metrics(data, score * 0 + 1, 0.7, 30)
+    assert (loud.forecast_ahead, loud.false_alarms, loud.median_lead_s) == (2, 0, 30.0)
+
+
+def test_the_evaluation_reports_events_for_the_forecast_and_the_baseline():
+    windows, requests = simulate(900)
+    ev, _, _ = evaluate(windows, requests, horizon_s=30, train_fraction=0.7)
+    assert ev.events.onsets == ev.onsets and ev.baseline_events.onsets == ev.onsets
+    assert ev.events.median_lead_s == ev.median_lead_s
+    assert 0 <= ev.events.share_ahead <= 1 and ev.events.hours > 0
