@@ -192,7 +192,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, start: int, target: int, hit: CacheHit, batch: ScheduledBatch,
                scheduled: set[int]) -> bool:
         """Move a waiting `seq` to running with room for `target` tokens (a seat and blocks, preempting less urgent
-        work when it must); False, and nothing changed, when it cannot be."""
+        work when it must, as `_can_admit` judged possible); False when it cannot be admitted this step."""
         if not self._can_admit(seq, target, scheduled, hit) or not (
             self._make_seat(seq, batch, scheduled) and self._make_room(seq, target, batch, scheduled, False, hit)
         ):
