@@ -302,6 +302,9 @@ def bench_slo(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder for the worker (default: the bundled demo model)."),
     duration_s: float = typer.Option(360.0, min=10, help="Seconds of time-varying load to record and learn from (70% train, 30% held out)."),
     replay_s: float = typer.Option(120.0, min=5, help="Seconds of bursty load replayed with prediction-driven admission off, then on."),
+    cycle_s: float = typer.Option(60.0, min=6, help="Seconds of one load cycle (steady third, ramp third, burst, drain): "
+                                  "shorter cycles give more violation onsets per second, if their overloads last long "
+                                  "enough to cause any."),
     seed: int = typer.Option(0, help="Seed of the load's arrivals."),
 ) -> None:
     """The SLO predictor on a real stack: forecast quality against a queue-depth baseline, then misses with and without acting on it."""
@@ -314,10 +317,11 @@ def bench_slo(
     from cotserve.slo.cli import print_evaluation
 
     console = wide_console()
-    out = run(model, duration_s, replay_s, seed, progress=lambda m: console.print(m, style="dim"))
+    out = run(model, duration_s, replay_s, seed, progress=lambda m: console.print(m, style="dim"), cycle_s=cycle_s)
     rec = out["recorded"]
     console.print(f"recorded: {len(rec.records)} requests, {out['windows']} windows, {out['requests']} request observations; "
-                  f"INTERACTIVE missed its target in {100 * rec.miss_rate(SlaClass.INTERACTIVE):.1f}% of requests")
+                  f"INTERACTIVE missed its target in {100 * rec.miss_rate(SlaClass.INTERACTIVE):.1f}% of requests "
+                  f"({', '.join(f'{n} {cause}' for cause, n in rec.miss_causes(SlaClass.INTERACTIVE).items())})")
     if "untrained" in out:
         console.print(f"[red]the forecaster could not be trained:[/red] {out['untrained']}")
         raise typer.Exit(1)

@@ -2,7 +2,7 @@
 
 1. Starts a worker (the demo model unless told otherwise), the SLO predictor and a gateway that
    reports to it (no intervention yet), and measures the stack's capacity (requests/s, closed loop).
-2. Drives a time-varying open-loop load for `duration_s`: 60 s cycles of a steady stretch, a ramp
+2. Drives a time-varying open-loop load for `duration_s`: cycles (60 s; `--cycle-s`) of a steady stretch, a ramp
    of INTERACTIVE and BATCH traffic together past capacity, a burst, a drain and, every third
    cycle, a long-prompt surge instead of the burst (see `rates`). The gateway reports its windows.
 3. Trains on the first 70% of the time and evaluates on the rest (`slo.model.evaluate`): ROC-AUC,
@@ -36,19 +36,21 @@ INTERACTIVE_NEW_TOKENS = 32
 BATCH_NEW_TOKENS = 64
 
 
-def rates(t: float, capacity: float) -> tuple[float, float, bool]:
+def rates(t: float, capacity: float, cycle_s: float = CYCLE_S) -> tuple[float, float, bool]:
     """(INTERACTIVE req/s, BATCH req/s, long prompts?) at second t of the load. `capacity` is in
     INTERACTIVE-sized requests (32 new tokens) per second; a BATCH request (64) costs about two.
     INTERACTIVE alone stays under capacity (at most 0.9); the overloads come from BATCH on top of
-    it, which is what deferring BATCH can fix."""
-    cycle, phase = int(t // CYCLE_S), t % CYCLE_S
+    it, which is what deferring BATCH can fix. Each cycle of `cycle_s` seconds: a steady third, a ramp
+    third, a burst (every third cycle a long-prompt surge instead) for the next 13%, then a drain; shorter
+    cycles give more violation onsets (the forecast's unit of evaluation) per second of load."""
+    cycle, phase = int(t // cycle_s), (t % cycle_s) / cycle_s
     surge = cycle % 3 == 2
-    if phase < 20:
+    if phase < 1 / 3:
         return 0.3 * capacity, 0.1 * capacity, False
-    if phase < 40:
-        f = (phase - 20) / 20
+    if phase < 2 / 3:
+        f = (phase - 1 / 3) * 3
         return (0.3 + 0.5 * f) * capacity, (0.1 + 0.2 * f) * capacity, False  # to 0.8 + 2 x 0.3 = 1.4 x capacity
-    if phase < 48:
+    if phase < 0.8:
         return (0.4 * capacity, 0.3 * capacity, True) if surge else (0.9 * capacity, 0.3 * capacity, False)
     return 0.1 * capacity, 0.05 * capacity, False
 
@@ -64,6 +66,19 @@ class LoadResult:
     def miss_rate(self, cls: SlaClass) -> float:
         recs = self.of(cls)
         return sum(r.missed(DEFAULT_SLA_TARGETS[cls]) for r in recs) / len(recs) if recs else math.nan
+
+    def miss_causes(self, cls: SlaClass) -> dict[str, int]:
+        """The class's misses by cause: failed (by status code), TTFT over the target, inter-token p95 over the
+        target (only)."""
+        target, out = DEFAULT_SLA_TARGETS[cls], {"ttft": 0, "inter-token": 0}
+        for r in self.of(cls):
+            if r.error is not None or r.ttft_ms is None:
+                out[f"failed {r.error}"] = out.get(f"failed {r.error}", 0) + 1
+            elif r.ttft_ms > target.ttft_ms:
+                out["ttft"] += 1
+            elif r.missed(target):
+                out["inter-token"] += 1
+        return out
 
     def ttft_p99(self, cls: SlaClass) -> float:
         values = [r.ttft_ms for r in self.of(cls) if r.ttft_ms is not None]
@@ -119,7 +134,8 @@ async def capacity(address: str, prompts: list[str], seconds: float = 8.0, concu
         return done / (time.perf_counter() - start)
 
 
-async def drive(address: str, duration_s: float, cap: float, short: list[str], long: list[str], seed: int, progress) -> LoadResult:
+async def drive(address: str, duration_s: float, cap: float, short: list[str], long: list[str], seed: int, progress,
+                cycle_s: float = CYCLE_S) -> LoadResult:
     """Open-loop Poisson arrivals following `rates`, ticking every 100 ms."""
     rng = random.Random(seed)
     result = LoadResult(duration_s)
@@ -129,7 +145,7 @@ async def drive(address: str, duration_s: float, cap: float, short: list[str], l
         tick, last_report = 0, 0
         while tick * 0.1 < duration_s:
             await asyncio.sleep(max(0.0, start + tick * 0.1 - time.perf_counter()))
-            inter, batch, surge = rates(tick * 0.1, cap)
+            inter, batch, surge = rates(tick * 0.1, cap, cycle_s)
             for cls, rate in ((SlaClass.INTERACTIVE, inter), (SlaClass.BATCH, batch)):
                 n = sum(1 for _ in range(20) if rng.random() < rate * 0.1 / 20)  # ~Poisson(rate * 0.1)
                 for _ in range(n):
@@ -148,14 +164,21 @@ async def drive(address: str, duration_s: float, cap: float, short: list[str], l
     return result
 
 
+LONG_PROMPT_TOKENS = 512
+
+
 async def _prompts(address: str) -> tuple[list[str], list[str]]:
+    """Short prompts, and the surge's long one: 512 tokens, or as many as the model's context leaves room for
+    beside the answer (the demo model's context is 256 tokens: a longer prompt is refused, not slow)."""
     async with AsyncClient(address) as client:
+        (info, *_) = await client.list_models()
         short = [await prompt_of_tokens(client, n) for n in (16, 32, 64)]
-        long = [await prompt_of_tokens(client, 512)]
+        room = info.max_context_tokens - INTERACTIVE_NEW_TOKENS
+        long = [await prompt_of_tokens(client, min(LONG_PROMPT_TOKENS, room))]
     return short, long
 
 
-def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progress) -> dict:
+def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progress, cycle_s: float = CYCLE_S) -> dict:
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
     state = Path(tempfile.mkdtemp(prefix="cotserve-bench-slo-"))
@@ -180,7 +203,7 @@ def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progr
             cap = asyncio.run(capacity(gw.address, short))
             out["capacity_rps"] = cap
             progress(f"capacity: {cap:.1f} INTERACTIVE requests/s; recording {duration_s:.0f} s of time-varying load ...")
-            out["recorded"] = asyncio.run(drive(gw.address, duration_s, cap, short, long, seed, progress))
+            out["recorded"] = asyncio.run(drive(gw.address, duration_s, cap, short, long, seed, progress, cycle_s))
             time.sleep(2.5)  # the last windows reach the predictor
             if not _train(slo_addr, state, out):
                 return out
@@ -189,7 +212,8 @@ def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progr
                 with running([gateway_child(admission)]) as (gw,):
                     time.sleep(3)  # the gateway's first forecasts
                     progress(f"replaying {replay_s:.0f} s of bursty load, prediction-driven admission {'on' if admission else 'off'} ...")
-                    out["on" if admission else "off"] = asyncio.run(drive(gw.address, replay_s, cap, short, long, seed + 1, progress))
+                    out["on" if admission else "off"] = asyncio.run(drive(gw.address, replay_s, cap, short, long, seed + 1,
+                                                                          progress, cycle_s))
     return out
 
 
