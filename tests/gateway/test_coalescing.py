@@ -89,7 +89,9 @@ def test_a_stream_interval_sends_tokens_in_groups_on_both_hops_from_the_first_to
     assert [lp for c in chunks for lp in c.logprobs] == pytest.approx([lp for c in every for lp in c.logprobs], abs=1e-4)
     assert "".join(c.text for c in chunks) == "".join(c.text for c in every)
     sizes = [len(c.token_ids) for c in chunks]
-    assert sizes[0] == 1, sizes  # the first token is not held back
+    # the first write is not held back for the interval: it carries what the engine produced before the stream's
+    # task ran (one token on an idle machine, a few under load); test_a_held_stream_... checks the rule exactly
+    assert sizes[0] < 8, sizes
     # the second message: the stream's phase (1..8 tokens: streams' writes are spread over the steps); the
     # others 8 or more to a message, but where the reasoning part ends (one write, two chunks) and at the end
     assert sum(1 for n in sizes[2:] if n < 8) <= 3, sizes
@@ -98,8 +100,8 @@ def test_a_stream_interval_sends_tokens_in_groups_on_both_hops_from_the_first_to
 
 
 def test_batch_streams_go_out_eight_tokens_at_a_time_by_default(demo_worker):
-    """BATCH's inter-token target is a second: the worker holds its tokens until 8 are pending (the first alone and
-    at once), cutting what a flood of BATCH streams costs every hop; the tokens and texts are those of the same
+    """BATCH's inter-token target is a second: the worker holds its tokens until 8 are pending (the first at once,
+    then the stream's phase of 1-8, then 8 at a time), cutting what a flood of BATCH streams costs every hop; the tokens and texts are those of the same
     request as INTERACTIVE (streamed token by token while its reader keeps up: how many chunks that makes depends on
     the machine's load, so only the BATCH stream's sizes are checked)."""
     def run(sla: int) -> list:
@@ -111,7 +113,7 @@ def test_batch_streams_go_out_eight_tokens_at_a_time_by_default(demo_worker):
     assert [t for c in batch for t in c.token_ids] == [t for c in interactive for t in c.token_ids]
     assert "".join(c.text for c in batch) == "".join(c.text for c in interactive)
     sizes = [len(c.token_ids) for c in batch]
-    assert sizes[0] == 1 and sum(1 for n in sizes[2:] if n < 8) <= 3 and len(batch) <= 4 + (NEW_TOKENS - 1) // 8, sizes
+    assert sizes[0] < 8 and sum(1 for n in sizes[2:] if n < 8) <= 3 and len(batch) <= 4 + (NEW_TOKENS - 1) // 8, sizes
 
 
 @pytest.mark.parametrize("phase", range(1, 9))
