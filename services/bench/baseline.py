@@ -183,11 +183,11 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
     with `ttft_rounds`, then the TTFT pairs against the worker directly and a bare relay."""
     import asyncio
 
+    from cotserve.bench.isolation import cpu_seconds
     from cotserve.bench.throughput import prompt_of_tokens, run_level
     from cotserve.common.procs import free_port, running
     from cotserve.common.topology import stack
     from cotserve.sdk import AsyncClient
-    from cotserve.worker.utilization import process_cpu_seconds
 
     children = []
     gateway = address
@@ -203,13 +203,13 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
                 prompt = await prompt_of_tokens(c, load.prompt_tokens)
                 ids = await c.tokenize(prompt)
                 await c.generate(prompt, max_new_tokens=4)
-            cpu_before.update({name: process_cpu_seconds(pid) for name, pid in procs.items()})
+            cpu_before.update(cpu_seconds(procs))
             return prompt, ids, await run_level(gateway, load.concurrency, prompt, load.max_new_tokens, load.requests)
 
         label = "" if interval is None else f", stream interval {interval}"
         say(f"cotserve: {load.requests} requests at concurrency {load.concurrency}{label} ...")
         prompt, ids, level = asyncio.run(measure())
-        cpu = {name: process_cpu_seconds(pid) - cpu_before[name] for name, pid in procs.items()}
+        cpu = {name: v - cpu_before[name] for name, v in cpu_seconds(procs).items()}
         ttft = None
         if children and ttft_rounds > 0:
             say(f"TTFT: {ttft_rounds} requests one at a time each: worker direct, a bare relay, the gateway ...")

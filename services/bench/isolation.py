@@ -120,7 +120,8 @@ async def flood(address: str, concurrency: int) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _cpu(pids: dict[str, int]) -> dict[str, float]:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each named process has used so far (subtract two snapshots for a window's share)."""
     from cotserve.worker.utilization import process_cpu_seconds
 
     return {name: process_cpu_seconds(pid) for name, pid in pids.items()}
@@ -150,7 +151,7 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
             await proc.stdin.drain()
         pids = {**(pids or {}), "tenant B's client": os.getpid(), **({"tenant A's flood client": proc.pid} if proc else {})}
         async with AsyncClient(address) as b_client:
-            cpu_before = _cpu(pids)
+            cpu_before = cpu_seconds(pids)
             start = time.perf_counter()
             stop_at = start + duration_s
             await asyncio.gather(
@@ -158,7 +159,7 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
                 _open_loop(b_client, realtime_rps, stop_at, "realtime", prompts, 16, records[SlaClass.REALTIME], rng),
             )
             seconds = time.perf_counter() - start
-            cpu_s = {name: v - cpu_before[name] for name, v in _cpu(pids).items()}
+            cpu_s = {name: v - cpu_before[name] for name, v in cpu_seconds(pids).items()}
         tokens_in_window = 0
         if proc is not None:
             proc.stdin.write(b"stop\n")
