@@ -389,10 +389,10 @@ def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7
     fc.fit(train)
     score = fc.predict(test.X) if len(test.y) else np.zeros(0)
     p, r = precision_recall(test.y, score, threshold)
-    leads = lead_times(test, score, threshold, horizon_s)
+    events = event_metrics(test, score, threshold, horizon_s)
     bthr = best_threshold(train.y, train.baseline)
     bp, br = precision_recall(test.y, test.baseline, bthr)
-    bleads = lead_times(test, test.baseline, bthr, horizon_s)
+    bevents = event_metrics(test, test.baseline, bthr, horizon_s)
 
     Xl, lt, lp, ts = latency_data(windows, requests)
     lm = LatencyModel()
@@ -410,8 +410,6 @@ def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7
     except Untrained as exc:
         notes.append(f"latency model: {exc}")
     ev = Evaluation(split, len(train.y), len(test.y), int(test.y.sum()), roc_auc(test.y, score), p, r,
-                    float(np.median(leads)) if leads else math.nan, len(leads),
-                    roc_auc(test.y, test.baseline), bp, br, float(np.median(bleads)) if bleads else math.nan, bthr,
-                    ttft_mape, tpot_mape, n_test, threshold, notes,
-                    event_metrics(test, score, threshold, horizon_s), event_metrics(test, test.baseline, bthr, horizon_s))
+                    events.median_lead_s, events.onsets, roc_auc(test.y, test.baseline), bp, br, bevents.median_lead_s,
+                    bthr, ttft_mape, tpot_mape, n_test, threshold, notes, events, bevents)
     return ev, fc, lm
