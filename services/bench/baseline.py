@@ -271,29 +271,36 @@ def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
                       soft_wrap=True)
 
 
+KERNEL_SETTINGS = (("native", "auto", True), ("compiled", "reference", True), ("eager", "reference", False))
+"""The engine-only rows' CPU kernels: the default (decode attention in C), the torch references compiled by inductor
+(the default before the C kernel), and the references eager. Each is (label, COTSERVE_KERNELS, compile)."""
+
+
 def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batches: list[int],
-                      say: Callable[[str], None]) -> list[tuple[int, bool, BaselineResult]]:
-    """The engine alone at each batch size, with the CPU kernels compiled and eager."""
-    from cotserve.kernels.cpu_compile import compile_setting
+                      say: Callable[[str], None]) -> list[tuple[int, str, BaselineResult]]:
+    """The engine alone at each batch size under each of `KERNEL_SETTINGS`."""
+    from cotserve.kernels.cpu_compile import compile_setting, env_setting
 
     rows = []
     for batch in batches:
-        for compiled in (True, False):
-            say(f"cotserve engine only, batch {batch}, {'compiled' if compiled else 'eager'} kernels ...")
-            with compile_setting(compiled):
-                rows.append((batch, compiled, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch)))
+        for label, kernels, compiled in KERNEL_SETTINGS:
+            say(f"cotserve engine only, batch {batch}, {label} kernels ...")
+            with compile_setting(compiled), env_setting("COTSERVE_KERNELS", kernels):
+                rows.append((batch, label, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch)))
     return rows
 
 
-def engine_table(rows: list[tuple[int, bool, BaselineResult]], batches: list[int]):
+def engine_table(rows: list[tuple[int, str, BaselineResult]], batches: list[int]):
     from rich.table import Table
 
-    e = Table(title="engine only (this process, one loop): CPU kernels compiled by inductor vs eager")
-    for col in ("batch", "compiled tok/s", "eager tok/s", "compiled / eager"):
+    e = Table(title="engine only (this process, one loop): CPU decode attention in C (native) vs the torch "
+                    "references compiled by inductor and eager")
+    for col in ("batch", "native tok/s", "compiled tok/s", "eager tok/s", "native / compiled", "native / eager"):
         e.add_column(col, justify="right")
-    by = {(b, c): r.output_tokens_per_s for b, c, r in rows}
+    by = {(b, label): r.output_tokens_per_s for b, label, r in rows}
     for batch in batches:
-        e.add_row(str(batch), f"{by[batch, True]:.0f}", f"{by[batch, False]:.0f}", f"{by[batch, True] / by[batch, False]:.2f}x")
+        n, c, g = by[batch, "native"], by[batch, "compiled"], by[batch, "eager"]
+        e.add_row(str(batch), f"{n:.0f}", f"{c:.0f}", f"{g:.0f}", f"{n / c:.2f}x", f"{n / g:.2f}x")
     return e
 
 

@@ -124,12 +124,19 @@ def _gil_handoff() -> Iterator[None]:
 @contextmanager
 def compile_setting(enabled: bool) -> Iterator[None]:
     """COTSERVE_TORCH_COMPILE on or off for the duration (a benchmark compares both in one process)."""
-    old = os.environ.get("COTSERVE_TORCH_COMPILE")
-    os.environ["COTSERVE_TORCH_COMPILE"] = "1" if enabled else "0"
+    with env_setting("COTSERVE_TORCH_COMPILE", "1" if enabled else "0"):
+        yield
+
+
+@contextmanager
+def env_setting(name: str, value: str) -> Iterator[None]:
+    """Environment variable `name` set to `value` for the duration, then as it was (unset if it was)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("COTSERVE_TORCH_COMPILE", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["COTSERVE_TORCH_COMPILE"] = old
+            os.environ[name] = old

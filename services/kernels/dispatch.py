@@ -1,11 +1,14 @@
 """The one place that chooses a kernel implementation for a device.
 
-Triton on CUDA, the plain-torch reference elsewhere (DESIGN.md, Conventions: Kernels).
-`COTSERVE_KERNELS=reference` forces the reference on CUDA too (a debugging switch).
+Triton on CUDA; on the CPU the plain-torch references (compiled by inductor, `cpu_compile`) with decode attention,
+the bulk of a decode step, run by a small C kernel (`cpu_native`) where a C compiler builds it (DESIGN.md,
+Conventions: Kernels). `COTSERVE_KERNELS=reference` forces the references everywhere (a debugging switch, and the
+baseline the benches compare against).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -54,11 +57,23 @@ def triton_kernels() -> KernelSet:
     )
 
 
+def native_cpu_kernels() -> KernelSet | None:
+    """The references with decode attention in C, or None where the C kernel cannot be built here."""
+    from cotserve.kernels import cpu_native
+
+    if not cpu_native.available():
+        return None
+    return dataclasses.replace(REFERENCE, name="cpu-native", decode_attention=cpu_native.decode_attention)
+
+
 def kernels_for(device: torch.device) -> KernelSet:
-    """Kernels for `device`: Triton on CUDA (unless COTSERVE_KERNELS=reference), else the reference."""
+    """Kernels for `device` (COTSERVE_KERNELS: auto, reference, triton, native): auto is Triton on CUDA, the
+    native CPU set on the CPU where it builds, else the reference."""
     choice = os.environ.get("COTSERVE_KERNELS", "auto")
-    if choice not in ("auto", "reference", "triton"):
-        raise ValueError(f"COTSERVE_KERNELS: {choice!r}, allowed auto, reference, triton")
+    if choice not in ("auto", "reference", "triton", "native"):
+        raise ValueError(f"COTSERVE_KERNELS: {choice!r}, allowed auto, reference, triton, native")
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         return triton_kernels()
+    if choice == "native" or (choice == "auto" and device.type == "cpu"):
+        return native_cpu_kernels() or REFERENCE
     return REFERENCE

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cotserve.kernels.dispatch import REFERENCE, kernels_for
+from cotserve.kernels.dispatch import kernels_for
 from cotserve.kernels.kv_fp8 import FP8
 from cotserve.worker.kv_spec import FP8_SCALE_DTYPE, KvCacheSpec
 from cotserve.worker.models.attention import PagedAttention, PagedBatch
@@ -36,7 +36,7 @@ class ModelRunner:
         self.caches = spec.allocate(num_blocks, self.device)
         self.scale = self.config.head_dim ** -0.5
         self.warmed = threading.Event()  # the CPU kernels are compiled (set at once where nothing compiles)
-        if self.device.type == "cpu" and self.kernels is REFERENCE:
+        if self.device.type == "cpu" and self.kernels.name != "triton":
             self._warm_up_kernels(loaded.dtype)
         else:
             self.warmed.set()
@@ -89,9 +89,10 @@ class ModelRunner:
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
 
     def _warm_up_kernels(self, model_dtype: torch.dtype) -> None:
-        """Compile the CPU kernels on a helper thread (`cpu_compile`): decode attention once per cache format in
-        use (every shape reuses that code), FP8 dequantization for one and for several rows (torch specialises
-        a size of 1). Steps meanwhile run the eager references; `warmed` is set when it is done."""
+        """Compile the CPU references on a helper thread (`cpu_compile`): decode attention once per cache format in
+        use (every shape reuses that code) unless the C kernel runs it, FP8 dequantization for one and for several
+        rows (torch specialises a size of 1). Steps meanwhile run the eager references; `warmed` is set when done."""
+        from cotserve.kernels import cpu_native
         from cotserve.kernels.kv_fp8 import decode_all_pages, dequantize_fast
 
         cfg, dev = self.config, self.device
@@ -108,7 +109,9 @@ class ModelRunner:
                     query = torch.zeros(2, cfg.num_heads, cfg.head_dim, dtype=model_dtype, device=dev)
                     tables = torch.zeros(2, 3, dtype=torch.int64, device=dev)
                     ones = torch.ones(2, dtype=torch.int64, device=dev)
-                    decode_all_pages.warm_up(query, cache.k, cache.v, tables, ones, self.scale, cache.k_scale, cache.v_scale)
+                    native = self.kernels.decode_attention is cpu_native.decode_attention
+                    if not (native and cpu_native.supports(query, cache.k, cache.v, cache.k_scale, cache.v_scale)):
+                        decode_all_pages.warm_up(query, cache.k, cache.v, tables, ones, self.scale, cache.k_scale, cache.v_scale)
                     if cache.k_scale is not None:
                         for rows in (1, 2):
                             shape = (rows, cfg.num_kv_heads, 3)

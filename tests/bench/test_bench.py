@@ -51,10 +51,10 @@ def test_baseline_command_prints_ratios_against_transformers():
         assert re.search(rf"end to end \(stream interval {interval}\) / engine only on \d+ threads? \(as in the worker\): "
                          r"[\d.]+, on all \d+: [\d.]+; / transformers static batch: [\d.]+", out.stdout), out.stdout
     # six ratio cells (two gateway runs, the engine on all cores and on the worker's, transformers twice),
-    # and compiled / eager of the engine at batch 3
-    assert out.stdout.count("x │") == 7
+    # and native / compiled, native / eager of the engine at batch 3
+    assert out.stdout.count("x │") == 8
     assert "CPU ms/token, stream interval 1" in out.stdout and "CPU ms/token, stream interval 2" in out.stdout
-    assert re.search(r"│\s+3 │\s+\d+ │\s+\d+ │\s+[\d.]+x │", out.stdout), out.stdout  # the engine-only row, batch 3
+    assert re.search(r"│\s+3 │\s+\d+ │\s+\d+ │\s+\d+ │\s+[\d.]+x │\s+[\d.]+x │", out.stdout), out.stdout  # engine only, batch 3
     # the TTFT the gateway adds, split by a bare relay (one more grpc.aio hop alone) into the hop and its own work
     assert re.search(r"TTFT p50, one request at a time: worker direct [\d.]+ ms, via a bare gRPC relay [\d.]+ ms "
                      r"\(one more hop: \+-?[\d.]+ ms\), via the gateway [\d.]+ ms: the gateway adds -?[\d.]+ ms \(goal <= 1 ms: "

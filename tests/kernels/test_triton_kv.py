@@ -187,16 +187,18 @@ def test_copy_blocks_matches_reference(dtype):
         assert torch.equal((a.view(torch.uint8) if a.dtype == FP8 else a)[20], (a.view(torch.uint8) if a.dtype == FP8 else a)[3])
 
 
-def test_dispatch_picks_triton_on_cuda_and_the_reference_elsewhere(monkeypatch):
-    from cotserve.kernels import dispatch
+def test_dispatch_picks_triton_on_cuda_and_the_cpu_set_elsewhere(monkeypatch):
+    from cotserve.kernels import cpu_native, dispatch
 
     monkeypatch.delenv("COTSERVE_KERNELS", raising=False)
-    assert dispatch.kernels_for(torch.device("cpu")) is dispatch.REFERENCE
+    cpu = dispatch.kernels_for(torch.device("cpu"))  # the references, decode attention in C (built here)
+    assert cpu.name == "cpu-native" and cpu.decode_attention is cpu_native.decode_attention
     cuda = dispatch.kernels_for(torch.device("cuda"))
     assert cuda.name == "triton" and cuda.decode_attention is triton_kv.decode_attention
     assert cuda.write_kv is triton_kv.write_kv and cuda.select_pages is triton_kv.select_pages
     monkeypatch.setenv("COTSERVE_KERNELS", "reference")
     assert dispatch.kernels_for(torch.device("cuda")) is dispatch.REFERENCE
+    assert dispatch.kernels_for(torch.device("cpu")) is dispatch.REFERENCE
     monkeypatch.setenv("COTSERVE_KERNELS", "fast")
-    with pytest.raises(ValueError, match="COTSERVE_KERNELS: 'fast', allowed auto, reference, triton"):
+    with pytest.raises(ValueError, match="COTSERVE_KERNELS: 'fast', allowed auto, reference, triton, native"):
         dispatch.kernels_for(torch.device("cpu"))
