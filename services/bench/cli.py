@@ -301,55 +301,50 @@ def bench_telemetry(
 @bench_app.command("slo")
 def bench_slo(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder for the worker (default: the bundled demo model)."),
-    duration_s: float = typer.Option(360.0, min=10, help="Seconds of time-varying load to record and learn from (70% train, 30% held out)."),
-    replay_s: float = typer.Option(120.0, min=5, help="Seconds of bursty load replayed with prediction-driven admission off, then on."),
-    cycle_s: float = typer.Option(60.0, min=6, help="Seconds of one load cycle (steady third, ramp third, burst, drain): "
-                                  "shorter cycles give more violation onsets per second, if their overloads last long "
-                                  "enough to cause any."),
-    seed: int = typer.Option(0, help="Seed of the load's arrivals."),
+    quick: bool = typer.Option(False, "--quick", help="About 3 minutes a seed: 100 s recorded in 30 s cycles, 30 s replays, "
+                               "admission off and proportional only (the full mode: 360 s, 120 s, 60 s cycles, all three)."),
+    seeds: int = typer.Option(1, min=1, max=20, help="Independent runs (seeds SEED, SEED+2, ...): figures get 95% intervals "
+                              "over them and violation onsets are pooled."),
+    duration_s: Optional[float] = typer.Option(None, min=10, help="Seconds of time-varying load to record and learn from "
+                                               "(70% train, 30% held out); default 360, 100 with --quick."),
+    replay_s: Optional[float] = typer.Option(None, min=5, help="Seconds of bursty load replayed under each BATCH admission "
+                                             "rule; default 120, 30 with --quick."),
+    cycle_s: Optional[float] = typer.Option(None, min=6, help="Seconds of one load cycle (steady third, ramp third, burst, "
+                                            "drain); default 60, 30 with --quick."),
+    seed: int = typer.Option(0, help="Seed of the first run's arrivals."),
 ) -> None:
     """The SLO predictor on a real stack: forecast quality against a queue-depth baseline, then misses with and without acting on it."""
-    import math
+    import dataclasses
 
-    from rich.table import Table
+    from cotserve.bench.slo import FULL, QUICK, run
+    from cotserve.bench.slo_report import print_report
 
-    from cotserve.bench.slo import run
-    from cotserve.common.sampling import SlaClass
-    from cotserve.slo.cli import print_evaluation
+    base = QUICK if quick else FULL
+    mode = dataclasses.replace(base, duration_s=duration_s or base.duration_s, replay_s=replay_s or base.replay_s,
+                               cycle_s=cycle_s or base.cycle_s)
+    console = wide_console()
+    outs = []
+    for n in range(seeds):
+        outs.append(run(model, mode, seed + 2 * n, progress=lambda m: console.print(m, style="dim")))
+    if not print_report(outs, mode, console):
+        raise typer.Exit(1)
+
+
+@bench_app.command("slo-routing")
+def bench_slo_routing(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder for the workers (default: the bundled demo model)."),
+    train_s: float = typer.Option(90.0, min=10, help="Seconds of load recorded (least-loaded routing) to train the latency model on."),
+    eval_s: float = typer.Option(60.0, min=5, help="Seconds of the same load's shape under each routing."),
+    load: float = typer.Option(0.7, min=0.05, max=2.0, help="Arrival rate as a fraction of the three workers' measured capacity."),
+    seed: int = typer.Option(0, help="Seed of the arrivals (the replays use SEED+1)."),
+) -> None:
+    """Routing by predicted TTFT against least-loaded routing, among three workers of which one is slowed."""
+    from cotserve.bench.slo_routing import print_report, run
 
     console = wide_console()
-    out = run(model, duration_s, replay_s, seed, progress=lambda m: console.print(m, style="dim"), cycle_s=cycle_s)
-    rec = out["recorded"]
-    console.print(f"recorded: {len(rec.records)} requests, {out['windows']} windows, {out['requests']} request observations; "
-                  f"INTERACTIVE missed its target in {100 * rec.miss_rate(SlaClass.INTERACTIVE):.1f}% of requests "
-                  f"({', '.join(f'{n} {cause}' for cause, n in rec.miss_causes(SlaClass.INTERACTIVE).items())})")
-    if "untrained" in out:
-        console.print(f"[red]the forecaster could not be trained:[/red] {out['untrained']}")
+    out = run(model, train_s, eval_s, load, seed, progress=lambda m: console.print(m, style="dim"))
+    if not print_report(out, console):
         raise typer.Exit(1)
-    ev = out["evaluation"]
-    print_evaluation(ev, console)
-    off, on = out["off"], out["on"]
-    table = Table(title=f"Replay: {replay_s:.0f} s of bursty load at capacity {out['capacity_rps']:.1f} req/s, "
-                        "prediction-driven BATCH admission off vs on")
-    for col in ("admission", "INTERACTIVE requests", "INTERACTIVE missed", "INTERACTIVE p99 TTFT ms", "BATCH deferrals",
-                "output tokens", "tokens vs off"):
-        table.add_column(col, justify="right")
-    for name, r in (("off", off), ("on", on)):
-        i = SlaClass.INTERACTIVE
-        table.add_row(name, str(len(r.of(i))), f"{100 * r.miss_rate(i):.2f}%", f"{r.ttft_p99(i):.0f}",
-                      f"{r.deferrals} ({r.shed(SlaClass.BATCH)} gave up)", f"{r.tokens}", f"{r.tokens / max(1, off.tokens):.2f}x")
-    console.print(table)
-    fewer = 1 - on.miss_rate(SlaClass.INTERACTIVE) / off.miss_rate(SlaClass.INTERACTIVE) if off.miss_rate(SlaClass.INTERACTIVE) else math.nan
-    goals = [
-        (ev.auc >= 0.9 and ev.auc > ev.baseline_auc, f"AUC {ev.auc:.3f} >= 0.9 and above the baseline's {ev.baseline_auc:.3f}"),
-        (ev.median_lead_s >= 10, f"median lead time {ev.median_lead_s:.0f} s >= 10 s"),
-        (on.miss_rate(SlaClass.INTERACTIVE) <= 0.01, f"misses with the intervention {100 * on.miss_rate(SlaClass.INTERACTIVE):.2f}% <= 1%"),
-        (fewer >= 0.8, f"{100 * fewer:.0f}% fewer misses than without (goal >= 80%)"),
-        (on.tokens >= 0.85 * off.tokens, f"tokens served {on.tokens / max(1, off.tokens):.2f}x of without (goal >= 0.85x)"),
-        (ev.ttft_mape <= 0.25, f"TTFT MAPE {100 * ev.ttft_mape:.1f}% <= 25%"),
-    ]
-    for ok, text in goals:
-        console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")
 
 
 @bench_app.command("kv")

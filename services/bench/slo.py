@@ -2,16 +2,18 @@
 
 1. Starts a worker (the demo model unless told otherwise), the SLO predictor and a gateway that
    reports to it (no intervention yet), and measures the stack's capacity (requests/s, closed loop).
-2. Drives a time-varying open-loop load for `duration_s`: cycles (60 s; `--cycle-s`) of a steady stretch, a ramp
+2. Drives a time-varying open-loop load for `duration_s` (`FULL` or `QUICK` sets the lengths): cycles (60 s; `--cycle-s`) of a steady stretch, a ramp
    of INTERACTIVE and BATCH traffic together past capacity, a burst, a drain and, every third
    cycle, a long-prompt surge instead of the burst (see `rates`). The gateway reports its windows.
 3. Trains on the first 70% of the time and evaluates on the rest (`slo.model.evaluate`): ROC-AUC,
    precision and recall at the threshold, median lead time, against the queue-depth baseline, and
    the TTFT/TPOT prediction MAPE.
-4. Replays the same bursty load (same seed) twice against the trained predictor, with
-   prediction-driven BATCH admission off and then on, and reports INTERACTIVE's target-miss rate
-   and p99 TTFT, and the output tokens served. A deferred BATCH request is retried after its
-   `retry-after-ms` (with jitter), as a client would, until 60 s after the load ends.
+4. Replays the same bursty load (the next seed) against the trained predictor under each admission variant
+   (`ADMISSION_VARIANTS`: off, all-or-nothing, proportional), and reports INTERACTIVE's target-miss rate and p99
+   TTFT, and the output tokens served. A deferred BATCH request is retried after its `retry-after-ms` (with
+   jitter), as a client would, until 60 s after the load ends.
+5. Does all of it for several seeds (`--seeds`): the figures come with 95% intervals over seeds, and violation
+   onsets, the forecast's unit, are pooled over seeds with a Wilson interval on the share foreseen.
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class LoadResult:
         values = [r.ttft_ms for r in self.of(cls) if r.ttft_ms is not None]
         return percentile(values, 99) if values else math.nan
 
+    def ttft_p50(self, cls: SlaClass) -> float:
+        values = [r.ttft_ms for r in self.of(cls) if r.ttft_ms is not None]
+        return percentile(values, 50) if values else math.nan
+
     @property
     def tokens(self) -> int:
         return sum(r.tokens for _, r in self.records)
@@ -97,13 +103,14 @@ class LoadResult:
 async def _batch(client: AsyncClient, prompt: str, rec: RequestRecord, result: LoadResult, give_up_at: float) -> None:
     """A BATCH request as a well-behaved client sends it: deferred (RESOURCE_EXHAUSTED), it waits
     the `retry-after-ms` the gateway sent (with jitter) and tries again, until `give_up_at`."""
+    start = time.perf_counter()
     while True:
         retry_after_ms = None
         try:
             async for chunk in client.stream(prompt, max_new_tokens=BATCH_NEW_TOKENS, ignore_eos=True, sla="batch", timeout_s=120):
                 rec.tokens += len(chunk.token_ids)
                 if rec.ttft_ms is None:
-                    rec.ttft_ms = 0.0  # BATCH latency is not what this benchmark measures
+                    rec.ttft_ms = (time.perf_counter() - start) * 1000  # from the first try: holds and retries included
         except ResourceExhausted as err:
             retry_after_ms = err.retry_after_ms or 2000
         except CotserveError as err:
@@ -119,8 +126,12 @@ async def _batch(client: AsyncClient, prompt: str, rec: RequestRecord, result: L
         await asyncio.sleep(retry_after_ms / 1000 * random.uniform(0.5, 1.5))
 
 
-async def capacity(address: str, prompts: list[str], seconds: float = 8.0, concurrency: int = 16) -> float:
-    """Completed INTERACTIVE-sized requests per second with `concurrency` always in flight."""
+CAPACITY_CONCURRENCY = 64  # the worker's default --max-num-seqs: a full batch, so the rate is the saturated one
+
+
+async def capacity(address: str, prompts: list[str], seconds: float = 8.0, concurrency: int = CAPACITY_CONCURRENCY) -> float:
+    """Completed INTERACTIVE-sized requests per second with `concurrency` always in flight (a full batch: with fewer,
+    the engine had room to spare, and 1.4x that "capacity" was no overload)."""
     done = 0
     stop_at = time.perf_counter() + seconds
     async with AsyncClient(address) as client:
@@ -178,7 +189,28 @@ async def _prompts(address: str) -> tuple[list[str], list[str]]:
     return short, long
 
 
-def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progress, cycle_s: float = CYCLE_S) -> dict:
+ADMISSION_VARIANTS = {"off": None, "all-or-nothing": 1.0, "proportional": 0.5}
+"""The replays' BATCH admission: none; all BATCH held while the forecast is over the threshold; held in proportion
+from half the threshold (`--slo-throttle-from 0.5`, the default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    """How long a `bench slo` run records and replays, and which admission rules it replays."""
+
+    duration_s: float
+    replay_s: float
+    cycle_s: float
+    variants: tuple[str, ...]
+
+
+FULL = Mode(360.0, 120.0, 60.0, tuple(ADMISSION_VARIANTS))
+QUICK = Mode(100.0, 30.0, 30.0, ("off", "proportional"))  # about 3 minutes with the stack's start
+
+
+def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
+    """One seed: record `mode.duration_s` of load, train and evaluate on it, then replay `mode.replay_s` of the same
+    load's shape (seed + 1) under each admission variant, each against a fresh gateway."""
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
     state = Path(tempfile.mkdtemp(prefix="cotserve-bench-slo-"))
@@ -190,31 +222,57 @@ def run(model: Path | None, duration_s: float, replay_s: float, seed: int, progr
         return Child("slo", slo_addr, python_cli("serve", "slo", "--port", slo_addr.rsplit(":", 1)[1], "--state-dir", str(state),
                                                  "--retrain-interval-s", "100000"), grpc_ready(slo_addr))
 
-    def gateway_child(admission: bool) -> Child:
+    def gateway_child(throttle_from: float | None) -> Child:
         addr = f"127.0.0.1:{free_port()}"
+        admission = ["--no-slo-admission"] if throttle_from is None else ["--slo-admission", "--slo-throttle-from", str(throttle_from)]
         return Child("gateway", addr, python_cli("serve", "gateway", "--port", addr.rsplit(":", 1)[1], "--worker", worker_addr,
-                                                 "--slo", slo_addr, "--no-slo-routing",
-                                                 "--slo-admission" if admission else "--no-slo-admission"), grpc_ready(addr))
+                                                 "--slo", slo_addr, "--no-slo-routing", *admission), grpc_ready(addr))
 
-    out: dict = {}
+    out: dict = {"seed": seed, "replays": {}}
     with running([worker]):
-        with running([slo_child(), gateway_child(admission=False)]) as (_, gw):
+        with running([slo_child(), gateway_child(None)]) as (_, gw):
             short, long = asyncio.run(_prompts(gw.address))
             cap = asyncio.run(capacity(gw.address, short))
             out["capacity_rps"] = cap
-            progress(f"capacity: {cap:.1f} INTERACTIVE requests/s; recording {duration_s:.0f} s of time-varying load ...")
-            out["recorded"] = asyncio.run(drive(gw.address, duration_s, cap, short, long, seed, progress, cycle_s))
+            progress(f"seed {seed}: capacity {cap:.1f} INTERACTIVE requests/s; recording {mode.duration_s:.0f} s of "
+                     "time-varying load ...")
+            out["recorded"] = asyncio.run(drive(gw.address, mode.duration_s, cap, short, long, seed, progress, mode.cycle_s))
             time.sleep(2.5)  # the last windows reach the predictor
             if not _train(slo_addr, state, out):
                 return out
         with running([slo_child()]):  # loads the models just saved
-            for admission in (False, True):
-                with running([gateway_child(admission)]) as (gw,):
+            for name in mode.variants:
+                with running([gateway_child(ADMISSION_VARIANTS[name])]) as (gw,):
                     time.sleep(3)  # the gateway's first forecasts
-                    progress(f"replaying {replay_s:.0f} s of bursty load, prediction-driven admission {'on' if admission else 'off'} ...")
-                    out["on" if admission else "off"] = asyncio.run(drive(gw.address, replay_s, cap, short, long, seed + 1,
-                                                                          progress, cycle_s))
+                    progress(f"seed {seed}: replaying {mode.replay_s:.0f} s of bursty load, BATCH admission {name} ...")
+                    out["replays"][name] = asyncio.run(drive(gw.address, mode.replay_s, cap, short, long, seed + 1,
+                                                             progress, mode.cycle_s))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class VariantOutcome:
+    """One replay against the same seed's replay without admission."""
+
+    misses: float             # INTERACTIVE target-miss rate
+    p99_ttft_ms: float        # INTERACTIVE p99 TTFT
+    tokens_ratio: float       # output tokens served / without admission
+    deferrals: int            # BATCH requests turned away (and retried by the client)
+    batch_p50_ttft_ms: float  # BATCH's median TTFT from its first try (time held included)
+    causes: dict[str, int]    # INTERACTIVE misses by cause
+
+    def worse_than(self, off: VariantOutcome) -> bool:
+        """More misses, or a higher p99 TTFT, than without admission (strictly: no allowance for run-to-run noise)."""
+        return self.misses > off.misses or self.p99_ttft_ms > off.p99_ttft_ms
+
+
+def outcomes(out: dict) -> dict[str, VariantOutcome]:
+    """Each replay of one seed's run, against that seed's replay without admission."""
+    off = out["replays"]["off"]
+    i = SlaClass.INTERACTIVE
+    return {name: VariantOutcome(r.miss_rate(i), r.ttft_p99(i), r.tokens / max(1, off.tokens), r.deferrals,
+                                 r.ttft_p50(SlaClass.BATCH), r.miss_causes(i))
+            for name, r in out["replays"].items()}
 
 
 def _train(slo_addr: str, state: Path, out: dict) -> bool:

@@ -74,13 +74,22 @@ class GatewayConfig(TlsSettings):
     """The SLO predictor HOST:PORT: windows are reported to it, its forecasts shed BATCH, its predictions route
     (none: heuristics only)."""
     slo_admission: bool = True
-    """Defer BATCH (RESOURCE_EXHAUSTED with retry-after-ms) while an urgent class's forecast is above the threshold."""
+    """Hold BATCH in the gateway as an urgent class's forecast nears the threshold: a share rising from none at
+    --slo-throttle-from x threshold to all at the threshold, drawn again at every forecast refresh."""
     slo_routing: bool = True
     """Route among a model's workers by predicted TTFT."""
     slo_predict_budget_ms: float = 5.0
     """Milliseconds routing waits for a latency prediction before using the load heuristic."""
     slo_retry_after_ms: int = 10_000
-    """retry-after-ms of a deferred BATCH request."""
+    """retry-after-ms, on average (each drawn within +-50%), of a BATCH request turned away because
+    --slo-max-held already wait."""
+    slo_throttle_from: float = 0.5
+    """Where holding BATCH starts, as a fraction of the forecast threshold (1: all BATCH while the forecast is over
+    the threshold, none below)."""
+    slo_max_hold_ms: int = 30_000
+    """Longest a BATCH request is held on the forecast; then it goes whatever the forecast says."""
+    slo_max_held: int = 1024
+    """BATCH requests held at once; more are turned away (RESOURCE_EXHAUSTED with retry-after-ms)."""
     prefix_cache_scope: str = "tenant"
     """Who shares workers' prefix-cache blocks: tenant (only requests of the same tenant: a shared cache would
     leak one tenant's prompts to another through timing) or global (every request)."""
@@ -151,6 +160,9 @@ class GatewayConfig(TlsSettings):
             (self.http_port is None or 0 <= self.http_port <= 65535, f"http_port: {self.http_port}, allowed 0..65535"),
             (self.poll_interval_s > 0, f"poll_interval_s: {self.poll_interval_s}, must be > 0"),
             (self.slo_retry_after_ms >= 1, f"slo_retry_after_ms: {self.slo_retry_after_ms}, must be >= 1"),
+            (0 < self.slo_throttle_from <= 1, f"slo_throttle_from: {self.slo_throttle_from}, allowed (0, 1]"),
+            (self.slo_max_hold_ms >= 0, f"slo_max_hold_ms: {self.slo_max_hold_ms}, must be >= 0"),
+            (self.slo_max_held >= 0, f"slo_max_held: {self.slo_max_held}, must be >= 0"),
             (self.prefix_cache_scope in PREFIX_CACHE_SCOPES,
              f"prefix_cache_scope: {self.prefix_cache_scope!r}, allowed: {', '.join(PREFIX_CACHE_SCOPES)}"),
             (self.slo_predict_budget_ms > 0, f"slo_predict_budget_ms: {self.slo_predict_budget_ms}, must be > 0"),

@@ -29,6 +29,9 @@ class GatewayMetrics:
                              _LABELS, buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("cotserve_gateway_queue_seconds", "Time waiting in the gateway's admission queue.",
                                _LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_held = Histogram("cotserve_gateway_batch_held_seconds",
+                                    "Time BATCH requests were held on the SLO predictor's forecast (held ones only).",
+                                    ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("cotserve_gateway_requests", "Requests by final status code and tenant.",
                                 (*_LABELS, "code", "tenant"), registry=r)
         r.register(CallbackCollector(lambda: self._live(pool)))

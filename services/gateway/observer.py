@@ -11,7 +11,7 @@ from opentelemetry.trace import Span
 from cotserve.common.sampling import SlaClass, finish_reason_name
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle
-from cotserve.gateway.slo_link import SloLink, queued
+from cotserve.gateway.slo_link import DEFAULT_TOKENS_PER_BYTE, SloLink, queued
 from cotserve.gateway.v1 import gateway_pb2
 from cotserve.worker.v1 import worker_pb2
 
@@ -42,7 +42,8 @@ class AttemptObserver:
         self.queued_at_arrival = queued(worker)
         self.sent_at = self.last_at = 0.0
         self.sent_unix_ms = 0
-        self.in_flight_at_start = 0
+        self.in_flight_at_start = self.waiting_ahead_at_start = self.prefill_ahead_at_start = 0
+        self.prefill_tokens = 0  # this request's prompt tokens (estimated) while it waits for its first token
         self.first_at: float | None = None
         self.reasons: dict[int, str] = {}  # each sample's finish reason
 
@@ -50,8 +51,14 @@ class AttemptObserver:
         """The request leaves for the worker after `gateway_queue_ms` in this gateway's class queue."""
         self.sent_at = self.last_at = time.monotonic()
         self.sent_unix_ms = int(time.time() * 1000)
-        self.in_flight_at_start = self.worker.in_flight
-        self.worker.in_flight += 1
+        w = self.worker
+        self.in_flight_at_start, self.waiting_ahead_at_start = w.in_flight, w.waiting_for_first_token
+        self.prefill_ahead_at_start = w.prefill_tokens_ahead
+        per_byte = self.slo.tokens_per_byte_of(self.model) if self.slo is not None else DEFAULT_TOKENS_PER_BYTE
+        self.prefill_tokens = max(1, round(self.prompt_bytes * per_byte))
+        w.in_flight += 1
+        w.waiting_for_first_token += 1
+        w.prefill_tokens_ahead += self.prefill_tokens
         if self.slo is not None:
             self.slo.arrival(self.model, self.worker.address, self.sla)
         self.span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
@@ -60,6 +67,7 @@ class AttemptObserver:
     def done(self) -> None:
         """The attempt is over, however it ended: the worker's slot and admission are given back."""
         self.worker.in_flight -= 1
+        self._prefilled()
         if self.slo is not None:
             self.slo.done(self.model, self.worker.address, self.sla)
         self.worker.admission.release(self.sla, service_ms=(time.monotonic() - self.sent_at) * 1000)
@@ -90,8 +98,16 @@ class AttemptObserver:
         if self.slo is not None:
             self.slo.token(self.model, self.worker.address, self.sla, per_token * 1000)
 
+    def _prefilled(self) -> None:
+        """The request no longer waits for its first token (it has it, or the attempt ended without)."""
+        if self.prefill_tokens:
+            self.worker.waiting_for_first_token -= 1
+            self.worker.prefill_tokens_ahead -= self.prefill_tokens
+            self.prefill_tokens = 0
+
     def _first(self, chunk: worker_pb2.GenerateResponse, now: float) -> None:
         self.first_at = now
+        self._prefilled()
         ttft_ms = (now - self.start) * 1000
         self.ttft_h.observe(now - self.start)
         if self.slo is not None:
@@ -115,7 +131,8 @@ class AttemptObserver:
         if self.slo is not None:
             self.slo.finished(self.model, self.worker.address, self.sla, self.sent_unix_ms, self.prompt_bytes,
                               usage.prompt_tokens, self.max_new_tokens, n_out, (first_at - start) * 1000, tpot_ms or 0.0,
-                              self.in_flight_at_start, self.queued_at_arrival)
+                              self.in_flight_at_start, self.queued_at_arrival, self.waiting_ahead_at_start,
+                              self.prefill_ahead_at_start)
         self.span.set_attributes({
             "cotserve.e2e_ms": out.timing.total_ms,
             **({"cotserve.tpot_ms": tpot_ms} if tpot_ms is not None else {}),

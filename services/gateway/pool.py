@@ -54,6 +54,8 @@ class WorkerHandle:
     stats: worker_pb2.StatsResponse | None = None
     healthy: bool = False
     in_flight: int = 0  # requests this gateway has open on the worker
+    waiting_for_first_token: int = 0  # of those, the ones without a first token yet
+    prefill_tokens_ahead: int = 0  # their prompt tokens (estimated): prefill work a new request waits behind
     failed_polls: int = 0  # polls in a row that failed
     admission: Admission = field(default_factory=Admission)
 

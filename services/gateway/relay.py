@@ -15,7 +15,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
+from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, Unavailable
 from cotserve.common.sampling import (
     SlaClass, check_self_consistency, max_new_tokens_of, reasoning_from_pb, sampling_from_pb,
     sla_from_pb,
@@ -255,11 +255,10 @@ class Relay:
         """Admission, the worker stream with its one retry (only before the first token), each chunk relayed."""
         span = self._annotate(model, wreq)
         if self.slo is not None and sla == SlaClass.BATCH:
-            why = self.slo.shed_batch(model)
+            held_ms, why = await self.slo.hold_batch(model, call.time_remaining())
             if why is not None:
-                span.add_event("shed", {"cotserve.reason": why})
-                raise ResourceExhausted(f"sla_class BATCH: deferred: {why}; retry later",
-                                        trailers={"retry-after-ms": str(self.slo.cfg.retry_after_ms)})
+                span.add_event("held", {"cotserve.reason": why, "cotserve.held_ms": held_ms})
+                self.metrics.batch_held.labels(model).observe(held_ms / 1000)
         tried: set[WorkerHandle] = set()
         sp = wreq.sampling
         max_new = max_new_tokens_of(sp)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from cotserve.common.errors import ResourceExhausted
 from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS
 
@@ -32,6 +34,7 @@ from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
 log = logging.getLogger("cotserve.gateway")
 
 PB_CLASS = SLA_PB
+DEFAULT_TOKENS_PER_BYTE = 0.25  # prompt tokens per prompt byte before a model's requests have told (English text)
 
 
 def queued(worker) -> int:
@@ -49,17 +52,32 @@ class _Acc:
     prompt_tokens: int = 0
 
 
+def deferred_share(p: float, threshold: float, throttle_from: float) -> float:
+    """The share of BATCH arrivals to defer at urgent-class forecast `p`: none up to `throttle_from` x threshold,
+    every one from the threshold on, in proportion between. Deferring part of BATCH as the risk rises, rather than
+    all of it once it is high, keeps the engine from swinging between a full BATCH load and none."""
+    start = throttle_from * threshold
+    if p >= threshold:
+        return 1.0
+    if p <= start:
+        return 0.0
+    return (p - start) / (threshold - start)
+
+
 @dataclass
 class SloLinkConfig:
     address: str
-    admission: bool = True          # shed BATCH while an urgent class's forecast is above the threshold
+    admission: bool = True          # hold BATCH as an urgent class's forecast nears and passes the threshold
     routing: bool = True            # route by predicted TTFT
     predict_budget_ms: float = 5.0
     report_interval_s: float = 1.0
     forecast_interval_s: float = 1.0
     backoff_s: float = 5.0
     max_backlog: int = 600
-    retry_after_ms: int = 10_000  # long enough for deferred BATCH to come back after a burst, not into it
+    retry_after_ms: int = 10_000  # retry-after-ms (+-50%) of BATCH turned away because `max_held` already wait
+    throttle_from: float = 0.5    # forecast / threshold where holding starts (1: all BATCH above the threshold, none below)
+    max_hold_ms: int = 30_000     # a held BATCH request goes after this long whatever the forecast (BATCH's TTFT target)
+    max_held: int = 1024          # BATCH requests held at once; more are turned away (RESOURCE_EXHAUSTED, retry-after-ms)
     credentials: Any = None  # grpc.ChannelCredentials for an SLO predictor that speaks TLS (None: plaintext)
 
 
@@ -81,6 +99,9 @@ class SloLink:
         self.reports_failed = 0
         self._tasks: list[asyncio.Task] = []
         self._last_warning = 0.0
+        self._rng = random.Random()
+        self.held = 0  # BATCH requests held now (hold_batch)
+        self._refreshed = asyncio.Event()  # set, then replaced, at every forecast refresh: held requests draw again
 
     # -- recording (called by the servicer) ----------------------------------------------
 
@@ -101,9 +122,13 @@ class SloLink:
     def done(self, model: str, worker: str, sla: SlaClass) -> None:
         self.in_flight[(model, worker, sla)] -= 1
 
+    def tokens_per_byte_of(self, model: str) -> float:
+        """Prompt tokens per prompt byte of `model`, as its finished requests have shown (a moving average)."""
+        return self.tokens_per_byte.get(model, DEFAULT_TOKENS_PER_BYTE)
+
     def finished(self, model: str, worker: str, sla: SlaClass, start_unix_ms: int, prompt_text_bytes: int, prompt_tokens: int,
                  max_new_tokens: int, completion_tokens: int, ttft_ms: float, tpot_ms: float, in_flight_at_start: int,
-                 queued_at_start: int) -> None:
+                 queued_at_start: int, waiting_ahead_at_start: int = 0, prefill_ahead_at_start: int = 0) -> None:
         a = self.acc[(model, worker, sla)]
         a.completions += 1
         a.prompt_tokens += prompt_tokens
@@ -113,7 +138,8 @@ class SloLink:
         self.requests.append(slo_pb2.RequestObservation(
             start_unix_ms=start_unix_ms, model=model, worker=worker, sla_class=PB_CLASS[sla], prompt_tokens=prompt_tokens,
             max_new_tokens=max_new_tokens, completion_tokens=completion_tokens, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-            in_flight_at_start=in_flight_at_start, queued_at_start=queued_at_start))
+            in_flight_at_start=in_flight_at_start, queued_at_start=queued_at_start,
+            waiting_for_first_token_at_start=waiting_ahead_at_start, prefill_tokens_ahead_at_start=prefill_ahead_at_start))
 
     def roll(self, start_unix_ms: int) -> list[slo_pb2.MetricsWindow]:
         """Close the second that began at `start_unix_ms`: one window per (model, healthy worker, class)."""
@@ -206,20 +232,54 @@ class SloLink:
                 except grpc.aio.AioRpcError as err:
                     self.forecasts.pop(model, None)
                     self._warn(f"SLO predictor {self.cfg.address}: Forecast failed: {err.code().name}")
+            self.refreshed()
+
+    def refreshed(self) -> None:
+        """New forecasts are in: every held BATCH request draws again."""
+        self._refreshed.set()
+        self._refreshed = asyncio.Event()
 
     # -- decisions -----------------------------------------------------------------------
 
-    def shed_batch(self, model: str) -> str | None:
-        """Why BATCH should wait now (an urgent class's fresh forecast above the threshold), or None."""
-        if not self.cfg.admission:
-            return None
+    def defer_share(self, model: str) -> tuple[float, float, float]:
+        """(share of BATCH to defer now, forecast, threshold) from the model's fresh forecast; share 0 without one."""
         f = self.forecasts.get(model)
-        if f is None or time.monotonic() - f[2] > 5 * self.cfg.forecast_interval_s:
-            return None
+        if not self.cfg.admission or f is None or time.monotonic() - f[2] > 5 * self.cfg.forecast_interval_s:
+            return 0.0, 0.0, 1.0
         p, threshold, _ = f
-        if p > threshold:
-            return f"the SLO predictor forecasts a {p:.2f} chance (above {threshold:.2f}) that REALTIME or INTERACTIVE misses its target"
-        return None
+        return deferred_share(p, threshold, self.cfg.throttle_from), p, threshold
+
+    async def hold_batch(self, model: str, time_remaining_s: float | None) -> tuple[float, str | None]:
+        """Hold a BATCH request here while the forecast says defer, rather than turn it away: drawn against the deferred
+        share now and again at every forecast refresh, so as the risk falls the held requests go in a trickle (a share
+        s holds each one another second with probability s), not in one wave, and no client retries cost anything.
+        It goes anyway after `max_hold_ms`, or a second before its deadline. Returns (ms held, why; None when it was
+        not held). Raises ResourceExhausted (retry-after-ms, +-50%) when `max_held` requests already wait."""
+        start = time.monotonic()
+        limit = self.cfg.max_hold_ms / 1000
+        if time_remaining_s is not None:
+            limit = min(limit, time_remaining_s - 1.0)
+        why = None
+        while True:
+            share, p, threshold = self.defer_share(model)
+            waited = time.monotonic() - start
+            if share <= 0 or self._rng.random() >= share or waited >= limit:
+                return waited * 1000, why
+            if why is None:
+                if self.held >= self.cfg.max_held:
+                    raise ResourceExhausted(
+                        f"sla_class BATCH: deferred: {self.held} BATCH requests are already held while the SLO predictor "
+                        f"forecasts a {p:.2f} chance that REALTIME or INTERACTIVE misses its target; retry later",
+                        trailers={"retry-after-ms": str(max(1, round(self.cfg.retry_after_ms * self._rng.uniform(0.5, 1.5))))})
+                why = (f"the SLO predictor forecasts a {p:.2f} chance (threshold {threshold:.2f}) that REALTIME or "
+                       f"INTERACTIVE misses its target: {100 * share:.0f}% of BATCH held")
+            self.held += 1
+            try:
+                await asyncio.wait_for(self._refreshed.wait(), limit - waited)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self.held -= 1
 
     async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):
         """The candidate with the lowest predicted TTFT, or None (fall back to the heuristic)."""
@@ -230,10 +290,12 @@ class SloLink:
             window = slo_pb2.MetricsWindow()
             if w.address in self.last_worker_window:
                 window.CopyFrom(self.last_worker_window[w.address])
-            window.in_flight, window.queue_depth = w.in_flight, queued(w)  # now, as the latency model learned them
+            # now, as the latency model learned them
+            window.in_flight, window.queue_depth = w.in_flight, queued(w)
+            window.waiting_for_first_token, window.prefill_tokens_ahead = w.waiting_for_first_token, w.prefill_tokens_ahead
             states.append(slo_pb2.WorkerState(worker=w.address, window=window))
         req = slo_pb2.PredictLatencyRequest(
-            prompt_tokens=max(1, round(prompt_bytes * self.tokens_per_byte.get(model, 0.25))), max_new_tokens=max_new_tokens,
+            prompt_tokens=max(1, round(prompt_bytes * self.tokens_per_byte_of(model))), max_new_tokens=max_new_tokens,
             sla_class=PB_CLASS[sla], candidates=states)
         try:
             resp = await self.stub.PredictLatency(req, timeout=self.cfg.predict_budget_ms / 1000)

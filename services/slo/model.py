@@ -90,6 +90,7 @@ def latency_data(windows, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray,
             continue
         state = worker_total(ws)
         state.in_flight, state.queue_depth = r.in_flight_at_start, r.queued_at_start  # as the gateway saw it then
+        state.waiting_for_first_token, state.prefill_tokens_ahead = r.waiting_for_first_token_at_start, r.prefill_tokens_ahead_at_start
         X.append(F.latency_row(r.prompt_tokens, r.max_new_tokens, r.sla_class, state))
         ttft.append(math.log1p(r.ttft_ms))
         tpot.append(math.log1p(r.tpot_ms) if r.completion_tokens > 1 and r.tpot_ms > 0 else math.nan)
@@ -207,6 +208,23 @@ def best_threshold(y: np.ndarray, score: np.ndarray) -> float:
 def mape(true_ms: np.ndarray, pred_ms: np.ndarray) -> float:
     ok = true_ms > 0
     return float(np.mean(np.abs(pred_ms[ok] - true_ms[ok]) / true_ms[ok])) if ok.any() else math.nan
+
+
+def mape_by_load(X: np.ndarray, true_ms: np.ndarray, pred_ms: np.ndarray) -> list[tuple[str, int, float]]:
+    """TTFT MAPE of held-out requests by load level: the worker's requests in flight when each was sent (this gateway's
+    count), split at its terciles into light, medium and heavy (fewer levels when the counts do not spread)."""
+    load = X[:, F.LATENCY_FEATURES.index("w_in_flight")]
+    if not len(load):
+        return []
+    cuts = sorted(set(np.quantile(load, [1 / 3, 2 / 3]).tolist()))
+    level = np.searchsorted(cuts, load, side="right")  # 0 .. len(cuts)
+    out = []
+    for i, name in enumerate(("light", "medium", "heavy")[: len(cuts) + 1]):
+        rows = level == i
+        if rows.any():
+            lo, hi = int(load[rows].min()), int(load[rows].max())
+            out.append((f"{name} ({lo}-{hi} in flight)", int(rows.sum()), mape(true_ms[rows], pred_ms[rows])))
+    return out
 
 
 # -- the learners ------------------------------------------------------------------------------
@@ -365,6 +383,7 @@ class Evaluation:
     notes: list[str] = field(default_factory=list)
     events: EventMetrics | None = None           # the forecast by episodes (see EventMetrics)
     baseline_events: EventMetrics | None = None
+    ttft_mape_by_load: list[tuple[str, int, float]] = field(default_factory=list)  # (load level, requests, MAPE)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -398,12 +417,14 @@ def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7
     lm = LatencyModel()
     notes = []
     ttft_mape = tpot_mape = math.nan
+    by_load: list[tuple[str, int, float]] = []
     n_test = int((ts >= split).sum())
     try:
         lm.fit(Xl[ts < split], lt[ts < split], lp[ts < split])
         if n_test:
             pt, pp = lm.predict(Xl[ts >= split])
             ttft_mape = mape(np.expm1(lt[ts >= split]), pt)
+            by_load = mape_by_load(Xl[ts >= split], np.expm1(lt[ts >= split]), pt)
             ok = ~np.isnan(lp[ts >= split])
             if lm.tpot is not None and ok.any():
                 tpot_mape = mape(np.expm1(lp[ts >= split][ok]), pp[ok])
@@ -411,5 +432,5 @@ def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7
         notes.append(f"latency model: {exc}")
     ev = Evaluation(split, len(train.y), len(test.y), int(test.y.sum()), roc_auc(test.y, score), p, r,
                     events.median_lead_s, events.onsets, roc_auc(test.y, test.baseline), bp, br, bevents.median_lead_s,
-                    bthr, ttft_mape, tpot_mape, n_test, threshold, notes, events, bevents)
+                    bthr, ttft_mape, tpot_mape, n_test, threshold, notes, events, bevents, by_load)
     return ev, fc, lm

@@ -55,3 +55,59 @@ def test_the_surge_prompt_fits_the_served_models_context(demo_gateway):
     info, n, out = asyncio.run(main())
     assert info.max_context_tokens - INTERACTIVE_NEW_TOKENS - 8 <= n <= info.max_context_tokens - INTERACTIVE_NEW_TOKENS
     assert len(out.token_ids) == INTERACTIVE_NEW_TOKENS
+
+
+def _replay(misses: int, total: int, ttft_ms: float, tokens: int) -> LoadResult:
+    """A replay whose INTERACTIVE requests miss `misses` of `total` (by TTFT) and serve `tokens` in all."""
+    r = LoadResult(30.0)
+    for i in range(total):
+        rec = RequestRecord(ttft_ms=5000.0 if i < misses else ttft_ms, itl_ms=[5.0] * 4)
+        r.records.append((SlaClass.INTERACTIVE, rec))
+    r.records[-1][1].tokens = tokens
+    return r
+
+
+def _run(seed: int, replays: dict[str, LoadResult], onsets: int = 4, ahead: int = 3, auc: float = 0.9):
+    from cotserve.slo.model import EventMetrics, Evaluation
+
+    ev = Evaluation(0, 100, 50, 10, auc, 0.5, 0.5, 12.0, onsets, 0.8, 0.4, 0.4, 3.0, 2.0, 0.18, 0.1, 40,
+                    events=EventMetrics(onsets, ahead, 1, 0.01, 12.0), baseline_events=EventMetrics(onsets, 1, 2, 0.01, 3.0))
+    return {"seed": seed, "recorded": _replay(1, 10, 50.0, 100), "windows": 300, "evaluation": ev, "replays": replays}
+
+
+def test_report_pools_onsets_over_seeds_and_judges_each_seed_against_its_own_replay_without_admission():
+    from rich.console import Console
+
+    from cotserve.bench.slo import QUICK, outcomes
+    from cotserve.bench.slo_report import pooled_events, print_report, verdicts
+
+    runs = [
+        _run(0, {"off": _replay(10, 100, 50.0, 1000), "proportional": _replay(1, 100, 40.0, 950)}),   # 10% -> 1%: cut 90%
+        _run(2, {"off": _replay(2, 100, 50.0, 1000), "proportional": _replay(3, 100, 40.0, 990)}),    # more misses: worse
+        _run(4, {"off": _replay(0, 100, 50.0, 1000), "proportional": _replay(0, 100, 80.0, 700)}),    # p99 up: worse
+    ]
+    per_seed = [outcomes(r) for r in runs]
+    assert per_seed[0]["proportional"].misses == 0.01 and per_seed[0]["proportional"].tokens_ratio == 0.95
+    worse, cuts = verdicts(per_seed, "proportional")
+    assert worse == 2 and cuts == [True]  # only seed 0 missed >= 5% without admission
+    assert pooled_events([r["evaluation"] for r in runs], "events")[:3] == (12, 9, 0.75)
+    console = Console(record=True, width=250)
+    assert print_report(runs, QUICK, console)
+    text = console.export_text()
+    assert "12 held-out violation onsets over the seeds (goal >= 20)" in text and "NOT met: 12 held-out" in text
+    assert "NOT met: proportional: never worse than off (misses and p99 TTFT): worse on 2 of 3 seeds" in text
+    assert "met: proportional: where off missed >= 5% (1 seeds), misses down >= 80% at >= 0.85x tokens on 1 of them" in text
+    assert "9 = 75.0% [" in text  # the pooled share with its Wilson interval
+
+
+def test_report_without_a_trained_seed_says_why_and_fails():
+    from rich.console import Console
+
+    from cotserve.bench.slo import QUICK
+    from cotserve.bench.slo_report import print_report
+
+    console = Console(record=True, width=200)
+    run = {"seed": 0, "recorded": _replay(0, 10, 50.0, 10), "windows": 90, "untrained": "no violation in the training stretch",
+           "replays": {}}
+    assert not print_report([run], QUICK, console)
+    assert "could not train: no violation in the training stretch" in console.export_text()

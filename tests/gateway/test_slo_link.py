@@ -15,13 +15,14 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from cotserve.common import errors
 from cotserve.common.procs import free_port
 from cotserve.common.sampling import SlaClass
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.server import GatewayConfig, start_gateway
-from cotserve.gateway.slo_link import SloLink, SloLinkConfig
-from cotserve.sdk import AsyncClient, ResourceExhausted
+from cotserve.gateway.slo_link import SloLink, SloLinkConfig, deferred_share
 from cotserve.common.windows import worker_total
+from cotserve.sdk import AsyncClient
 from cotserve.slo.server import SloConfig, start_slo
 from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
 from cotserve.worker.config import WorkerConfig
@@ -45,7 +46,8 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
     async def main():
         slo, windows = await trained_slo()
         worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address,
+                                                    slo_max_hold_ms=3000))
         peak = max(windows, key=lambda w: w.queue_depth)
         stop = asyncio.Event()
 
@@ -76,13 +78,18 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
                 assert (await client.generate("1+2=", max_new_tokens=8, sla="batch")).text  # forecast low: BATCH goes
                 task = asyncio.create_task(overload())
                 deadline = time.monotonic() + 15
-                while gateway.slo.shed_batch("cotserve-demo") is None:
+                while gateway.slo.defer_share("cotserve-demo")[0] < 1:
                     assert time.monotonic() < deadline, f"the forecast never passed the threshold: {gateway.slo.forecasts}"
                     await asyncio.sleep(0.2)
-                with pytest.raises(ResourceExhausted) as err:
-                    await client.generate("1+2=", max_new_tokens=8, sla="batch")
-                assert "deferred: the SLO predictor forecasts" in err.value.message and err.value.retry_after_ms == 10_000
+                t = time.monotonic()
+                held = asyncio.create_task(client.generate("1+2=", max_new_tokens=8, sla="batch"))
+                while gateway.slo.held == 0:  # held in the gateway, not turned away
+                    assert not held.done(), held.result()
+                    await asyncio.sleep(0.02)
                 assert (await client.generate("1+2=", max_new_tokens=8, sla="interactive")).text  # urgent work still goes
+                assert not held.done()
+                assert (await held).text and time.monotonic() - t >= 2.5  # it went after --slo-max-hold-ms (3 s)
+                assert gateway.slo.held == 0
                 stop.set()
                 await task
         finally:
@@ -104,7 +111,7 @@ def test_gateway_carries_on_when_the_predictor_is_down():
                     r = await client.generate("37+48-12=", max_new_tokens=32, sla=sla)
                     assert r.text == "<think>37+48=85. 85-12=73.</think> 73"
                 await asyncio.sleep(1.5)
-            assert gateway.slo.reports_failed >= 1 and gateway.slo.shed_batch("cotserve-demo") is None
+            assert gateway.slo.reports_failed >= 1 and gateway.slo.defer_share("cotserve-demo")[0] == 0
             assert len(gateway.slo.backlog) >= 1  # kept for when the predictor is back
         finally:
             await gateway.stop()
@@ -114,7 +121,7 @@ def test_gateway_carries_on_when_the_predictor_is_down():
 
 
 def handle(address: str, window: slo_pb2.MetricsWindow):
-    return SimpleNamespace(address=address, in_flight=window.in_flight,
+    return SimpleNamespace(address=address, in_flight=window.in_flight, waiting_for_first_token=0, prefill_tokens_ahead=0,
                            admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth}))
 
 
@@ -139,6 +146,76 @@ def test_routing_picks_the_lower_predicted_ttft_and_falls_back_within_its_budget
             assert time.monotonic() - t < 0.01
         finally:
             await link.stop()
+            await slo.stop()
+
+    asyncio.run(main())
+
+
+def test_deferred_share_rises_from_the_throttle_point_to_all_at_the_threshold():
+    assert deferred_share(0.2, 0.7, 0.5) == 0.0 and deferred_share(0.35, 0.7, 0.5) == 0.0
+    assert deferred_share(0.525, 0.7, 0.5) == pytest.approx(0.5) and deferred_share(0.7, 0.7, 0.5) == 1.0
+    assert deferred_share(0.69, 0.7, 1.0) == 0.0 and deferred_share(0.71, 0.7, 1.0) == 1.0  # 1: all or nothing
+
+
+def test_held_batch_goes_in_a_trickle_as_the_forecast_falls_and_a_full_hold_turns_requests_away():
+    async def main():
+        link = SloLink(SloLinkConfig("127.0.0.1:1", retry_after_ms=10_000, throttle_from=0.5, max_held=200),
+                       SimpleNamespace(workers=[]))
+        link._rng.seed(7)
+        link.forecasts["m"] = (0.9, 0.7, time.monotonic())  # over the threshold: every BATCH request held
+        tasks = [asyncio.create_task(link.hold_batch("m", None)) for _ in range(200)]
+        await asyncio.sleep(0.05)
+        assert link.held == 200 and not any(t.done() for t in tasks)
+        with pytest.raises(errors.ResourceExhausted) as err:  # the hold is full: turned away, retry-after jittered
+            await link.hold_batch("m", None)
+        assert 5_000 <= int(err.value.trailers["retry-after-ms"]) <= 15_000
+        assert "200 BATCH requests are already held" in str(err.value)
+        link.forecasts["m"] = (0.525, 0.7, time.monotonic())  # half way from 0.35 to the threshold: half stay each refresh
+        link.refreshed()
+        await asyncio.sleep(0.05)
+        assert 70 < sum(t.done() for t in tasks) < 130 and link.held == 200 - sum(t.done() for t in tasks)
+        link.forecasts["m"] = (0.3, 0.7, time.monotonic())  # below the throttle point: all go
+        link.refreshed()
+        results = await asyncio.gather(*tasks)
+        assert link.held == 0 and all(why is not None and "% of BATCH held" in why for _, why in results)
+        assert await link.hold_batch("m", None) == (pytest.approx(0, abs=5), None)  # not held now
+        link.forecasts["m"] = (0.9, 0.7, time.monotonic() - 60)  # stale: nothing held on an old forecast
+        assert (await link.hold_batch("m", None))[1] is None
+        link.forecasts["m"] = (0.9, 0.7, time.monotonic())
+        ms, why = await link.hold_batch("m", 1.2)  # a deadline 1.2 s away: it goes a second before it
+        assert why is not None and 150 <= ms <= 1000
+        link.cfg.admission = False
+        assert (await link.hold_batch("m", None))[1] is None
+        await link.stop()
+
+    asyncio.run(main())
+
+
+def test_each_request_reports_its_place_in_the_prefill_line_and_the_line_empties():
+    """Requests sent together: each observation carries the requests (and their prompt tokens) that the gateway had
+    sent the worker before it without a first token yet; when they are done the worker's line is empty again."""
+    async def main():
+        slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address))
+        try:
+            async with AsyncClient(gateway.server.address) as client:
+                started = int(time.time() * 1000)
+                await asyncio.gather(*(client.generate("12+34-5=" * 8, max_new_tokens=4, sla="interactive") for _ in range(4)))
+                (handle,) = gateway.pool.workers
+                assert handle.waiting_for_first_token == 0 and handle.prefill_tokens_ahead == 0 and handle.in_flight == 0
+                await asyncio.sleep(2.5)  # reported with the next window
+                async with grpc.aio.insecure_channel(slo.server.address) as ch:
+                    exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000))
+            obs = sorted(exported.requests, key=lambda r: r.waiting_for_first_token_at_start)
+            assert len(obs) == 4 and obs[0].waiting_for_first_token_at_start == 0 and obs[0].prefill_tokens_ahead_at_start == 0
+            later = [r for r in obs if r.waiting_for_first_token_at_start > 0]
+            assert later, "all four were sent after the one before had its first token"
+            # prompt tokens ahead are estimated from bytes (64 bytes at 0.25 tokens a byte before any request finished)
+            assert all(r.prefill_tokens_ahead_at_start == 16 * r.waiting_for_first_token_at_start for r in later)
+        finally:
+            await gateway.stop()
+            await worker.stop()
             await slo.stop()
 
     asyncio.run(main())

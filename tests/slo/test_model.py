@@ -11,7 +11,7 @@ from cotserve.common.errors import InvalidArgument
 from cotserve.slo import features as F
 from cotserve.slo.history import History, read_records, validate_window, write_records
 from cotserve.slo.model import (Forecaster, LatencyModel, Untrained, evaluate, forecast_data, latency_data, lead_times,
-                                roc_auc)
+                                mape, roc_auc)
 from cotserve.slo.v1 import slo_pb2
 from tests.slo.synth import simulate
 
@@ -171,3 +171,32 @@ def test_the_evaluation_reports_events_for_the_forecast_and_the_baseline():
     assert ev.events.onsets == ev.onsets and ev.baseline_events.onsets == ev.onsets
     assert ev.events.median_lead_s == ev.median_lead_s
     assert 0 <= ev.events.share_ahead <= 1 and ev.events.hours > 0
+
+
+def test_the_place_in_the_prefill_line_is_what_predicts_ttft_when_the_window_cannot():
+    """On a worker whose TTFT is the prefill line ahead of each request, the latency model learns it from the
+    request's place in line (prompt tokens ahead, sent by the gateway), and the evaluation reports MAPE by load."""
+    from tests.slo.synth import simulate_prefill
+
+    windows, requests = simulate_prefill(600)
+    X, lt, lp, ts = latency_data(windows, requests)
+    split = np.quantile(ts, 0.7)
+    train, test = ts < split, ts >= split
+    truth = np.expm1(lt[test])
+
+    def fitted_mape(columns_off: tuple[str, ...]) -> float:
+        Xm = X.copy()
+        for name in columns_off:
+            Xm[:, F.LATENCY_FEATURES.index(name)] = 0
+        lm = LatencyModel()
+        lm.fit(Xm[train], lt[train], lp[train])
+        return mape(truth, lm.predict(Xm[test])[0])
+
+    with_line = fitted_mape(())
+    without = fitted_mape(("waiting_ahead", "prefill_tokens_ahead", "prefill_tokens_to_first"))
+    print(f"TTFT MAPE with the place in line {with_line:.3f}, without {without:.3f}")
+    assert with_line <= 0.10 and without >= 2 * with_line, (with_line, without)
+    ev, _, _ = evaluate(windows, requests, train_fraction=0.7)
+    assert ev.ttft_mape <= 0.10
+    assert [name.split(" ")[0] for name, _, _ in ev.ttft_mape_by_load] == ["light", "medium", "heavy"]
+    assert sum(n for _, n, _ in ev.ttft_mape_by_load) == ev.latency_test_requests

@@ -77,6 +77,8 @@ class MetricsWindow(_message.Message):
     FIRST_TOKENS_FIELD_NUMBER: _builtins.int
     MEAN_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     WORKER_WAITING_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_AHEAD_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
     """Window start, Unix milliseconds."""
     model: _builtins.str
@@ -123,6 +125,14 @@ class MetricsWindow(_message.Message):
     """Mean prompt tokens of the requests that arrived in the window."""
     worker_waiting: _builtins.int
     """Worker sequences waiting to be scheduled (its own queue, preempted ones included)."""
+    waiting_for_first_token: _builtins.int
+    """In a latency prediction's candidate: requests this gateway has sent the worker that have no first token yet
+    (reported windows leave it 0).
+    """
+    prefill_tokens_ahead: _builtins.int
+    """In a latency prediction's candidate: their prompt tokens (estimated from the prompts' bytes), the prefill work
+    queued ahead of a new request (reported windows leave it 0).
+    """
     def __init__(
         self,
         *,
@@ -149,10 +159,12 @@ class MetricsWindow(_message.Message):
         first_tokens: _builtins.int = ...,
         mean_prompt_tokens: _builtins.float = ...,
         worker_waiting: _builtins.int = ...,
+        waiting_for_first_token: _builtins.int = ...,
+        prefill_tokens_ahead: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "queue_depth", b"queue_depth", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "worker", b"worker", "worker_waiting", b"worker_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "prefill_tokens_ahead", b"prefill_tokens_ahead", "queue_depth", b"queue_depth", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "waiting_for_first_token", b"waiting_for_first_token", "worker", b"worker", "worker_waiting", b"worker_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -175,6 +187,8 @@ class RequestObservation(_message.Message):
     TPOT_MS_FIELD_NUMBER: _builtins.int
     IN_FLIGHT_AT_START_FIELD_NUMBER: _builtins.int
     QUEUED_AT_START_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_FIRST_TOKEN_AT_START_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_AHEAD_AT_START_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
     """When the request reached the worker, Unix milliseconds."""
     model: _builtins.str
@@ -197,6 +211,10 @@ class RequestObservation(_message.Message):
     """Requests of every class this gateway had in flight on the worker when it sent this one."""
     queued_at_start: _builtins.int
     """Requests of every class waiting in this gateway's queues for the worker when this one arrived."""
+    waiting_for_first_token_at_start: _builtins.int
+    """Requests this gateway had sent the worker without a first token yet when it sent this one (its place in line)."""
+    prefill_tokens_ahead_at_start: _builtins.int
+    """Their prompt tokens (estimated from the prompts' bytes) when it sent this one."""
     def __init__(
         self,
         *,
@@ -211,10 +229,12 @@ class RequestObservation(_message.Message):
         tpot_ms: _builtins.float = ...,
         in_flight_at_start: _builtins.int = ...,
         queued_at_start: _builtins.int = ...,
+        waiting_for_first_token_at_start: _builtins.int = ...,
+        prefill_tokens_ahead_at_start: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "in_flight_at_start", b"in_flight_at_start", "max_new_tokens", b"max_new_tokens", "model", b"model", "prompt_tokens", b"prompt_tokens", "queued_at_start", b"queued_at_start", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "in_flight_at_start", b"in_flight_at_start", "max_new_tokens", b"max_new_tokens", "model", b"model", "prefill_tokens_ahead_at_start", b"prefill_tokens_ahead_at_start", "prompt_tokens", b"prompt_tokens", "queued_at_start", b"queued_at_start", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "waiting_for_first_token_at_start", b"waiting_for_first_token_at_start", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

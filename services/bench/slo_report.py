@@ -1,0 +1,140 @@
+"""`cotserve bench slo`'s report over one or more seeds: the forecast by episodes with 95% intervals, the replays
+under each BATCH admission rule against the same seed's replay without, and the goals of issue 21, met or not."""
+
+from __future__ import annotations
+
+import math
+
+from cotserve.bench.slo import Mode, VariantOutcome, outcomes
+from cotserve.common.sampling import SlaClass
+from cotserve.common.stats import mean_interval95, wilson_interval95
+
+MIN_ONSETS = 20  # held-out violation onsets (pooled over seeds) for the share foreseen to mean something
+
+
+def _pm(values: list[float], fmt: str = "{:.3f}", scale: float = 1.0) -> str:
+    """'mean ± half-width' of a 95% interval over seeds ('mean' alone for one seed)."""
+    mean, half = mean_interval95([v * scale for v in values])
+    if math.isnan(mean):
+        return "n/a"
+    return fmt.format(mean) + ("" if math.isnan(half) else " ± " + fmt.format(half))
+
+
+def _pct(v: float) -> str:
+    return "n/a" if math.isnan(v) else f"{100 * v:.1f}%"
+
+
+def pooled_events(evaluations: list, which: str) -> tuple[int, int, float, float, float]:
+    """(onsets, foreseen >= 10 s ahead, share, Wilson low, high) over seeds for 'events' or 'baseline_events'."""
+    onsets = sum(getattr(ev, which).onsets for ev in evaluations)
+    ahead = sum(getattr(ev, which).forecast_ahead for ev in evaluations)
+    lo, hi = wilson_interval95(ahead, onsets)
+    return onsets, ahead, ahead / onsets if onsets else math.nan, lo, hi
+
+
+def verdicts(per_seed: list[dict[str, VariantOutcome]], variant: str) -> tuple[int, list[bool]]:
+    """(seeds where `variant` was worse than off, and for each seed whose off replay missed >= 5%, whether the
+    variant cut misses >= 80% at >= 0.85x the tokens)."""
+    worse, cuts = 0, []
+    for seed in per_seed:
+        off, on = seed["off"], seed[variant]
+        worse += on.worse_than(off)
+        if off.misses >= 0.05:
+            cuts.append(on.misses <= 0.2 * off.misses and on.tokens_ratio >= 0.85)
+    return worse, cuts
+
+
+def print_report(outs: list[dict], mode: Mode, console) -> bool:
+    """Everything the runs measured; False when no seed could train (nothing to report beyond why)."""
+    from cotserve.slo.cli import print_evaluation
+
+    trained = [o for o in outs if "evaluation" in o]
+    for o in outs:
+        rec = o["recorded"]
+        causes = ", ".join(f"{n} {cause}" for cause, n in rec.miss_causes(SlaClass.INTERACTIVE).items())
+        console.print(f"seed {o['seed']}: recorded {len(rec.records)} requests, {o['windows']} windows; INTERACTIVE "
+                      f"missed its target in {100 * rec.miss_rate(SlaClass.INTERACTIVE):.1f}% ({causes})"
+                      + (f"; [red]could not train:[/red] {o['untrained']}" if "untrained" in o else ""))
+    if not trained:
+        return False
+    if len(outs) == 1:
+        print_evaluation(trained[0]["evaluation"], console)
+    _seed_table(trained, mode, console)
+    _summary_tables(trained, mode, console)
+    _goals(trained, mode, console)
+    return True
+
+
+def _seed_table(trained: list[dict], mode: Mode, console) -> None:
+    from rich.table import Table
+
+    t = Table(title="Per seed: forecast on the held-out stretch, and INTERACTIVE in the replays "
+                    "(misses / p99 TTFT ms / tokens vs off)")
+    for col in ("seed", "AUC (baseline)", "onsets", ">= 10 s ahead", "median lead", "false alarms / h", "TTFT MAPE",
+                *mode.variants):
+        t.add_column(col, justify="right")
+    for o in trained:
+        ev, oc = o["evaluation"], outcomes(o)
+        e = ev.events
+        t.add_row(str(o["seed"]), f"{ev.auc:.3f} ({ev.baseline_auc:.3f})", str(e.onsets), f"{e.forecast_ahead}",
+                  "n/a" if math.isnan(e.median_lead_s) else f"{e.median_lead_s:.0f} s",
+                  "n/a" if math.isnan(e.false_alarms_per_hour) else f"{e.false_alarms_per_hour:.0f}", _pct(ev.ttft_mape),
+                  *(f"{_pct(oc[v].misses)} / {oc[v].p99_ttft_ms:.0f} / {oc[v].tokens_ratio:.2f}x" for v in mode.variants))
+    console.print(t)
+
+
+def _summary_tables(trained: list[dict], mode: Mode, console) -> None:
+    from rich.table import Table
+
+    evs = [o["evaluation"] for o in trained]
+    n = len(trained)
+    t = Table(title=f"Forecast over {n} seed{'s' * (n > 1)}: onsets pooled (Wilson 95%), the rest mean ± 95% interval")
+    for col in ("", "onsets", "foreseen >= 10 s ahead", "median lead s", "false alarms / h", "ROC-AUC"):
+        t.add_column(col, justify="right")
+    for name, which, auc in (("XGBoost forecast", "events", "auc"), ("baseline: queue depth", "baseline_events", "baseline_auc")):
+        onsets, ahead, share, lo, hi = pooled_events(evs, which)
+        t.add_row(name, str(onsets), f"{ahead} = {_pct(share)} [{_pct(lo)}, {_pct(hi)}]",
+                  _pm([getattr(ev, which).median_lead_s for ev in evs], "{:.1f}"),
+                  _pm([getattr(ev, which).false_alarms_per_hour for ev in evs], "{:.0f}"), _pm([getattr(ev, auc) for ev in evs]))
+    console.print(t)
+    console.print(f"TTFT MAPE on held-out requests: {_pm([ev.ttft_mape for ev in evs], '{:.1f}%', 100)}; TPOT MAPE "
+                  f"{_pm([ev.tpot_mape for ev in evs], '{:.1f}%', 100)}")
+    per_seed = [outcomes(o) for o in trained]
+    r = Table(title=f"Replays of {mode.replay_s:.0f} s, BATCH admission rules (mean ± 95% interval over seeds)")
+    for col in ("admission", "INTERACTIVE missed", "misses by cause (all seeds)", "INTERACTIVE p99 TTFT ms",
+                "tokens vs off", "BATCH p50 TTFT ms", "BATCH turned away", "seeds worse than off"):
+        r.add_column(col, justify="right")
+    for v in mode.variants:
+        worse = "" if v == "off" else f"{verdicts(per_seed, v)[0]} of {n}"
+        causes: dict[str, int] = {}
+        for seed in per_seed:
+            for cause, k in seed[v].causes.items():
+                causes[cause] = causes.get(cause, 0) + k
+        r.add_row(v, _pm([s[v].misses for s in per_seed], "{:.2f}%", 100), ", ".join(f"{k} {c}" for c, k in causes.items()),
+                  _pm([s[v].p99_ttft_ms for s in per_seed], "{:.0f}"), _pm([s[v].tokens_ratio for s in per_seed], "{:.2f}x"),
+                  _pm([s[v].batch_p50_ttft_ms for s in per_seed], "{:.0f}"), _pm([s[v].deferrals for s in per_seed], "{:.0f}"),
+                  worse)
+    console.print(r)
+
+
+def _goals(trained: list[dict], mode: Mode, console) -> None:
+    evs = [o["evaluation"] for o in trained]
+    per_seed = [outcomes(o) for o in trained]
+    onsets = pooled_events(evs, "events")[0]
+    auc, base_auc = mean_interval95([ev.auc for ev in evs])[0], mean_interval95([ev.baseline_auc for ev in evs])[0]
+    mape = mean_interval95([ev.ttft_mape for ev in evs])[0]
+    goals = [
+        (onsets >= MIN_ONSETS, f"{onsets} held-out violation onsets over the seeds (goal >= {MIN_ONSETS})"),
+        (auc >= 0.9 and auc > base_auc, f"mean AUC {auc:.3f} >= 0.9 and above the baseline's {base_auc:.3f}"),
+        (mape <= 0.2, f"TTFT MAPE {_pct(mape)} <= 20%"),
+    ]
+    for v in mode.variants[1:]:
+        worse, cuts = verdicts(per_seed, v)
+        goals.append((worse == 0, f"{v}: never worse than off (misses and p99 TTFT): worse on {worse} of {len(trained)} seeds"))
+        if cuts:
+            goals.append((all(cuts), f"{v}: where off missed >= 5% ({len(cuts)} seeds), misses down >= 80% at >= 0.85x "
+                                     f"tokens on {sum(cuts)} of them"))
+        else:
+            console.print(f"{v}: no seed's replay without admission missed >= 5%, so the 80% cut was not put to the test")
+    for ok, text in goals:
+        console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")

@@ -1,0 +1,40 @@
+"""`cotserve bench slo-routing`: its mixed-class load against a real gateway, and its report's verdicts."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rich.console import Console
+
+from cotserve.bench.isolation import RequestRecord
+from cotserve.bench.slo_routing import NEW_TOKENS, RoutingRun, drive, print_report
+from cotserve.common.sampling import SlaClass
+
+
+def test_the_load_mixes_every_class_with_its_own_answer_length(demo_gateway):
+    run = asyncio.run(drive(demo_gateway, seconds=1.5, rate=12.0, prompts=["1+2=", "3+4="], seed=3))
+    assert len(run.records) == 17 and {c for c, _ in run.records} == set(SlaClass)  # the seed's draws: every class
+    for cls, rec in run.records:
+        assert rec.error is None and rec.ttft_ms is not None and rec.tokens == NEW_TOKENS[cls]
+
+
+def _run(ttfts: dict[SlaClass, list[float]]) -> RoutingRun:
+    run = RoutingRun()
+    for cls, values in ttfts.items():
+        run.records += [(cls, RequestRecord(ttft_ms=v)) for v in values]
+    return run
+
+
+def test_the_report_compares_p90_overall_and_per_class():
+    base = _run({SlaClass.REALTIME: [10.0] * 10, SlaClass.INTERACTIVE: [100.0] * 10, SlaClass.BATCH: [400.0] * 10})
+    better = _run({SlaClass.REALTIME: [12.0] * 10, SlaClass.INTERACTIVE: [50.0] * 10, SlaClass.BATCH: [200.0] * 10})
+    out = {"observations": 500, "ttft_mape": 0.18, "ttft_mape_by_load": [("light (0-3 in flight)", 100, 0.1)],
+           "rate_rps": 20.0, "runs": {"least loaded": base, "predicted TTFT": better}}
+    console = Console(record=True, width=220)
+    assert print_report(out, console)
+    text = console.export_text()
+    assert "met: all classes: p90 TTFT 200 ms vs 400 ms, 50% better (goal >= 30%)" in text
+    assert "NOT met: REALTIME: p90 TTFT 12 ms with predictions vs 10 least loaded (no worse)" in text
+    assert "met: BATCH: p90 TTFT 200 ms with predictions vs 400 least loaded" in text
+    assert "held-out TTFT MAPE 18.0% (light (0-3 in flight): 10.0% of 100)" in text
+    assert not print_report({"untrained": "too few request observations: 3, need 50"}, console)
