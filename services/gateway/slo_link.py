@@ -275,7 +275,8 @@ class SloLink:
                        f"INTERACTIVE misses its target: {100 * share:.0f}% of BATCH held")
             self.held += 1
             try:
-                await asyncio.wait_for(self._refreshed.wait(), limit - waited)
+                # the next refresh, or (refreshes stopped: the forecast goes stale and holds nothing) a look anyway
+                await asyncio.wait_for(self._refreshed.wait(), min(limit - waited, 2 * self.cfg.forecast_interval_s))
             except asyncio.TimeoutError:
                 pass
             finally:
