@@ -8,6 +8,8 @@
  * Layouts (all contiguous): query/out [batch, heads, dim] f32; caches [blocks, block_size, kv_heads, dim]; scales
  * [blocks, block_size, kv_heads] f16 bits; tables [batch, width] i64; ctx [batch] i64; pages [batch, kv_heads, k]
  * i64 indexes into the row's table (sorted; only the first ceil(ctx / block_size) columns count) or NULL.
+ * Returns 0, -1 for shapes out of range, -2 - row for the first row that would read outside the table or the cache
+ * (nothing is computed then: the caller raises rather than read memory that is not the cache).
  */
 #include <math.h>
 #include <stdint.h>
@@ -62,7 +64,8 @@ static inline const float *kv_row(const void *cache, const uint16_t *scales, int
     return buf;
 }
 
-/* One (row, KV head): every query head of its group over the row's pages. */
+/* One (row, KV head): every query head of its group over the row's pages. The caller checked every block id the
+ * row's pages name (`row_in_bounds`). */
 static void attend_one(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
                        const int64_t *table, int64_t ctx, const int64_t *pages, int64_t k, float *out, int64_t kv_heads,
                        int64_t h, int64_t group, int64_t dim, int64_t bs, float scale) {
@@ -102,18 +105,36 @@ static void attend_one(const float *q, const void *kc, const void *vc, const uin
         }
     }
     for (int64_t g = 0; g < group; g++) {
-        float inv = 1.0f / l[g];
+        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* an empty context reads nothing: zeros */
         for (int64_t d = 0; d < dim; d++) out[g * dim + d] = acc[g][d] * inv;
     }
+}
+
+/* Whether the row reads only what exists: its context within its table, every selected page within the table, and
+ * every block id it reads within the cache. */
+static int row_in_bounds(const int64_t *table, int64_t ctx, const int64_t *pages, int64_t k, int64_t kv_heads,
+                         int64_t bs, int64_t width, int64_t num_blocks) {
+    int64_t num_pages = (ctx + bs - 1) / bs;
+    if (ctx < 0 || num_pages > width) return 0;
+    for (int64_t j = 0; j < num_pages; j++)
+        if (table[j] < 0 || table[j] >= num_blocks) return 0;
+    if (pages)
+        for (int64_t i = 0; i < kv_heads * k; i++)
+            if (pages[i] < 0 || pages[i] >= width) return 0;
+    return 1;
 }
 
 int cotserve_decode_attention(const float *query, const void *k_cache, const void *v_cache, const uint16_t *k_scale,
                               const uint16_t *v_scale, int kind, const int64_t *tables, const int64_t *ctx,
                               const int64_t *pages, int64_t k, float *out, int64_t batch, int64_t heads,
-                              int64_t kv_heads, int64_t dim, int64_t bs, int64_t width, float scale, int threads) {
+                              int64_t kv_heads, int64_t dim, int64_t bs, int64_t width, int64_t num_blocks, float scale,
+                              int threads) {
     int64_t group = heads / kv_heads;
     if (dim > MAX_DIM || group > MAX_GROUP || bs > MAX_BLOCK || group * kv_heads != heads) return -1;
-    (void)threads;
+    for (int64_t b = 0; b < batch; b++)
+        if (!row_in_bounds(tables + b * width, ctx[b], pages ? pages + b * kv_heads * k : NULL, k, kv_heads, bs, width,
+                           num_blocks))
+            return -2 - (int)(b < 1000000 ? b : 1000000); /* -2 - row: the first row out of bounds */
 #pragma omp parallel for collapse(2) num_threads(threads) if (threads > 1 && batch * kv_heads >= 2 * threads)
     for (int64_t b = 0; b < batch; b++)
         for (int64_t h = 0; h < kv_heads; h++)

@@ -100,7 +100,7 @@ def library() -> ctypes.CDLL | None:
         fn = lib.cotserve_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-                       + [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int])
+                       + [ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int])
         _lib = lib
         return lib
 
@@ -144,8 +144,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         k_scale.data_ptr() if quantized else None, v_scale.data_ptr() if quantized else None, KV_KINDS[k_cache.dtype],
         tables.data_ptr(), ctx.data_ptr(), pages.data_ptr() if pages is not None else None,
         pages.shape[2] if pages is not None else 0, out.data_ptr(), batch, heads, k_cache.shape[2], dim,
-        k_cache.shape[1], tables.shape[1], scale, torch.get_num_threads())
-    if rc != 0:
+        k_cache.shape[1], tables.shape[1], k_cache.shape[0], scale, torch.get_num_threads())
+    if rc == -1:
         raise ValueError(f"decode attention: shapes out of the CPU kernel's range (query {tuple(query.shape)}, "
                          f"cache {tuple(k_cache.shape)})")
+    if rc != 0:
+        row = -2 - rc
+        raise IndexError(f"decode attention: row {row} reads outside its block table or the cache (context length "
+                         f"{int(ctx[row])}, table width {tables.shape[1]}, {k_cache.shape[0]} blocks)")
     return out

@@ -106,3 +106,21 @@ def test_without_a_c_compiler_the_cpu_runs_the_reference(monkeypatch, tmp_path):
     q, k_cache, v_cache, tables, ctx = _case(2, 2, 2, 2, seed=3)
     assert torch.equal(cpu_native.decode_attention(q, k_cache, v_cache, tables, ctx, 0.125),
                        decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125))
+
+
+def test_a_row_that_would_read_outside_its_table_or_the_cache_raises_instead():
+    q, k_cache, v_cache, tables, ctx = _case(3, 4, 2, 3, seed=4)
+    bad = tables.clone()
+    bad[1, 0] = k_cache.shape[0]  # a block id past the cache
+    with pytest.raises(IndexError, match="row 1 reads outside"):
+        cpu_native.decode_attention(q, k_cache, v_cache, bad, ctx, 0.125)
+    long = ctx.clone()
+    long[2] = tables.shape[1] * BS + 1  # a context longer than the row's table
+    with pytest.raises(IndexError, match="row 2 reads outside"):
+        cpu_native.decode_attention(q, k_cache, v_cache, tables, long, 0.125)
+    pages = torch.zeros(3, 2, 2, dtype=torch.int64)
+    pages[0, 1, 1] = tables.shape[1]  # a selected page past the table
+    with pytest.raises(IndexError, match="row 0 reads outside"):
+        cpu_native.decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, None, None, pages)
+    empty = cpu_native.decode_attention(q, k_cache, v_cache, tables, torch.zeros(3, dtype=torch.int64), 0.125)
+    assert torch.equal(empty, torch.zeros_like(q))  # nothing to attend to: zeros, not NaN
