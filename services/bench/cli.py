@@ -301,7 +301,7 @@ def bench_telemetry(
 @bench_app.command("slo")
 def bench_slo(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder for the worker (default: the bundled demo model)."),
-    quick: bool = typer.Option(False, "--quick", help="About 3 minutes a seed: 100 s recorded in 30 s cycles, 30 s replays, "
+    quick: bool = typer.Option(False, "--quick", help="A short run (5-6 minutes a seed on 2 cores): 100 s recorded in 30 s cycles, 30 s replays, "
                                "admission off and proportional only (the full mode: 360 s, 120 s, 60 s cycles, all three)."),
     seeds: int = typer.Option(1, min=1, max=20, help="Independent runs (seeds SEED, SEED+2, ...): figures get 95% intervals "
                               "over them and violation onsets are pooled."),

@@ -2,16 +2,18 @@
 
 1. Starts a worker (the demo model unless told otherwise), the SLO predictor and a gateway that
    reports to it (no intervention yet), and measures the stack's capacity (requests/s, closed loop).
-2. Drives a time-varying open-loop load for `duration_s` (`FULL` or `QUICK` sets the lengths): cycles (60 s; `--cycle-s`) of a steady stretch, a ramp
-   of INTERACTIVE and BATCH traffic together past capacity, a burst, a drain and, every third
-   cycle, a long-prompt surge instead of the burst (see `rates`). The gateway reports its windows.
+2. Drives a time-varying open-loop load for `duration_s` (`FULL` or `QUICK` sets the lengths): cycles (60 s;
+   `--cycle-s`) of a steady stretch, a ramp of INTERACTIVE and BATCH traffic together past capacity, a burst, a
+   drain and, every third cycle, a long-prompt surge instead of the burst (see `rates`). The gateway reports its
+   windows.
 3. Trains on the first 70% of the time and evaluates on the rest (`slo.model.evaluate`): ROC-AUC,
    precision and recall at the threshold, median lead time, against the queue-depth baseline, and
-   the TTFT/TPOT prediction MAPE.
+   the TTFT/TPOT prediction MAPE; and judges the forecast by blocked cross-validation over the whole recording
+   (`slo.model.evaluate_folds`: each fifth held out in turn), which holds out every violation onset once.
 4. Replays the same bursty load (the next seed) against the trained predictor under each admission variant
    (`ADMISSION_VARIANTS`: off, all-or-nothing, proportional), and reports INTERACTIVE's target-miss rate and p99
-   TTFT, and the output tokens served. A deferred BATCH request is retried after its `retry-after-ms` (with
-   jitter), as a client would, until 60 s after the load ends.
+   TTFT, the output tokens served and BATCH's TTFT (the gateway holds BATCH; one it turns away, when its hold is
+   full, is retried after its `retry-after-ms` with jitter, as a client would, until 60 s after the load ends).
 5. Does all of it for several seeds (`--seeds`): the figures come with 95% intervals over seeds, and violation
    onsets, the forecast's unit, are pooled over seeds with a Wilson interval on the share foreseen.
 """
@@ -189,6 +191,7 @@ async def _prompts(address: str) -> tuple[list[str], list[str]]:
     return short, long
 
 
+FOLDS = 5  # blocked cross-validation of the recording: every stretch held out once (`slo.model.evaluate_folds`)
 ADMISSION_VARIANTS = {"off": None, "all-or-nothing": 1.0, "proportional": 0.5}
 """The replays' BATCH admission: none; all BATCH held while the forecast is over the threshold; held in proportion
 from half the threshold (`--slo-throttle-from 0.5`, the default)."""
@@ -205,7 +208,7 @@ class Mode:
 
 
 FULL = Mode(360.0, 120.0, 60.0, tuple(ADMISSION_VARIANTS))
-QUICK = Mode(100.0, 30.0, 30.0, ("off", "proportional"))  # about 3 minutes with the stack's start
+QUICK = Mode(100.0, 30.0, 30.0, ("off", "proportional"))  # 5-6 minutes on 2 cores (the client lags the load's clock)
 
 
 def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
@@ -281,12 +284,16 @@ def _train(slo_addr: str, state: Path, out: dict) -> bool:
     import grpc
 
     from cotserve.slo.history import export_all
-    from cotserve.slo.model import Untrained, evaluate
+    from cotserve.slo.model import Untrained, evaluate, evaluate_folds
     from cotserve.slo.v1 import slo_pb2_grpc
 
     with grpc.insecure_channel(slo_addr) as ch:
         windows, requests, _ = export_all(slo_pb2_grpc.SloServiceStub(ch))
     out["windows"], out["requests"] = len(windows), len(requests)
+    try:
+        out["folds"] = evaluate_folds(windows, FOLDS)
+    except Untrained as exc:
+        out["folds_untrained"] = str(exc)
     try:
         ev, fc, lm = evaluate(windows, requests)
         out["evaluation"] = ev

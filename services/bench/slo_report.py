@@ -61,6 +61,7 @@ def print_report(outs: list[dict], mode: Mode, console) -> bool:
         print_evaluation(trained[0]["evaluation"], console)
     _seed_table(trained, mode, console)
     _summary_tables(trained, mode, console)
+    _folds_table(trained, console)
     _goals(trained, mode, console)
     return True
 
@@ -117,14 +118,24 @@ def _summary_tables(trained: list[dict], mode: Mode, console) -> None:
     console.print(r)
 
 
+def _folds_table(trained: list[dict], console) -> None:
+    from cotserve.slo.cli import print_folded
+
+    folded = [o["folds"] for o in trained if "folds" in o]
+    if folded:
+        print_folded(folded, console)
+
+
 def _goals(trained: list[dict], mode: Mode, console) -> None:
     evs = [o["evaluation"] for o in trained]
     per_seed = [outcomes(o) for o in trained]
-    onsets = pooled_events(evs, "events")[0]
+    folded = [o["folds"] for o in trained if "folds" in o]
+    onsets = pooled_events(folded, "events")[0] if folded else pooled_events(evs, "events")[0]
     auc, base_auc = mean_interval95([ev.auc for ev in evs])[0], mean_interval95([ev.baseline_auc for ev in evs])[0]
     mape = mean_interval95([ev.ttft_mape for ev in evs])[0]
     goals = [
-        (onsets >= MIN_ONSETS, f"{onsets} held-out violation onsets over the seeds (goal >= {MIN_ONSETS})"),
+        (onsets >= MIN_ONSETS, f"{onsets} held-out violation onsets over the seeds{' (cross-validated)' * bool(folded)} "
+                               f"(goal >= {MIN_ONSETS})"),
         (auc >= 0.9 and auc > base_auc, f"mean AUC {auc:.3f} >= 0.9 and above the baseline's {base_auc:.3f}"),
         (mape <= 0.2, f"TTFT MAPE {_pct(mape)} <= 20%"),
     ]

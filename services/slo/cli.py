@@ -68,17 +68,50 @@ def print_evaluation(ev, console) -> None:
     console.print(table)
     if ev.events is not None:
         events = Table(title="The same forecasts by episode: violation onsets, alarms (runs of seconds over the threshold)")
-        for col in ("", "onsets", "forecast >= 10 s ahead", "median lead time", "false alarms", "false alarms / hour"):
+        for col in ("", "onsets", "forecast >= 10 s ahead", "median lead time", "false alarms", "false alarms / hour",
+                    "time in alarm"):
             events.add_column(col, justify="right")
         for name, e in (("XGBoost forecast", ev.events), ("baseline", ev.baseline_events)):
             events.add_row(name, str(e.onsets), f"{e.forecast_ahead} ({_fmt(e.share_ahead, True)})",
                            "n/a" if math.isnan(e.median_lead_s) else f"{e.median_lead_s:.0f} s", str(e.false_alarms),
-                           "n/a" if math.isnan(e.false_alarms_per_hour) else f"{e.false_alarms_per_hour:.1f}")
+                           "n/a" if math.isnan(e.false_alarms_per_hour) else f"{e.false_alarms_per_hour:.1f}",
+                           _fmt(e.alarm_share, True))
         console.print(events)
     console.print(f"latency predictions on {ev.latency_test_requests} held-out requests: TTFT MAPE {_fmt(ev.ttft_mape, True)}, "
                   f"TPOT MAPE {_fmt(ev.tpot_mape, True)}")
     for note in ev.notes:
         console.print(f"note: {note}")
+
+
+def print_folded(folded: list, console) -> None:
+    """Blocked cross-validations (`slo.model.evaluate_folds`) of one or more recordings: onsets pooled with a Wilson
+    interval on the share foreseen, the rest as a mean with its 95% interval over recordings."""
+    from rich.table import Table
+
+    from cotserve.common.stats import mean_interval95, wilson_interval95
+
+    def pm(values, fmt: str, scale: float = 1.0) -> str:
+        mean, half = mean_interval95([v * scale for v in values])
+        return "n/a" if math.isnan(mean) else fmt.format(mean) + ("" if math.isnan(half) else " ± " + fmt.format(half))
+
+    n = len(folded)
+    t = Table(title=f"Forecast by blocked cross-validation ({folded[0].folds} folds, every stretch held out once), "
+                    f"{n} recording{'s' * (n > 1)}: onsets pooled (Wilson 95%), the rest mean" + (" ± 95% interval" if n > 1 else ""))
+    for col in ("", "onsets", "foreseen >= 10 s ahead", "median lead s", "false alarms / h", "time in alarm", "ROC-AUC"):
+        t.add_column(col, justify="right")
+    for name, which, auc in (("XGBoost forecast", "events", "auc"), ("baseline: queue depth", "baseline_events", "baseline_auc")):
+        onsets = sum(getattr(f, which).onsets for f in folded)
+        ahead = sum(getattr(f, which).forecast_ahead for f in folded)
+        lo, hi = wilson_interval95(ahead, onsets)
+        t.add_row(name, str(onsets), f"{ahead} = {_fmt(ahead / onsets if onsets else math.nan, True)} "
+                                     f"[{_fmt(lo, True)}, {_fmt(hi, True)}]",
+                  pm([getattr(f, which).median_lead_s for f in folded], "{:.1f}"),
+                  pm([getattr(f, which).false_alarms_per_hour for f in folded], "{:.0f}"),
+                  pm([getattr(f, which).alarm_share for f in folded], "{:.0f}%", 100), pm([getattr(f, auc) for f in folded], "{:.3f}"))
+    console.print(t)
+    skipped = sum(f.folds - f.folds_trained for f in folded)
+    if skipped:
+        console.print(f"note: {skipped} fold(s) had too few violations in their training part to train, and are left out")
 
 
 @slo_app.command("train")
@@ -88,18 +121,27 @@ def slo_train(
     threshold: float = typer.Option(0.7, min=0.0, max=1.0, help="Probability at which precision and recall are read."),
     train_fraction: float = typer.Option(0.7, min=0.1, max=0.95, help="Share of the time span to train on; the rest is held out."),
     out: Path = typer.Option(None, help="Save the fitted models here (XGBoost JSON; a service's STATE_DIR/models)."),
+    folds: int = typer.Option(5, min=0, max=20, help="Also judge the forecast by blocked cross-validation over the whole "
+                              "recording in this many folds (every onset held out once); 0: skip."),
 ) -> None:
     """Fit on the first part of the recording and print an evaluation on the later, held-out stretch."""
     from cotserve.slo.history import read_records
-    from cotserve.slo.model import Untrained, evaluate
+    from cotserve.slo.model import Untrained, evaluate, evaluate_folds
 
+    if folds == 1:
+        typer.echo("error: folds: 1, allowed 0 (skip) or 2..20", err=True)
+        raise typer.Exit(2)
     try:
         windows, requests = read_records(data)
         ev, fc, lm = evaluate(windows, requests, horizon_s, train_fraction, threshold)
+        folded = evaluate_folds(windows, folds, horizon_s, threshold) if folds >= 2 else None
     except (ValueError, Untrained) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    print_evaluation(ev, wide_console())
+    console = wide_console()
+    print_evaluation(ev, console)
+    if folded is not None:
+        print_folded([folded], console)
     if out is not None:
         fc.save(out)
         if lm.is_trained:

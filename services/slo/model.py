@@ -165,6 +165,7 @@ class EventMetrics:
     false_alarms: int
     hours: float
     median_lead_s: float
+    alarm_share: float = math.nan  # of the seconds, the share in alarm (an always-on alarm foresees every onset)
 
     @property
     def share_ahead(self) -> float:
@@ -178,9 +179,10 @@ class EventMetrics:
 def event_metrics(data: ForecastData, score: np.ndarray, threshold: float, horizon_s: int,
                   ahead_s: int = 10) -> EventMetrics:
     leads = lead_times(data, score, threshold, horizon_s)
-    false_alarms, seconds = 0, 0
+    false_alarms, seconds, alarmed = 0, 0, 0
     for t, above, viol in _per_key(data, score, threshold):
         seconds += len(t)
+        alarmed += sum(above.values())
         start = None
         for sec in [*t, None]:  # None closes a run still open at the end
             if sec is not None and above[sec]:
@@ -192,7 +194,7 @@ def event_metrics(data: ForecastData, score: np.ndarray, threshold: float, horiz
                     false_alarms += 1
                 start = None
     return EventMetrics(len(leads), sum(lead >= ahead_s for lead in leads), false_alarms, seconds / 3600,
-                        float(np.median(leads)) if leads else math.nan)
+                        float(np.median(leads)) if leads else math.nan, alarmed / seconds if seconds else math.nan)
 
 
 def best_threshold(y: np.ndarray, score: np.ndarray) -> float:
@@ -387,6 +389,59 @@ class Evaluation:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(slots=True, frozen=True)
+class FoldedEvaluation:
+    """The forecast judged on every part of a recording in turn (`evaluate_folds`)."""
+
+    folds: int
+    folds_trained: int
+    auc: float
+    baseline_auc: float
+    events: EventMetrics
+    baseline_events: EventMetrics
+
+
+def _subset(data: ForecastData, rows: np.ndarray) -> ForecastData:
+    return ForecastData(data.X[rows], data.y[rows], data.t_ms[rows], [k for k, keep in zip(data.key, rows) if keep],
+                        data.baseline[rows], data.violation[rows])
+
+
+def evaluate_folds(windows, folds: int = 5, horizon_s: int = 30, threshold: float = 0.7,
+                   targets=DEFAULT_SLA_TARGETS) -> FoldedEvaluation:
+    """Blocked cross-validation over time: the span is cut into `folds` contiguous blocks and each is forecast by a
+    model trained on the rest, leaving out the rows whose label horizon or feature lookback reaches into the block
+    (no peeking either way). Every violation onset of the recording is then held out once, where a single 70/30
+    split holds out one or two cycles' worth. Features and labels come from the whole series, so a block's edges
+    are computed as in serving. A fold whose training part has too few violations is left out (counted)."""
+    everything = forecast_data(windows, horizon_s, targets)
+    if not len(everything.y):
+        raise Untrained("no windows to learn from")
+    t0, t1 = int(everything.t_ms.min()), int(everything.t_ms.max()) + 1000
+    edges = np.linspace(t0, t1, folds + 1)
+    score = np.full(len(everything.y), np.nan)
+    alarm = np.zeros(len(everything.y))  # the baseline above its threshold, chosen on each fold's training rows
+    trained = 0
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        test = (everything.t_ms >= lo) & (everything.t_ms < hi)
+        train = (everything.t_ms + horizon_s * 1000 < lo) | (everything.t_ms - F.LOOKBACK_S * 1000 >= hi)
+        fc = Forecaster(horizon_s=horizon_s)
+        try:
+            fc.fit(_subset(everything, train))
+        except Untrained:
+            continue
+        trained += 1
+        if test.any():
+            score[test] = fc.predict(everything.X[test])
+            alarm[test] = everything.baseline[test] >= best_threshold(everything.y[train], everything.baseline[train])
+    held = ~np.isnan(score)
+    if not held.any():
+        raise Untrained(f"no fold of {folds} had enough violations to train on")
+    data = _subset(everything, held)
+    return FoldedEvaluation(folds, trained, roc_auc(data.y, score[held]), roc_auc(data.y, data.baseline),
+                            event_metrics(data, score[held], threshold, horizon_s),
+                            event_metrics(data, alarm[held], 0.5, horizon_s))
 
 
 def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7, threshold: float = 0.7,

@@ -34,6 +34,7 @@ def test_record_then_train_then_forecast(tmp_path):
         assert train.returncode == 0, train.stderr
         assert "XGBoost forecast" in train.stdout and "baseline: queue depth" in train.stdout and "TTFT MAPE" in train.stdout
         assert "by episode" in train.stdout and "false alarms / hour" in train.stdout  # the event-level table too
+        assert "blocked cross-validation (5 folds" in train.stdout and "time in alarm" in train.stdout
         assert (tmp_path / "models" / "forecast.json").exists() and (tmp_path / "models" / "ttft.json").exists()
         deadline = time.monotonic() + 60
         while True:

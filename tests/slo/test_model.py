@@ -200,3 +200,21 @@ def test_the_place_in_the_prefill_line_is_what_predicts_ttft_when_the_window_can
     assert ev.ttft_mape <= 0.10
     assert [name.split(" ")[0] for name, _, _ in ev.ttft_mape_by_load] == ["light", "medium", "heavy"]
     assert sum(n for _, n, _ in ev.ttft_mape_by_load) == ev.latency_test_requests
+
+
+def test_blocked_cross_validation_holds_out_every_onset_once_without_peeking():
+    from cotserve.slo.model import event_metrics, evaluate_folds
+
+    windows, requests = simulate(900)
+    folded = evaluate_folds(windows, folds=5)
+    everything = forecast_data(windows, 30)
+    every_onset = event_metrics(everything, np.zeros(len(everything.y)), 0.7, 30).onsets
+    single, _, _ = evaluate(windows, requests, horizon_s=30, train_fraction=0.7)
+    assert folded.folds_trained == 5 and folded.events.onsets == every_onset > single.onsets  # all of them, not the last 30%
+    assert folded.auc > 0.85 and folded.auc > folded.baseline_auc
+    assert folded.events.forecast_ahead >= folded.events.onsets // 2
+    # the baseline's threshold, chosen on each fold's training rows, alarms all the time here: it "foresees" every
+    # onset, which only the share of time in alarm shows
+    assert 0 < folded.events.alarm_share < folded.baseline_events.alarm_share == 1.0
+    with pytest.raises(Untrained):
+        evaluate_folds([], folds=5)
