@@ -165,8 +165,9 @@ def print_report(out: dict, console) -> bool:
     console.print(t)
     everything = lambda run: percentile([r.ttft_ms for _, r in run.records if r.ttft_ms is not None], 90)  # noqa: E731
     b_all, p_all = everything(base), everything(pred)
+    gain = 1 - p_all / b_all
     goals.insert(0, (p_all <= 0.7 * b_all, f"all classes: p90 TTFT {p_all:.0f} ms vs {b_all:.0f} ms, "
-                                            f"{100 * (1 - p_all / b_all):.0f}% better (goal >= 30%)"))
+                                            f"{100 * abs(gain):.0f}% {'better' if gain >= 0 else 'worse'} (goal >= 30% better)"))
     for ok, text in goals:
         console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")
     return True

@@ -33,8 +33,10 @@ def test_the_report_compares_p90_overall_and_per_class():
     console = Console(record=True, width=220)
     assert print_report(out, console)
     text = console.export_text()
-    assert "met: all classes: p90 TTFT 200 ms vs 400 ms, 50% better (goal >= 30%)" in text
+    assert "met: all classes: p90 TTFT 200 ms vs 400 ms, 50% better (goal >= 30% better)" in text
     assert "NOT met: REALTIME: p90 TTFT 12 ms with predictions vs 10 least loaded (no worse)" in text
     assert "met: BATCH: p90 TTFT 200 ms with predictions vs 400 least loaded" in text
     assert "held-out TTFT MAPE 18.0% (light (0-3 in flight): 10.0% of 100)" in text
+    worse = {**out, "runs": {"least loaded": better, "predicted TTFT": base}}
+    assert print_report(worse, console) and "NOT met: all classes: p90 TTFT 400 ms vs 200 ms, 100% worse" in console.export_text()
     assert not print_report({"untrained": "too few request observations: 3, need 50"}, console)
