@@ -7,17 +7,9 @@ import math
 
 from cotserve.bench.slo import Mode, VariantOutcome, outcomes
 from cotserve.common.sampling import SlaClass
-from cotserve.common.stats import mean_interval95, wilson_interval95
+from cotserve.common.stats import mean_interval95, mean_pm as _pm, wilson_interval95
 
 MIN_ONSETS = 20  # held-out violation onsets (pooled over seeds) for the share foreseen to mean something
-
-
-def _pm(values: list[float], fmt: str = "{:.3f}", scale: float = 1.0) -> str:
-    """'mean ± half-width' of a 95% interval over seeds ('mean' alone for one seed)."""
-    mean, half = mean_interval95([v * scale for v in values])
-    if math.isnan(mean):
-        return "n/a"
-    return fmt.format(mean) + ("" if math.isnan(half) else " ± " + fmt.format(half))
 
 
 def _pct(v: float) -> str:

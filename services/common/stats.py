@@ -47,3 +47,12 @@ def wilson_interval95(successes: int, trials: int) -> tuple[float, float]:
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z / (1 + z * z / trials) * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials))
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_pm(values: Iterable[float], fmt: str = "{:.3f}", scale: float = 1.0) -> str:
+    """'mean ± half-width' of `mean_interval95` over `values` times `scale`, each part in `fmt` ('mean' alone for
+    one value, 'n/a' for none): how the benches print a figure over seeds or recordings."""
+    mean, half = mean_interval95([v * scale for v in values])
+    if math.isnan(mean):
+        return "n/a"
+    return fmt.format(mean) + ("" if math.isnan(half) else " ± " + fmt.format(half))

@@ -88,11 +88,7 @@ def print_folded(folded: list, console) -> None:
     interval on the share foreseen, the rest as a mean with its 95% interval over recordings."""
     from rich.table import Table
 
-    from cotserve.common.stats import mean_interval95, wilson_interval95
-
-    def pm(values, fmt: str, scale: float = 1.0) -> str:
-        mean, half = mean_interval95([v * scale for v in values])
-        return "n/a" if math.isnan(mean) else fmt.format(mean) + ("" if math.isnan(half) else " ± " + fmt.format(half))
+    from cotserve.common.stats import mean_pm as pm, wilson_interval95
 
     n = len(folded)
     t = Table(title=f"Forecast by blocked cross-validation ({folded[0].folds} folds, every stretch held out once), "

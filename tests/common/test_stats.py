@@ -41,3 +41,11 @@ def test_wilson_interval_stays_inside_zero_one_and_narrows_with_trials():
     assert wilson_interval95(20, 20)[1] == 1.0 and wilson_interval95(20, 20)[0] > 0.8
     assert wilson_interval95(50, 100)[1] - wilson_interval95(50, 100)[0] < hi - lo
     assert all(math.isnan(v) for v in wilson_interval95(0, 0))
+
+
+def test_mean_pm_prints_a_figure_over_runs():
+    from cotserve.common.stats import mean_pm
+
+    assert mean_pm([1.0, 2.0, 3.0], "{:.2f}") == "2.00 ± 2.48"
+    assert mean_pm([0.1], "{:.0f}%", 100) == "10%"  # one run: no interval
+    assert mean_pm([], "{:.1f}") == "n/a"
