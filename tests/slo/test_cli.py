@@ -46,5 +46,7 @@ def test_record_then_train_then_forecast(tmp_path):
         assert len(out.strip().splitlines()) == 6  # the probability, then the five features that pushed it most
         bad = subprocess.run([*CLI, "train", "--data", str(tmp_path / "models" / "forecast.json")], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "error:" in bad.stderr
+        one = subprocess.run([*CLI, "train", "--data", str(tmp_path / "w.bin"), "--folds", "1"], capture_output=True, text=True, timeout=60)
+        assert one.returncode == 2 and "folds: 1, allowed 0 (skip) or 2..20" in one.stderr
     finally:
         stop_process(proc)
