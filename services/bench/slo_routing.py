@@ -116,7 +116,7 @@ def train_latency(slo_addr: str, state: Path, out: dict, train_fraction: float =
     import numpy as np
 
     from cotserve.slo.history import export_all
-    from cotserve.slo.model import LatencyModel, Untrained, latency_data, mape, mape_by_load
+    from cotserve.slo.model import LatencyModel, Untrained, held_out_latency, latency_data
     from cotserve.slo.v1 import slo_pb2_grpc
 
     with grpc.insecure_channel(slo_addr) as ch:
@@ -124,12 +124,8 @@ def train_latency(slo_addr: str, state: Path, out: dict, train_fraction: float =
     X, log_ttft, log_tpot, t = latency_data(windows, requests)
     out["observations"] = len(X)
     try:
-        split = np.quantile(t, train_fraction) if len(t) else 0
-        held = LatencyModel()
-        held.fit(X[t < split], log_ttft[t < split], log_tpot[t < split])
-        pred = held.predict(X[t >= split])[0]
-        truth = np.expm1(log_ttft[t >= split])
-        out["ttft_mape"], out["ttft_mape_by_load"] = mape(truth, pred), mape_by_load(X[t >= split], truth, pred)
+        _, held = held_out_latency(X, log_ttft, log_tpot, t, np.quantile(t, train_fraction) if len(t) else 0)
+        out["ttft_mape"], out["ttft_mape_by_load"] = held.ttft_mape, held.by_load
         lm = LatencyModel()
         lm.fit(X, log_ttft, log_tpot)
     except Untrained as exc:

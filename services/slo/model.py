@@ -444,6 +444,32 @@ def evaluate_folds(windows, folds: int = 5, horizon_s: int = 30, threshold: floa
                             event_metrics(data, alarm[held], 0.5, horizon_s))
 
 
+@dataclass(slots=True, frozen=True)
+class HeldOutLatency:
+    """The latency model's errors on the requests after a split (`held_out_latency`)."""
+
+    requests: int = 0
+    ttft_mape: float = math.nan
+    tpot_mape: float = math.nan
+    by_load: list[tuple[str, int, float]] = field(default_factory=list)  # TTFT MAPE by load level (`mape_by_load`)
+
+
+def held_out_latency(X: np.ndarray, log_ttft: np.ndarray, log_tpot: np.ndarray, t_ms: np.ndarray,
+                     split_ms: float) -> tuple[LatencyModel, HeldOutLatency]:
+    """Fit a latency model on the requests (`latency_data`'s arrays) started before `split_ms` and measure it on the
+    rest; raises Untrained when the part before is too small."""
+    lm = LatencyModel()
+    before, after = t_ms < split_ms, t_ms >= split_ms
+    lm.fit(X[before], log_ttft[before], log_tpot[before])
+    if not after.any():
+        return lm, HeldOutLatency()
+    pt, pp = lm.predict(X[after])
+    truth = np.expm1(log_ttft[after])
+    ok = ~np.isnan(log_tpot[after])
+    tpot = mape(np.expm1(log_tpot[after][ok]), pp[ok]) if lm.tpot is not None and ok.any() else math.nan
+    return lm, HeldOutLatency(int(after.sum()), mape(truth, pt), tpot, mape_by_load(X[after], truth, pt))
+
+
 def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7, threshold: float = 0.7,
              targets=DEFAULT_SLA_TARGETS) -> tuple[Evaluation, Forecaster, LatencyModel]:
     """Fit on the first `train_fraction` of the time span, evaluate on the rest."""
@@ -468,24 +494,14 @@ def evaluate(windows, requests, horizon_s: int = 30, train_fraction: float = 0.7
     bp, br = precision_recall(test.y, test.baseline, bthr)
     bevents = event_metrics(test, test.baseline, bthr, horizon_s)
 
-    Xl, lt, lp, ts = latency_data(windows, requests)
-    lm = LatencyModel()
+    latency = latency_data(windows, requests)
+    lm, held = LatencyModel(), HeldOutLatency(int((latency[3] >= split).sum()))  # untrained: the count still stands
     notes = []
-    ttft_mape = tpot_mape = math.nan
-    by_load: list[tuple[str, int, float]] = []
-    n_test = int((ts >= split).sum())
     try:
-        lm.fit(Xl[ts < split], lt[ts < split], lp[ts < split])
-        if n_test:
-            pt, pp = lm.predict(Xl[ts >= split])
-            ttft_mape = mape(np.expm1(lt[ts >= split]), pt)
-            by_load = mape_by_load(Xl[ts >= split], np.expm1(lt[ts >= split]), pt)
-            ok = ~np.isnan(lp[ts >= split])
-            if lm.tpot is not None and ok.any():
-                tpot_mape = mape(np.expm1(lp[ts >= split][ok]), pp[ok])
+        lm, held = held_out_latency(*latency, split)
     except Untrained as exc:
         notes.append(f"latency model: {exc}")
     ev = Evaluation(split, len(train.y), len(test.y), int(test.y.sum()), roc_auc(test.y, score), p, r,
                     events.median_lead_s, events.onsets, roc_auc(test.y, test.baseline), bp, br, bevents.median_lead_s,
-                    bthr, ttft_mape, tpot_mape, n_test, threshold, notes, events, bevents, by_load)
+                    bthr, held.ttft_mape, held.tpot_mape, held.requests, threshold, notes, events, bevents, held.by_load)
     return ev, fc, lm
