@@ -84,13 +84,12 @@ class LoadResult:
                 out["inter-token"] += 1
         return out
 
-    def ttft_p99(self, cls: SlaClass) -> float:
-        values = [r.ttft_ms for r in self.of(cls) if r.ttft_ms is not None]
-        return percentile(values, 99) if values else math.nan
+    def ttft(self, cls: SlaClass, q: float) -> float:
+        """The class's `q`th percentile TTFT (ms) of the requests that got a first token (NaN: none did)."""
+        return percentile([r.ttft_ms for r in self.of(cls) if r.ttft_ms is not None], q)
 
-    def ttft_p50(self, cls: SlaClass) -> float:
-        values = [r.ttft_ms for r in self.of(cls) if r.ttft_ms is not None]
-        return percentile(values, 50) if values else math.nan
+    def failed(self, cls: SlaClass) -> int:
+        return sum(r.error is not None for r in self.of(cls))
 
     @property
     def tokens(self) -> int:
@@ -273,8 +272,8 @@ def outcomes(out: dict) -> dict[str, VariantOutcome]:
     """Each replay of one seed's run, against that seed's replay without admission."""
     off = out["replays"]["off"]
     i = SlaClass.INTERACTIVE
-    return {name: VariantOutcome(r.miss_rate(i), r.ttft_p99(i), r.tokens / max(1, off.tokens), r.deferrals,
-                                 r.ttft_p50(SlaClass.BATCH), r.miss_causes(i))
+    return {name: VariantOutcome(r.miss_rate(i), r.ttft(i, 99), r.tokens / max(1, off.tokens), r.deferrals,
+                                 r.ttft(SlaClass.BATCH, 50), r.miss_causes(i))
             for name, r in out["replays"].items()}
 
 

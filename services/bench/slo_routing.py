@@ -15,10 +15,10 @@ import asyncio
 import random
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from cotserve.bench.isolation import RequestRecord, _one
+from cotserve.bench.slo import LoadResult
 from cotserve.bench.throughput import prompt_of_tokens
 from cotserve.common.sampling import SlaClass
 from cotserve.common.stats import percentile
@@ -29,21 +29,10 @@ SHARE = {SlaClass.REALTIME: 0.1, SlaClass.INTERACTIVE: 0.6, SlaClass.BATCH: 0.3}
 SLOW_MAX_NUM_SEQS = 4
 
 
-@dataclass
-class RoutingRun:
-    records: list[tuple[SlaClass, RequestRecord]] = field(default_factory=list)
-
-    def ttft(self, cls: SlaClass, q: float) -> float:
-        return percentile([r.ttft_ms for c, r in self.records if c == cls and r.ttft_ms is not None], q)
-
-    def failed(self, cls: SlaClass) -> int:
-        return sum(r.error is not None for c, r in self.records if c == cls)
-
-
-async def drive(address: str, seconds: float, rate: float, prompts: list[str], seed: int) -> RoutingRun:
+async def drive(address: str, seconds: float, rate: float, prompts: list[str], seed: int) -> LoadResult:
     """Poisson arrivals at `rate` requests/s, classes drawn by `SHARE`, prompts of mixed lengths."""
     rng = random.Random(seed)
-    run = RoutingRun()
+    run = LoadResult(seconds)
     tasks = []
     classes, weights = list(SHARE), list(SHARE.values())
     async with AsyncClient(address) as client:
@@ -154,7 +143,7 @@ def print_report(out: dict, console) -> bool:
     for cls in SlaClass:
         b90, p90 = base.ttft(cls, 90), pred.ttft(cls, 90)
         for name, run in (("least loaded", base), ("predicted TTFT", pred)):
-            t.add_row(f"{cls.name} {name}", str(sum(c == cls for c, _ in run.records)), f"{run.ttft(cls, 50):.0f}",
+            t.add_row(f"{cls.name} {name}", str(len(run.of(cls))), f"{run.ttft(cls, 50):.0f}",
                       f"{run.ttft(cls, 90):.0f}", f"{run.ttft(cls, 99):.0f}", str(run.failed(cls)),
                       f"{100 * (1 - p90 / b90):.0f}%" if name == "predicted TTFT" and b90 else "")
         goals.append((p90 <= b90, f"{cls.name}: p90 TTFT {p90:.0f} ms with predictions vs {b90:.0f} least loaded (no worse)"))

@@ -7,7 +7,8 @@ import asyncio
 from rich.console import Console
 
 from cotserve.bench.isolation import RequestRecord
-from cotserve.bench.slo_routing import NEW_TOKENS, RoutingRun, drive, print_report
+from cotserve.bench.slo import LoadResult
+from cotserve.bench.slo_routing import NEW_TOKENS, drive, print_report
 from cotserve.common.sampling import SlaClass
 
 
@@ -18,8 +19,8 @@ def test_the_load_mixes_every_class_with_its_own_answer_length(demo_gateway):
         assert rec.error is None and rec.ttft_ms is not None and rec.tokens == NEW_TOKENS[cls]
 
 
-def _run(ttfts: dict[SlaClass, list[float]]) -> RoutingRun:
-    run = RoutingRun()
+def _run(ttfts: dict[SlaClass, list[float]]) -> LoadResult:
+    run = LoadResult(60.0)
     for cls, values in ttfts.items():
         run.records += [(cls, RequestRecord(ttft_ms=v)) for v in values]
     return run
