@@ -7,21 +7,14 @@ import math
 
 from cotserve.bench.slo import Mode, VariantOutcome, outcomes
 from cotserve.common.sampling import SlaClass
-from cotserve.common.stats import mean_interval95, mean_pm as _pm, wilson_interval95
+from cotserve.common.stats import mean_interval95, mean_pm as _pm
+from cotserve.slo.model import pooled_events
 
 MIN_ONSETS = 20  # held-out violation onsets (pooled over seeds) for the share foreseen to mean something
 
 
 def _pct(v: float) -> str:
     return "n/a" if math.isnan(v) else f"{100 * v:.1f}%"
-
-
-def pooled_events(evaluations: list, which: str) -> tuple[int, int, float, float, float]:
-    """(onsets, foreseen >= 10 s ahead, share, Wilson low, high) over seeds for 'events' or 'baseline_events'."""
-    onsets = sum(getattr(ev, which).onsets for ev in evaluations)
-    ahead = sum(getattr(ev, which).forecast_ahead for ev in evaluations)
-    lo, hi = wilson_interval95(ahead, onsets)
-    return onsets, ahead, ahead / onsets if onsets else math.nan, lo, hi
 
 
 def verdicts(per_seed: list[dict[str, VariantOutcome]], variant: str) -> tuple[int, list[bool]]:
@@ -79,17 +72,12 @@ def _seed_table(trained: list[dict], mode: Mode, console) -> None:
 def _summary_tables(trained: list[dict], mode: Mode, console) -> None:
     from rich.table import Table
 
+    from cotserve.slo.cli import print_episodes
+
     evs = [o["evaluation"] for o in trained]
     n = len(trained)
-    t = Table(title=f"Forecast over {n} seed{'s' * (n > 1)}: onsets pooled (Wilson 95%), the rest mean ± 95% interval")
-    for col in ("", "onsets", "foreseen >= 10 s ahead", "median lead s", "false alarms / h", "ROC-AUC"):
-        t.add_column(col, justify="right")
-    for name, which, auc in (("XGBoost forecast", "events", "auc"), ("baseline: queue depth", "baseline_events", "baseline_auc")):
-        onsets, ahead, share, lo, hi = pooled_events(evs, which)
-        t.add_row(name, str(onsets), f"{ahead} = {_pct(share)} [{_pct(lo)}, {_pct(hi)}]",
-                  _pm([getattr(ev, which).median_lead_s for ev in evs], "{:.1f}"),
-                  _pm([getattr(ev, which).false_alarms_per_hour for ev in evs], "{:.0f}"), _pm([getattr(ev, auc) for ev in evs]))
-    console.print(t)
+    print_episodes(evs, f"Forecast over {n} seed{'s' * (n > 1)}: onsets pooled (Wilson 95%), the rest mean ± 95% interval",
+                   console)
     console.print(f"TTFT MAPE on held-out requests: {_pm([ev.ttft_mape for ev in evs], '{:.1f}%', 100)}; TPOT MAPE "
                   f"{_pm([ev.tpot_mape for ev in evs], '{:.1f}%', 100)}")
     per_seed = [outcomes(o) for o in trained]

@@ -83,28 +83,32 @@ def print_evaluation(ev, console) -> None:
         console.print(f"note: {note}")
 
 
-def print_folded(folded: list, console) -> None:
-    """Blocked cross-validations (`slo.model.evaluate_folds`) of one or more recordings: onsets pooled with a Wilson
-    interval on the share foreseen, the rest as a mean with its 95% interval over recordings."""
+def print_episodes(results: list, title: str, console) -> None:
+    """The forecast and the baseline by episode over one or more evaluations (`Evaluation` or `FoldedEvaluation`):
+    onsets pooled with a Wilson interval on the share foreseen, the rest as a mean with its 95% interval."""
     from rich.table import Table
 
-    from cotserve.common.stats import mean_pm as pm, wilson_interval95
+    from cotserve.common.stats import mean_pm as pm
+    from cotserve.slo.model import pooled_events
 
-    n = len(folded)
-    t = Table(title=f"Forecast by blocked cross-validation ({folded[0].folds} folds, every stretch held out once), "
-                    f"{n} recording{'s' * (n > 1)}: onsets pooled (Wilson 95%), the rest mean" + (" ± 95% interval" if n > 1 else ""))
+    t = Table(title=title)
     for col in ("", "onsets", "foreseen >= 10 s ahead", "median lead s", "false alarms / h", "time in alarm", "ROC-AUC"):
         t.add_column(col, justify="right")
     for name, which, auc in (("XGBoost forecast", "events", "auc"), ("baseline: queue depth", "baseline_events", "baseline_auc")):
-        onsets = sum(getattr(f, which).onsets for f in folded)
-        ahead = sum(getattr(f, which).forecast_ahead for f in folded)
-        lo, hi = wilson_interval95(ahead, onsets)
-        t.add_row(name, str(onsets), f"{ahead} = {_fmt(ahead / onsets if onsets else math.nan, True)} "
-                                     f"[{_fmt(lo, True)}, {_fmt(hi, True)}]",
-                  pm([getattr(f, which).median_lead_s for f in folded], "{:.1f}"),
-                  pm([getattr(f, which).false_alarms_per_hour for f in folded], "{:.0f}"),
-                  pm([getattr(f, which).alarm_share for f in folded], "{:.0f}%", 100), pm([getattr(f, auc) for f in folded], "{:.3f}"))
+        onsets, ahead, share, lo, hi = pooled_events(results, which)
+        t.add_row(name, str(onsets), f"{ahead} = {_fmt(share, True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]",
+                  pm([getattr(r, which).median_lead_s for r in results], "{:.1f}"),
+                  pm([getattr(r, which).false_alarms_per_hour for r in results], "{:.0f}"),
+                  pm([getattr(r, which).alarm_share for r in results], "{:.0f}%", 100), pm([getattr(r, auc) for r in results], "{:.3f}"))
     console.print(t)
+
+
+def print_folded(folded: list, console) -> None:
+    """Blocked cross-validations (`slo.model.evaluate_folds`) of one or more recordings."""
+    n = len(folded)
+    print_episodes(folded, f"Forecast by blocked cross-validation ({folded[0].folds} folds, every stretch held out once), "
+                           f"{n} recording{'s' * (n > 1)}: onsets pooled (Wilson 95%), the rest mean"
+                           + (" ± 95% interval" if n > 1 else ""), console)
     skipped = sum(f.folds - f.folds_trained for f in folded)
     if skipped:
         console.print(f"note: {skipped} fold(s) had too few violations in their training part to train, and are left out")

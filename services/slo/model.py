@@ -197,6 +197,17 @@ def event_metrics(data: ForecastData, score: np.ndarray, threshold: float, horiz
                         float(np.median(leads)) if leads else math.nan, alarmed / seconds if seconds else math.nan)
 
 
+def pooled_events(results: list, which: str = "events") -> tuple[int, int, float, float, float]:
+    """(onsets, foreseen >= 10 s ahead, their share, Wilson 95% low, high) summed over `results` (evaluations of
+    several runs: anything with `events` / `baseline_events`), `which` naming the forecast's or the baseline's."""
+    from cotserve.common.stats import wilson_interval95
+
+    onsets = sum(getattr(r, which).onsets for r in results)
+    ahead = sum(getattr(r, which).forecast_ahead for r in results)
+    lo, hi = wilson_interval95(ahead, onsets)
+    return onsets, ahead, ahead / onsets if onsets else math.nan, lo, hi
+
+
 def best_threshold(y: np.ndarray, score: np.ndarray) -> float:
     """The score threshold with the best F1 (for the baseline, chosen on the training stretch)."""
     best, best_f1 = float(np.max(score)) if len(score) else 0.0, -1.0

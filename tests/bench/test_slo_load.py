@@ -79,7 +79,8 @@ def test_report_pools_onsets_over_seeds_and_judges_each_seed_against_its_own_rep
     from rich.console import Console
 
     from cotserve.bench.slo import QUICK, outcomes
-    from cotserve.bench.slo_report import pooled_events, print_report, verdicts
+    from cotserve.bench.slo_report import print_report, verdicts
+    from cotserve.slo.model import pooled_events
 
     runs = [
         _run(0, {"off": _replay(10, 100, 50.0, 1000), "proportional": _replay(1, 100, 40.0, 950)}),   # 10% -> 1%: cut 90%
