@@ -210,6 +210,15 @@ FULL = Mode(360.0, 120.0, 60.0, tuple(ADMISSION_VARIANTS))
 QUICK = Mode(100.0, 30.0, 30.0, ("off", "proportional"))  # 5-6 minutes on 2 cores (the client lags the load's clock)
 
 
+def predictor_child(address: str, state: Path):
+    """The SLO predictor on `address`, keeping its history and models under `state`, retraining only when told (the
+    benches train it themselves, on the stretch they choose); started again, it loads the models saved there."""
+    from cotserve.common.procs import Child, grpc_ready, python_cli
+
+    return Child("slo", address, python_cli("serve", "slo", "--port", address.rsplit(":", 1)[1], "--state-dir", str(state),
+                                            "--retrain-interval-s", "100000"), grpc_ready(address))
+
+
 def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
     """One seed: record `mode.duration_s` of load, train and evaluate on it, then replay `mode.replay_s` of the same
     load's shape (seed + 1) under each admission variant, each against a fresh gateway."""
@@ -220,9 +229,7 @@ def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
     worker = Child("worker", worker_addr, python_cli("serve", "worker", "--port", worker_addr.rsplit(":", 1)[1],
                                                      *(["--model", str(model)] if model else [])), grpc_ready(worker_addr))
 
-    def slo_child() -> Child:
-        return Child("slo", slo_addr, python_cli("serve", "slo", "--port", slo_addr.rsplit(":", 1)[1], "--state-dir", str(state),
-                                                 "--retrain-interval-s", "100000"), grpc_ready(slo_addr))
+    slo_child = lambda: predictor_child(slo_addr, state)  # noqa: E731
 
     def gateway_child(throttle_from: float | None) -> Child:
         addr = f"127.0.0.1:{free_port()}"

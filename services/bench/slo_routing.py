@@ -49,7 +49,7 @@ async def drive(address: str, seconds: float, rate: float, prompts: list[str], s
 
 
 def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: int, progress) -> dict:
-    from cotserve.bench.slo import CAPACITY_CONCURRENCY, capacity
+    from cotserve.bench.slo import CAPACITY_CONCURRENCY, capacity, predictor_child
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
     state = Path(tempfile.mkdtemp(prefix="cotserve-bench-slo-routing-"))
@@ -62,9 +62,7 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
                                                             *slow), grpc_ready(addr)))
     slo_addr = f"127.0.0.1:{free_port()}"
 
-    def slo_child() -> Child:
-        return Child("slo", slo_addr, python_cli("serve", "slo", "--port", slo_addr.rsplit(":", 1)[1], "--state-dir", str(state),
-                                                 "--retrain-interval-s", "100000"), grpc_ready(slo_addr))
+    slo_child = lambda: predictor_child(slo_addr, state)  # noqa: E731
 
     def gateway_child(routing: bool) -> Child:
         addr = f"127.0.0.1:{free_port()}"
