@@ -31,6 +31,18 @@ void cotserve_init(void) {
     }
 }
 
+static inline float f32_from_bits(uint32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
 static inline float half_bits_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, bits;
     if (e == 0) {
@@ -60,7 +72,12 @@ static inline const float *kv_row(const void *cache, const uint16_t *scales, int
     if (kind == KV_F32) return (const float *)cache + at;
     const uint8_t *p = (const uint8_t *)cache + at;
     float s = half_bits_to_float(scales[slot * kv_heads + h]);
-    for (int64_t d = 0; d < dim; d++) buf[d] = e4m3_lut[p[d]] * s;
+    for (int64_t d = 0; d < dim; d++) { /* E4M3 bits placed in an f32's exponent and mantissa, then times 2^120 (the
+                                          * biases differ by 120): exact, subnormals included, and it vectorises */
+        uint32_t b = p[d], mag = b & 0x7Fu;
+        float v = f32_from_bits((mag << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
+        buf[d] = (mag == 0x7Fu ? NAN : v) * s;
+    }
     return buf;
 }
 
@@ -141,5 +158,91 @@ int cotserve_decode_attention(const float *query, const void *k_cache, const voi
             attend_one(query + (b * heads + h * group) * dim, k_cache, v_cache, k_scale, v_scale, kind, tables + b * width,
                        ctx[b], pages ? pages + (b * kv_heads + h) * k : NULL, k, out + (b * heads + h * group) * dim,
                        kv_heads, h, group, dim, bs, scale);
+    return 0;
+}
+
+/* ---- FP8 writes: quantize new keys and values into their slots (write_fp8_ref's contract) ----------------------
+ *
+ * key/value [tokens, kv_heads, dim] f32; caches [blocks, block_size, kv_heads, dim] E4M3; scales [blocks,
+ * block_size, kv_heads] f16; slots [tokens] i64; fresh [tokens] bool or NULL; k_min/k_max [blocks, kv_heads, dim]
+ * f32 or NULL (no page bounds kept). Per token and head: scale = max|x| / 448 (1 for an all-zero vector), at least
+ * f16's smallest normal, rounded to f16; payload = x / scale clamped to +-448, rounded to nearest even E4M3 (as
+ * torch's float8_e4m3fn cast). Bounds: pages whose first slot this write fills are emptied first, then every key is
+ * folded in as attention will read it (payload times scale). Returns 0, or -2 - token for the first token whose slot
+ * is outside the cache (nothing is written then). */
+
+#define E4M3_MAX 448.0f
+#define F16_TINY 6.103515625e-05f /* 2^-14, float16's smallest normal */
+
+/* Round-to-nearest-even float -> E4M3 (finite, |x| <= 448 here: the caller clamps). */
+static inline uint8_t e4m3_from_float(float x) {
+    uint32_t bits = f32_bits(x), sign = bits & 0x80000000u, mag = bits ^ sign;
+    uint8_t out;
+    if (mag < (121u << 23)) { /* below 2^-6, E4M3's smallest normal: steps of 2^-9, rounded by the FPU */
+        float shifted = f32_from_bits(mag) + f32_from_bits(141u << 23); /* + 2^14, whose ulp is 2^-9 */
+        out = (uint8_t)(f32_bits(shifted) - (141u << 23));
+    } else { /* re-bias the exponent (127 -> 7) and round away the low 20 mantissa bits, ties to even */
+        uint32_t odd = (mag >> 20) & 1u;
+        mag += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd;
+        out = (uint8_t)(mag >> 20);
+    }
+    return out | (uint8_t)(sign >> 24);
+}
+
+/* f32 -> f16 bits, round to nearest even, for the normal positive range the scales live in (>= 2^-14, < 65520). */
+static inline uint16_t half_bits_from_float(float x) {
+    uint32_t bits = f32_bits(x), odd = (bits >> 13) & 1u;
+    bits += 0xFFFu + odd;
+    return (uint16_t)(((bits >> 13) - ((uint32_t)(127 - 15) << 10)) & 0x7FFFu);
+}
+
+static void quantize_row(const float *x, int64_t dim, uint8_t *payload, uint16_t *scale_out, float *dequant) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < dim; d++) {
+        float a = fabsf(x[d]);
+        amax = a > amax ? a : amax;
+    }
+    float s = amax > 0.0f ? amax / E4M3_MAX : 1.0f;
+    s = s < F16_TINY ? F16_TINY : s;
+    uint16_t h = s >= 65520.0f ? 0x7C00 : half_bits_from_float(s); /* past float16's range: inf, as torch rounds */
+    float stored = half_bits_to_float(h);
+    *scale_out = h;
+    for (int64_t d = 0; d < dim; d++) {
+        float q = x[d] / stored;
+        q = q > E4M3_MAX ? E4M3_MAX : q < -E4M3_MAX ? -E4M3_MAX : q;
+        payload[d] = e4m3_from_float(q);
+        if (dequant) dequant[d] = e4m3_lut[payload[d]] * stored;
+    }
+}
+
+int cotserve_write_fp8(const float *key, const float *value, uint8_t *k_cache, uint8_t *v_cache, uint16_t *k_scale,
+                       uint16_t *v_scale, const int64_t *slots, const uint8_t *fresh, float *k_min, float *k_max,
+                       int64_t tokens, int64_t kv_heads, int64_t dim, int64_t bs, int64_t num_blocks) {
+    if (dim > MAX_DIM) return -1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_blocks * bs) return -2 - (int)(t < 1000000 ? t : 1000000);
+    int64_t width = kv_heads * dim;
+    if (k_min && fresh)
+        for (int64_t t = 0; t < tokens; t++)
+            if (fresh[t])
+                for (int64_t i = 0; i < width; i++) {
+                    k_min[slots[t] / bs * width + i] = INFINITY;
+                    k_max[slots[t] / bs * width + i] = -INFINITY;
+                }
+    float dequant[MAX_DIM];
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t slot = slots[t], page = slot / bs;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t src = (t * kv_heads + h) * dim, dst = (slot * kv_heads + h) * dim;
+            quantize_row(key + src, dim, k_cache + dst, k_scale + slot * kv_heads + h, k_min ? dequant : NULL);
+            quantize_row(value + src, dim, v_cache + dst, v_scale + slot * kv_heads + h, NULL);
+            if (!k_min) continue;
+            float *lo = k_min + page * width + h * dim, *hi = k_max + page * width + h * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                lo[d] = dequant[d] < lo[d] ? dequant[d] : lo[d];
+                hi[d] = dequant[d] > hi[d] ? dequant[d] : hi[d];
+            }
+        }
+    }
     return 0;
 }

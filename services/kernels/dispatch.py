@@ -1,8 +1,8 @@
 """The one place that chooses a kernel implementation for a device.
 
 Triton on CUDA; on the CPU the plain-torch references (compiled by inductor, `cpu_compile`) with decode attention,
-the bulk of a decode step, run by a small C kernel (`cpu_native`) where a C compiler builds it (DESIGN.md,
-Conventions: Kernels). `COTSERVE_KERNELS=reference` forces the references everywhere (a debugging switch, and the
+the bulk of a decode step, and FP8 cache writes run by a small C kernel (`cpu_native`) where a C compiler builds it
+(DESIGN.md, Conventions: Kernels). `COTSERVE_KERNELS=reference` forces the references everywhere (a debugging switch, and the
 baseline the benches compare against).
 """
 
@@ -58,12 +58,13 @@ def triton_kernels() -> KernelSet:
 
 
 def native_cpu_kernels() -> KernelSet | None:
-    """The references with decode attention in C, or None where the C kernel cannot be built here."""
+    """The references with decode attention and FP8 writes in C, or None where the C kernel cannot be built here."""
     from cotserve.kernels import cpu_native
 
     if not cpu_native.available():
         return None
-    return dataclasses.replace(REFERENCE, name="cpu-native", decode_attention=cpu_native.decode_attention)
+    return dataclasses.replace(REFERENCE, name="cpu-native", decode_attention=cpu_native.decode_attention,
+                               write_kv=cpu_native.write_kv)
 
 
 def kernels_for(device: torch.device) -> KernelSet:

@@ -1,6 +1,7 @@
-"""The C decode-attention kernel for the CPU (`cpu_native`) against the torch reference it replaces: fp32 and FP8
-pages, GQA, one row, partial last pages, padded block tables, top-k page selection, several OpenMP threads; and the
-fallbacks (a dtype it does not take, no C compiler) run the reference."""
+"""The C kernels for the CPU (`cpu_native`) against the torch references they replace. Decode attention: fp32 and FP8
+pages, GQA, one row, partial last pages, padded block tables, top-k page selection, several OpenMP threads. FP8
+writes: payload, scales and page bounds bit for bit, every E4M3 rounding. And the fallbacks (a dtype they do not
+take, no C compiler) run the references."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_the_kernel_builds_here_and_the_cpu_kernel_set_uses_it():
     assert cpu_native.available()
     cpu = kernels_for(torch.device("cpu"))
     assert cpu.name == "cpu-native" and cpu.decode_attention is cpu_native.decode_attention
-    assert cpu.write_kv is REFERENCE.write_kv  # only decode attention is replaced
+    assert cpu.write_kv is cpu_native.write_kv  # decode attention and FP8 writes are replaced, nothing else
+    assert cpu.select_pages is REFERENCE.select_pages and cpu.paged_attention is REFERENCE.paged_attention
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,width", [(6, 4, 2, 5), (1, 3, 3, 1), (3, 3, 3, 2), (5, 8, 1, 4), (9, 6, 3, 7)])
@@ -69,7 +71,8 @@ def test_top_k_pages_match_the_reference_and_rows_with_fewer_pages_read_each_pag
 
 
 def test_fp8_special_codes_decode_as_torch_does():
-    """Every finite E4M3 code through the kernel's table: one token per page, so the output is that token's value."""
+    """Every finite E4M3 code through the kernel's decoding: one token per page, so the output is that token's value;
+    the two NaN codes decode to NaN."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
     codes = codes[torch.isfinite(codes.float())]  # 254: both NaN codes left out, two zeros fill the last row
     codes = torch.cat([codes, torch.zeros(4 * DIM - codes.numel(), dtype=FP8)]).view(4, DIM)
@@ -82,6 +85,11 @@ def test_fp8_special_codes_decode_as_torch_does():
     out = cpu_native.decode_attention(torch.randn(n, 1, DIM), k8, v8, tables, torch.ones(n, dtype=torch.int64), 0.125,
                                       scale, scale)
     assert torch.equal(out[:, 0], codes.float() * 0.5)
+    v8[0, 0, 0, 0] = torch.tensor([0x7F], dtype=torch.uint8).view(FP8)  # E4M3's NaN (it has no infinity) stays NaN
+    v8[1, 0, 0, 0] = torch.tensor([0xFF], dtype=torch.uint8).view(FP8)
+    out = cpu_native.decode_attention(torch.randn(n, 1, DIM), k8, v8, tables, torch.ones(n, dtype=torch.int64), 0.125,
+                                      scale, scale)
+    assert out[:2, 0, 0].isnan().all() and not out[2:, 0, 0].isnan().any()
 
 
 def test_shapes_it_does_not_take_run_the_reference():
@@ -124,3 +132,91 @@ def test_a_row_that_would_read_outside_its_table_or_the_cache_raises_instead():
         cpu_native.decode_attention(q, k_cache, v_cache, tables, ctx, 0.125, None, None, pages)
     empty = cpu_native.decode_attention(q, k_cache, v_cache, tables, torch.zeros(3, dtype=torch.int64), 0.125)
     assert torch.equal(empty, torch.zeros_like(q))  # nothing to attend to: zeros, not NaN
+
+
+def _fp8_pages(blocks: int, kv_heads: int, dim: int = DIM, bounds: bool = True):
+    k, v = torch.zeros(blocks, BS, kv_heads, dim, dtype=FP8), torch.zeros(blocks, BS, kv_heads, dim, dtype=FP8)
+    ks, vs = torch.zeros(blocks, BS, kv_heads, dtype=torch.float16), torch.zeros(blocks, BS, kv_heads, dtype=torch.float16)
+    lo = torch.full((blocks, kv_heads, dim), 7.0) if bounds else None
+    hi = torch.full((blocks, kv_heads, dim), -7.0) if bounds else None
+    return [k, v, ks, vs, lo, hi]
+
+
+def _bytes(tensors) -> list:
+    return [t.view(torch.uint8) if t.dtype == FP8 else t for t in tensors if t is not None]
+
+
+@pytest.mark.parametrize("bounds", [True, False])
+def test_fp8_writes_are_the_references_bit_for_bit(bounds):
+    """Payload, scales and page bounds as `write_kv_ref` makes them: a prefill of 37 tokens over three pages (the
+    first fresh) and then decode writes, values over every E4M3 range (subnormal, normal, past 448 before scaling,
+    an all-zero vector, negative zero)."""
+    from cotserve.kernels.kv_fp8 import write_kv_ref
+
+    g = torch.Generator().manual_seed(3)
+    ref, got = _fp8_pages(8, 2, bounds=bounds), _fp8_pages(8, 2, bounds=bounds)
+    scales = torch.tensor([1e-6, 1e-3, 1.0, 30.0, 1e4]).repeat_interleave(8)[:37, None, None]
+    key = torch.randn(37, 2, DIM, generator=g) * scales
+    value = torch.randn(37, 2, DIM, generator=g) * scales.flip(0)
+    key[5, 1] = 0.0
+    key[6, 0, :3] = -0.0
+    value[7, 0, 0] = 1e-30  # a tiny element beside large ones: rounds to a subnormal or zero
+    slots = torch.arange(3 * BS, 3 * BS + 37)  # pages 3, 4 and 5
+    fresh = slots % BS == 0
+    for fn, t in ((write_kv_ref, ref), (cpu_native.write_kv, got)):
+        k, v, ks, vs, lo, hi = t
+        fn(key, value, k, v, slots, ks, vs, lo, hi, fresh)
+    for a, b in zip(_bytes(ref), _bytes(got)):
+        assert torch.equal(a, b)
+    step = torch.tensor([3 * BS + 37, 6 * BS])  # decode: one token into page 5, one starting page 6
+    key2, value2 = torch.randn(2, 2, DIM, generator=g) * 5, torch.randn(2, 2, DIM, generator=g)
+    for fn, t in ((write_kv_ref, ref), (cpu_native.write_kv, got)):
+        k, v, ks, vs, lo, hi = t
+        fn(key2, value2, k, v, step, ks, vs, lo, hi, step % BS == 0)
+    for a, b in zip(_bytes(ref), _bytes(got)):
+        assert torch.equal(a, b)
+    if bounds:  # the pages written hold real bounds; page 0 was never written and keeps what it had
+        assert torch.isfinite(got[4][3:7]).all() and (got[4][0] == 7.0).all()
+
+
+def test_every_float_rounds_to_the_e4m3_code_torch_gives():
+    """Each E4M3 value, the midpoints between neighbours (ties to even) and points just either side of them, both
+    signs, written as one vector with scale 1 (its max is 448): the codes are torch's float8_e4m3fn cast."""
+    codes = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()  # every finite non-negative value
+    mids = (codes[:-1] + codes[1:]) / 2
+    xs = torch.cat([codes, mids, torch.nextafter(mids, torch.zeros_like(mids)), torch.nextafter(mids, mids + 1)])
+    xs = torch.cat([xs, -xs])
+    n = xs.numel()
+    rows = -(-n // 63)
+    flat = torch.zeros(rows * 63)
+    flat[:n] = xs
+    x = torch.cat([flat.view(rows, 63), torch.full((rows, 1), 448.0)], dim=1).view(rows, 1, 64)  # max 448: scale 1
+    k, v, ks, vs, _, _ = _fp8_pages(-(-rows // BS), 1, bounds=False)
+    cpu_native.write_kv(x, x, k, v, torch.arange(rows), ks, vs)
+    assert (ks.view(-1)[:rows] == 1.0).all()
+    want = x.clamp(-448, 448).to(FP8).view(torch.uint8)
+    assert torch.equal(k.view(-1, 1, 64)[:rows].view(torch.uint8), want)
+
+
+def test_an_fp8_write_outside_the_cache_raises_and_writes_nothing():
+    k, v, ks, vs, lo, hi = _fp8_pages(2, 1)
+    before = [t.clone() for t in _bytes([k, v, ks, vs, lo, hi])]
+    x = torch.randn(3, 1, DIM)
+    with pytest.raises(IndexError, match=r"token 2's slot 32 is outside the cache \(2 blocks of 16\)"):
+        cpu_native.write_kv(x, x, k, v, torch.tensor([0, 1, 2 * BS]), ks, vs, lo, hi, torch.tensor([True, False, True]))
+    assert all(torch.equal(a, b) for a, b in zip(before, _bytes([k, v, ks, vs, lo, hi])))
+
+
+def test_writes_the_c_kernel_does_not_take_run_the_reference():
+    """An fp32 cache, or bfloat16 keys: the reference writes them (same result as calling it)."""
+    from cotserve.kernels.kv_fp8 import write_kv_ref
+
+    x = torch.randn(2, 1, DIM)
+    a, b = torch.zeros(2, BS, 1, DIM), torch.zeros(2, BS, 1, DIM)
+    cpu_native.write_kv(x, x, a, b, torch.tensor([0, 17]))
+    assert torch.equal(a[0, 0], x[0]) and torch.equal(b[1, 1], x[1])
+    ref, got = _fp8_pages(2, 1, bounds=False), _fp8_pages(2, 1, bounds=False)
+    xb = x.bfloat16()
+    write_kv_ref(xb, xb, ref[0], ref[1], torch.tensor([0, 17]), ref[2], ref[3])
+    cpu_native.write_kv(xb, xb, got[0], got[1], torch.tensor([0, 17]), got[2], got[3])
+    assert all(torch.equal(p, q) for p, q in zip(_bytes(ref), _bytes(got)))
