@@ -57,11 +57,12 @@ def test_the_surge_prompt_fits_the_served_models_context(demo_gateway):
     assert len(out.token_ids) == INTERACTIVE_NEW_TOKENS
 
 
-def _replay(misses: int, total: int, ttft_ms: float, tokens: int) -> LoadResult:
-    """A replay whose INTERACTIVE requests miss `misses` of `total` (by TTFT) and serve `tokens` in all."""
+def _replay(misses: int, total: int, ttft_ms: float, tokens: int, late_ms: float = 5000.0) -> LoadResult:
+    """A replay whose INTERACTIVE requests miss `misses` of `total` (by TTFT: `late_ms`, which is the p99 from two
+    misses on) and serve `tokens` in all."""
     r = LoadResult(30.0)
     for i in range(total):
-        rec = RequestRecord(ttft_ms=5000.0 if i < misses else ttft_ms, itl_ms=[5.0] * 4)
+        rec = RequestRecord(ttft_ms=late_ms if i < misses else ttft_ms, itl_ms=[5.0] * 4)
         r.records.append((SlaClass.INTERACTIVE, rec))
     r.records[-1][1].tokens = tokens
     return r
@@ -89,8 +90,9 @@ def test_report_pools_onsets_over_seeds_and_judges_each_seed_against_its_own_rep
     ]
     per_seed = [outcomes(r) for r in runs]
     assert per_seed[0]["proportional"].misses == 0.01 and per_seed[0]["proportional"].tokens_ratio == 0.95
-    worse, cuts = verdicts(per_seed, "proportional")
+    worse, cuts, beyond = verdicts(per_seed, "proportional")
     assert worse == 2 and cuts == [True]  # only seed 0 missed >= 5% without admission
+    assert beyond is None  # no seed replayed off twice
     assert pooled_events([r["evaluation"] for r in runs], "events")[:3] == (12, 9, 0.75)
     console = Console(record=True, width=250)
     assert print_report(runs, QUICK, console)
@@ -99,6 +101,34 @@ def test_report_pools_onsets_over_seeds_and_judges_each_seed_against_its_own_rep
     assert "NOT met: proportional: never worse than off (misses and p99 TTFT): worse on 2 of 3 seeds" in text
     assert "met: proportional: where off missed >= 5% (1 seeds), misses down >= 80% at >= 0.85x tokens on 1 of them" in text
     assert "9 = 75.0% [" in text  # the pooled share with its Wilson interval
+
+
+def test_a_rule_is_judged_worse_beyond_noise_only_by_more_than_off_differed_from_itself():
+    from rich.console import Console
+
+    from cotserve.bench.slo import FULL, outcomes
+    from cotserve.bench.slo_report import print_report, verdicts
+
+    def replays(off, again, rule):
+        return {"off": _replay(off[0], 100, 50.0, 1000, off[1]), "off again": _replay(again[0], 100, 50.0, 1000, again[1]),
+                "all-or-nothing": _replay(rule[0], 100, 50.0, 1000, rule[1]), "proportional": _replay(rule[0], 100, 50.0, 1000, rule[1])}
+
+    runs = [
+        _run(0, replays((10, 1900), (14, 1950), (12, 1940))),  # worse than off, but less than off differed from itself
+        _run(2, replays((10, 1900), (11, 1910), (13, 1905))),  # misses up 3 points, off's gap 1: worse beyond noise
+        _run(4, replays((10, 1900), (10, 1900), (8, 1850))),   # better
+    ]
+    per_seed = [outcomes(r) for r in runs]
+    worse, _, beyond = verdicts(per_seed, "proportional")
+    assert worse == 2 and beyond == 1
+    console = Console(record=True, width=250)
+    assert print_report(runs, FULL, console)
+    text = console.export_text()
+    assert "off replayed twice, the run-to-run gap per seed (INTERACTIVE misses / p99 TTFT): 4.0 points / 50 ms, " \
+           "1.0 points / 10 ms, 0.0 points / 0 ms" in text
+    assert "NOT met: proportional: never worse than off (misses and p99 TTFT): worse on 2 of 3 seeds, by more than " \
+           "off's own run-to-run gap on 1" in text
+    assert "off again: never worse" not in text  # the second off run is the yardstick, not a rule
 
 
 def test_report_without_a_trained_seed_says_why_and_fails():
