@@ -108,6 +108,74 @@ def _run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
     return BaselineResult(f"cotserve engine only, batch {batch_size}", num_requests, seconds, counts["tokens"])
 
 
+@dataclass(slots=True, frozen=True)
+class LinearCeiling:
+    """The most output tok/s the engine's matrix multiplies allow on `threads` threads: the time this core takes to
+    run the model's linear layers (its own weight shapes and dtype, weights hot in cache, nothing else: no attention,
+    no other operation, no scheduling) for this workload's prompt and new tokens, per output token."""
+
+    tokens_per_s: float
+    gflops: float  # the rate those multiplies ran at
+    threads: int
+
+
+@torch.inference_mode()
+def linear_ceiling(model_dir: Path, prompt_tokens: int, max_new_tokens: int, batch: int, threads: int = 1,
+                   max_prefill_rows: int = 2048) -> LinearCeiling | None:
+    """`LinearCeiling` for requests of `prompt_tokens` + `max_new_tokens` decoded `batch` at a time (the prompts
+    prefilled together, up to `max_prefill_rows` rows a multiply; each new token one decode row with the LM head, the
+    first one too, which the prefill's last row makes: one row in `prompt_tokens` counted twice); None for a mixture
+    of experts (which experts run depends on the tokens)."""
+    from cotserve.worker.models.loader import load_model
+
+    loaded = load_model(model_dir)
+    if loaded.config.num_experts:
+        return None
+    weights: list[torch.Tensor] = []
+    for layer in loaded.model.model.layers:  # the multiplies a step runs: q/k/v and gate/up fused where loaded so
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [attn.qkv[0]] if attn.qkv else [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        weights += [attn.o_proj.weight]
+        weights += [mlp.gate_up[0]] if mlp.gate_up else [mlp.gate_proj.weight, mlp.up_proj.weight]
+        weights += [mlp.down_proj.weight]
+    head = loaded.model.lm_head.weight
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prefill_rows = max(1, min(prompt_tokens * batch, max_prefill_rows))
+        prefill = _linears_seconds(weights, prefill_rows, loaded.dtype) / prefill_rows            # per prompt token
+        decode = _linears_seconds([*weights, head], batch, loaded.dtype) / batch                    # per new token
+    finally:
+        torch.set_num_threads(saved)
+    per_request = prompt_tokens * prefill + max_new_tokens * decode
+    flops = 2 * (sum(w.numel() for w in weights) * (prompt_tokens + max_new_tokens) + head.numel() * max_new_tokens)
+    return LinearCeiling(max_new_tokens / per_request, flops / per_request / 1e9, threads)
+
+
+def print_ceiling(console, model_dir: Path, load: Load, threads: int, engine: BaselineResult) -> None:
+    """The multiplies' ceiling at the load's batch on `threads` threads, and the share of it `engine` reached."""
+    ceiling = linear_ceiling(model_dir, load.prompt_tokens, load.max_new_tokens, load.concurrency, threads)
+    if ceiling is None:
+        return
+    console.print(f"the model's linear layers alone (its weight shapes, hot in cache, nothing else) on {threads} "
+                  f"thread{'s' * (threads > 1)}: {ceiling.tokens_per_s:,.0f} tok/s at {ceiling.gflops:.0f} GFLOP/s; "
+                  f"the engine alone as the worker runs it reaches {engine.output_tokens_per_s / ceiling.tokens_per_s:.0%} "
+                  "of that ceiling", soft_wrap=True)
+
+
+def _linears_seconds(weights: list[torch.Tensor], rows: int, dtype: torch.dtype, repeats: int = 20) -> float:
+    """Seconds for one pass of `rows` rows through every weight in turn (best of `repeats`, after a warm-up)."""
+    inputs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in weights]
+    best = float("inf")
+    for r in range(repeats + 2):
+        start = time.perf_counter()
+        for x, w in zip(inputs, weights):
+            torch.nn.functional.linear(x, w)
+        if r >= 2:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
 def engine_child(pid: int) -> int | None:
     """The engine process of the worker `pid` (its `python -m cotserve.worker.engine_process` child), if any."""
     import subprocess
@@ -290,17 +358,23 @@ def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batc
     return rows
 
 
-def engine_table(rows: list[tuple[int, str, BaselineResult]], batches: list[int]):
+def engine_table(rows: list[tuple[int, str, BaselineResult]], batches: list[int],
+                 ceilings: dict[int, LinearCeiling | None] | None = None):
     from rich.table import Table
 
-    e = Table(title="engine only (this process, one loop): CPU decode attention in C (native) vs the torch "
-                    "references compiled by inductor and eager")
-    for col in ("batch", "native tok/s", "compiled tok/s", "eager tok/s", "native / compiled", "native / eager"):
+    threads = torch.get_num_threads()
+    e = Table(title=f"engine only (this process, one loop, {threads} torch thread{'s' * (threads > 1)}): CPU decode "
+                    "attention in C (native) vs the torch references compiled by inductor and eager; the ceiling is the "
+                    "model's linear layers alone, weights hot in cache")
+    for col in ("batch", "native tok/s", "compiled tok/s", "eager tok/s", "native / compiled", "native / eager",
+                "linears ceiling tok/s", "native / ceiling"):
         e.add_column(col, justify="right")
     by = {(b, label): r.output_tokens_per_s for b, label, r in rows}
     for batch in batches:
         n, c, g = by[batch, "native"], by[batch, "compiled"], by[batch, "eager"]
-        e.add_row(str(batch), f"{n:.0f}", f"{c:.0f}", f"{g:.0f}", f"{n / c:.2f}x", f"{n / g:.2f}x")
+        ceiling = (ceilings or {}).get(batch)
+        e.add_row(str(batch), f"{n:.0f}", f"{c:.0f}", f"{g:.0f}", f"{n / c:.2f}x", f"{n / g:.2f}x",
+                  f"{ceiling.tokens_per_s:.0f}" if ceiling else "n/a", f"{n / ceiling.tokens_per_s:.0%}" if ceiling else "n/a")
     return e
 
 

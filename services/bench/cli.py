@@ -98,8 +98,10 @@ def bench_baseline(
                       f"{rate / engine_only.output_tokens_per_s:.2f}; / transformers static batch: "
                       f"{rate / static.output_tokens_per_s:.2f}")
     console.print("(the serving overhead's share of the engine's rate is one minus the first figure)", style="dim")
+    b.print_ceiling(console, model_dir, load, worker_threads, engine_as_worker)
     if engine_rows:
-        console.print(b.engine_table(engine_rows, batches))
+        ceilings = {n: b.linear_ceiling(model_dir, prompt_tokens, max_new_tokens, n, torch.get_num_threads()) for n in batches}
+        console.print(b.engine_table(engine_rows, batches, ceilings))
 
 
 @bench_app.command("isolation")

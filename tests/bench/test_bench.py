@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from cotserve.bench.throughput import prompt_of_tokens, run_level
 from cotserve.sdk import AsyncClient
 
@@ -54,13 +56,34 @@ def test_baseline_command_prints_ratios_against_transformers():
     # and native / compiled, native / eager of the engine at batch 3
     assert out.stdout.count("x │") == 8
     assert "CPU ms/token, stream interval 1" in out.stdout and "CPU ms/token, stream interval 2" in out.stdout
-    assert re.search(r"│\s+3 │\s+\d+ │\s+\d+ │\s+\d+ │\s+[\d.]+x │\s+[\d.]+x │", out.stdout), out.stdout  # engine only, batch 3
+    # engine only, batch 3: each kernel setting, and the linear layers' ceiling
+    assert re.search(r"│\s+3 │\s+\d+ │\s+\d+ │\s+\d+ │\s+[\d.]+x │\s+[\d.]+x │\s+\d+ │\s+\d+% │", out.stdout), out.stdout
+    assert re.search(r"the model's linear layers alone \(its weight shapes, hot in cache, nothing else\) on \d+ threads?: "
+                     r"[\d,]+ tok/s at \d+ GFLOP/s; the engine alone as the worker runs it reaches \d+% of that ceiling",
+                     out.stdout), out.stdout
     # the TTFT the gateway adds, split by a bare relay (one more grpc.aio hop alone) into the hop and its own work
     assert re.search(r"TTFT p50, one request at a time: worker direct [\d.]+ ms, via a bare gRPC relay [\d.]+ ms "
                      r"\(one more hop: \+-?[\d.]+ ms\), via the gateway [\d.]+ ms: the gateway adds -?[\d.]+ ms \(goal <= 1 ms: "
                      r"(met|NOT met)\), -?[\d.]+ ms of it its own work", out.stdout), out.stdout
     for process in ("worker (gRPC front)", "worker (engine process)", "gateway"):  # CPU ms per token of each
         assert process in out.stdout
+
+
+def test_linear_ceiling_counts_every_multiply_of_the_workload():
+    """The ceiling's rate and FLOPs agree with the model's shapes: per output token, every layer's weights once per
+    prompt and new token and the LM head once per new token, two FLOPs a multiply-add."""
+    from cotserve.bench.baseline import linear_ceiling
+    from cotserve.worker.config import DEMO_MODEL
+    from cotserve.worker.models.config import ModelConfig
+
+    cfg = ModelConfig.from_file(DEMO_MODEL / "config.json")
+    h, i, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h  # q/k/v, o, gate/up, down
+    prompt, new = 16, 4
+    flops_per_token = 2 * (cfg.num_layers * layer * (prompt + new) + h * cfg.vocab_size * new) / new
+    c = linear_ceiling(DEMO_MODEL, prompt, new, 2)
+    assert c is not None and c.threads == 1 and c.tokens_per_s > 0
+    assert c.gflops * 1e9 / c.tokens_per_s == pytest.approx(flops_per_token, rel=1e-9)
 
 
 def test_isolation_drive_records_every_tenant_b_request(demo_gateway):
