@@ -60,8 +60,9 @@ def bench_baseline(
 ) -> None:
     """Same workload through cotserve, through cotserve's engine alone and through transformers' generate; prints
     cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process (per
-    stream interval), the engine alone at several batch sizes (the C decode kernel, the torch references compiled and eager), and the TTFT the
-    gateway adds (against a bare gRPC relay: the floor of one more hop)."""
+    stream interval), the engine alone at several batch sizes (the C decode kernel, the torch references compiled and
+    eager) against the ceiling the model's matrix multiplies alone set, and the TTFT the gateway adds (against a bare
+    gRPC relay: the floor of one more hop)."""
     import torch
 
     from cotserve.bench import baseline as b
