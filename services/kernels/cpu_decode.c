@@ -21,16 +21,6 @@
 
 enum { KV_F32 = 0, KV_E4M3 = 1 };
 
-static float e4m3_lut[256];
-
-void cotserve_init(void) {
-    for (int b = 0; b < 256; b++) {
-        int e = (b >> 3) & 15, m = b & 7;
-        float v = (e == 15 && m == 7) ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf(8.0f + (float)m, e - 10);
-        e4m3_lut[b] = (b & 0x80) ? -v : v;
-    }
-}
-
 static inline float f32_from_bits(uint32_t b) {
     float f;
     memcpy(&f, &b, sizeof f);
@@ -41,6 +31,14 @@ static inline uint32_t f32_bits(float f) {
     uint32_t b;
     memcpy(&b, &f, sizeof b);
     return b;
+}
+
+/* E4M3 bits placed in an f32's exponent and mantissa, then times 2^120 (the biases differ by 120): exact, subnormals
+ * included, and it vectorises (a table's gathers did not); both NaN codes give NaN. */
+static inline float e4m3_to_float(uint8_t b) {
+    uint32_t mag = b & 0x7Fu;
+    float v = f32_from_bits((mag << 20) | ((uint32_t)(b & 0x80u) << 24)) * 0x1p120f;
+    return mag == 0x7Fu ? NAN : v;
 }
 
 static inline float half_bits_to_float(uint16_t h) {
@@ -72,12 +70,7 @@ static inline const float *kv_row(const void *cache, const uint16_t *scales, int
     if (kind == KV_F32) return (const float *)cache + at;
     const uint8_t *p = (const uint8_t *)cache + at;
     float s = half_bits_to_float(scales[slot * kv_heads + h]);
-    for (int64_t d = 0; d < dim; d++) { /* E4M3 bits placed in an f32's exponent and mantissa, then times 2^120 (the
-                                          * biases differ by 120): exact, subnormals included, and it vectorises */
-        uint32_t b = p[d], mag = b & 0x7Fu;
-        float v = f32_from_bits((mag << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
-        buf[d] = (mag == 0x7Fu ? NAN : v) * s;
-    }
+    for (int64_t d = 0; d < dim; d++) buf[d] = e4m3_to_float(p[d]) * s;
     return buf;
 }
 
@@ -211,7 +204,7 @@ static void quantize_row(const float *x, int64_t dim, uint8_t *payload, uint16_t
         float q = x[d] / stored;
         q = q > E4M3_MAX ? E4M3_MAX : q < -E4M3_MAX ? -E4M3_MAX : q;
         payload[d] = e4m3_from_float(q);
-        if (dequant) dequant[d] = e4m3_lut[payload[d]] * stored;
+        if (dequant) dequant[d] = e4m3_to_float(payload[d]) * stored;
     }
 }
 

@@ -105,7 +105,6 @@ def library() -> ctypes.CDLL | None:
         else:
             log.warning("CPU decode kernel did not build, running the torch reference: %s", "; ".join(map(str, errors)))
             return None
-        lib.cotserve_init()
         fn = lib.cotserve_decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int64]

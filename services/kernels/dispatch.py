@@ -2,8 +2,8 @@
 
 Triton on CUDA; on the CPU the plain-torch references (compiled by inductor, `cpu_compile`) with decode attention,
 the bulk of a decode step, and FP8 cache writes run by a small C kernel (`cpu_native`) where a C compiler builds it
-(DESIGN.md, Conventions: Kernels). `COTSERVE_KERNELS=reference` forces the references everywhere (a debugging switch, and the
-baseline the benches compare against).
+(DESIGN.md, Conventions: Kernels). `COTSERVE_KERNELS=reference` forces the references everywhere (a debugging switch,
+and the baseline the benches compare against).
 """
 
 from __future__ import annotations
