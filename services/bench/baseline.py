@@ -120,12 +120,12 @@ class LinearCeiling:
 
 
 @torch.inference_mode()
-def linear_ceiling(model_dir: Path, prompt_tokens: int, max_new_tokens: int, batch: int, threads: int = 1,
-                   max_prefill_rows: int = 2048) -> LinearCeiling | None:
-    """`LinearCeiling` for requests of `prompt_tokens` + `max_new_tokens` decoded `batch` at a time (the prompts
-    prefilled together, up to `max_prefill_rows` rows a multiply; each new token one decode row with the LM head, the
-    first one too, which the prefill's last row makes: one row in `prompt_tokens` counted twice); None for a mixture
-    of experts (which experts run depends on the tokens)."""
+def linear_ceilings(model_dir: Path, prompt_tokens: int, max_new_tokens: int, batches: list[int], threads: int = 1,
+                    max_prefill_rows: int = 2048) -> dict[int, LinearCeiling] | None:
+    """`LinearCeiling` per batch size for requests of `prompt_tokens` + `max_new_tokens` decoded `batch` at a time (the
+    prompts prefilled together, up to `max_prefill_rows` rows a multiply; each new token one decode row with the LM
+    head, the first one too, which the prefill's last row makes: one row in `prompt_tokens` counted twice); None for a
+    mixture of experts (which experts run depends on the tokens). The model is loaded once for all of them."""
     from cotserve.worker.models.loader import load_model
 
     loaded = load_model(model_dir)
@@ -139,24 +139,28 @@ def linear_ceiling(model_dir: Path, prompt_tokens: int, max_new_tokens: int, bat
         weights += [mlp.gate_up[0]] if mlp.gate_up else [mlp.gate_proj.weight, mlp.up_proj.weight]
         weights += [mlp.down_proj.weight]
     head = loaded.model.lm_head.weight
+    flops = 2 * (sum(w.numel() for w in weights) * (prompt_tokens + max_new_tokens) + head.numel() * max_new_tokens)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
+    out = {}
     try:
-        prefill_rows = max(1, min(prompt_tokens * batch, max_prefill_rows))
-        prefill = _linears_seconds(weights, prefill_rows, loaded.dtype) / prefill_rows            # per prompt token
-        decode = _linears_seconds([*weights, head], batch, loaded.dtype) / batch                    # per new token
+        for batch in batches:
+            prefill_rows = max(1, min(prompt_tokens * batch, max_prefill_rows))
+            prefill = _linears_seconds(weights, prefill_rows, loaded.dtype) / prefill_rows   # per prompt token
+            decode = _linears_seconds([*weights, head], batch, loaded.dtype) / batch           # per new token
+            per_request = prompt_tokens * prefill + max_new_tokens * decode
+            out[batch] = LinearCeiling(max_new_tokens / per_request, flops / per_request / 1e9, threads)
     finally:
         torch.set_num_threads(saved)
-    per_request = prompt_tokens * prefill + max_new_tokens * decode
-    flops = 2 * (sum(w.numel() for w in weights) * (prompt_tokens + max_new_tokens) + head.numel() * max_new_tokens)
-    return LinearCeiling(max_new_tokens / per_request, flops / per_request / 1e9, threads)
+    return out
 
 
 def print_ceiling(console, model_dir: Path, load: Load, threads: int, engine: BaselineResult) -> None:
     """The multiplies' ceiling at the load's batch on `threads` threads, and the share of it `engine` reached."""
-    ceiling = linear_ceiling(model_dir, load.prompt_tokens, load.max_new_tokens, load.concurrency, threads)
-    if ceiling is None:
+    ceilings = linear_ceilings(model_dir, load.prompt_tokens, load.max_new_tokens, [load.concurrency], threads)
+    if ceilings is None:
         return
+    ceiling = ceilings[load.concurrency]
     console.print(f"the model's linear layers alone (its weight shapes, hot in cache, nothing else) on {threads} "
                   f"thread{'s' * (threads > 1)}: {ceiling.tokens_per_s:,.0f} tok/s at {ceiling.gflops:.0f} GFLOP/s; "
                   f"the engine alone as the worker runs it reaches {engine.output_tokens_per_s / ceiling.tokens_per_s:.0%} "
@@ -359,7 +363,7 @@ def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batc
 
 
 def engine_table(rows: list[tuple[int, str, BaselineResult]], batches: list[int],
-                 ceilings: dict[int, LinearCeiling | None] | None = None):
+                 ceilings: dict[int, LinearCeiling] | None = None):
     from rich.table import Table
 
     threads = torch.get_num_threads()

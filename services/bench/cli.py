@@ -101,7 +101,7 @@ def bench_baseline(
     console.print("(the serving overhead's share of the engine's rate is one minus the first figure)", style="dim")
     b.print_ceiling(console, model_dir, load, worker_threads, engine_as_worker)
     if engine_rows:
-        ceilings = {n: b.linear_ceiling(model_dir, prompt_tokens, max_new_tokens, n, torch.get_num_threads()) for n in batches}
+        ceilings = b.linear_ceilings(model_dir, prompt_tokens, max_new_tokens, batches, torch.get_num_threads())
         console.print(b.engine_table(engine_rows, batches, ceilings))
 
 

@@ -72,7 +72,7 @@ def test_baseline_command_prints_ratios_against_transformers():
 def test_linear_ceiling_counts_every_multiply_of_the_workload():
     """The ceiling's rate and FLOPs agree with the model's shapes: per output token, every layer's weights once per
     prompt and new token and the LM head once per new token, two FLOPs a multiply-add."""
-    from cotserve.bench.baseline import linear_ceiling
+    from cotserve.bench.baseline import linear_ceilings
     from cotserve.worker.config import DEMO_MODEL
     from cotserve.worker.models.config import ModelConfig
 
@@ -81,7 +81,7 @@ def test_linear_ceiling_counts_every_multiply_of_the_workload():
     layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h  # q/k/v, o, gate/up, down
     prompt, new = 16, 4
     flops_per_token = 2 * (cfg.num_layers * layer * (prompt + new) + h * cfg.vocab_size * new) / new
-    c = linear_ceiling(DEMO_MODEL, prompt, new, 2)
+    c = linear_ceilings(DEMO_MODEL, prompt, new, [2])[2]
     assert c is not None and c.threads == 1 and c.tokens_per_s > 0
     assert c.gflops * 1e9 / c.tokens_per_s == pytest.approx(flops_per_token, rel=1e-9)
 
