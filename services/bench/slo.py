@@ -273,11 +273,14 @@ class VariantOutcome:
     batch_p50_ttft_ms: float  # BATCH's median TTFT from its first try (time held included)
     causes: dict[str, int]    # INTERACTIVE misses by cause
 
+    def gap(self, other: VariantOutcome) -> tuple[float, float]:
+        """How far apart two replays are: (INTERACTIVE misses, p99 TTFT ms), absolute differences."""
+        return abs(self.misses - other.misses), abs(self.p99_ttft_ms - other.p99_ttft_ms)
+
     def worse_than(self, off: VariantOutcome, noise: VariantOutcome | None = None) -> bool:
         """More misses, or a higher p99 TTFT, than without admission: strictly, or (given `noise`, the same replay
         without admission run again) by more than the two runs without admission differed."""
-        miss_gap = abs(noise.misses - off.misses) if noise else 0.0
-        p99_gap = abs(noise.p99_ttft_ms - off.p99_ttft_ms) if noise else 0.0
+        miss_gap, p99_gap = noise.gap(off) if noise else (0.0, 0.0)
         return self.misses > off.misses + miss_gap or self.p99_ttft_ms > off.p99_ttft_ms + p99_gap
 
 

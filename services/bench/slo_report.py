@@ -129,8 +129,7 @@ def _goals(trained: list[dict], mode: Mode, console) -> None:
         (mape <= 0.2, f"TTFT MAPE {_pct(mape)} <= 20%"),
     ]
     if NOISE_VARIANT in mode.variants:
-        gaps = [(abs(s[NOISE_VARIANT].misses - s["off"].misses), abs(s[NOISE_VARIANT].p99_ttft_ms - s["off"].p99_ttft_ms))
-                for s in per_seed]
+        gaps = [s[NOISE_VARIANT].gap(s["off"]) for s in per_seed]
         console.print("off replayed twice, the run-to-run gap per seed (INTERACTIVE misses / p99 TTFT): "
                       + ", ".join(f"{100 * m:.1f} points / {p:.0f} ms" for m, p in gaps))
     for v in rules(mode):
