@@ -41,6 +41,26 @@ static inline float e4m3_to_float(uint8_t b) {
     return mag == 0x7Fu ? NAN : v;
 }
 
+/* e^x for float32 within 2 ulp (Cephes' polynomial after the range reduction x = n ln2 + r), in plain arithmetic so
+ * that loops of it vectorise (libm's expf is a call per element: 5x slower in SwiGLU at batch 32). NaN gives NaN; above
+ * ~88.4 +inf, below ~-87.3 about 1e-38 rather than a subnormal or zero. */
+static inline float exp_approx(float x) {
+    x = x > 88.3762626647949f ? 88.3762626647949f : x; /* written so that NaN falls through both */
+    x = x < -87.3365478515625f ? -87.3365478515625f : x;
+    float shifted = x * 1.44269504088896341f + 12582912.0f; /* 1.5 * 2^23: n = round(x / ln2) in the low bits */
+    float n = shifted - 12582912.0f;
+    float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t e = (f32_bits(shifted) - f32_bits(12582912.0f) + 127u) << 23; /* 2^n, no float-to-int conversion */
+    return p * f32_from_bits(e);
+}
+
 static inline float half_bits_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023, bits;
     if (e == 0) {
@@ -154,15 +174,14 @@ int cotserve_decode_attention(const float *query, const void *k_cache, const voi
     return 0;
 }
 
-/* ---- FP8 writes: quantize new keys and values into their slots (write_fp8_ref's contract) ----------------------
+/* ---- KV writes: new keys and values into their slots (write_kv_ref's contract) -----------------------------------
  *
- * key/value [tokens, kv_heads, dim] f32; caches [blocks, block_size, kv_heads, dim] E4M3; scales [blocks,
- * block_size, kv_heads] f16; slots [tokens] i64; fresh [tokens] bool or NULL; k_min/k_max [blocks, kv_heads, dim]
- * f32 or NULL (no page bounds kept). Per token and head: scale = max|x| / 448 (1 for an all-zero vector), at least
- * f16's smallest normal, rounded to f16; payload = x / scale clamped to +-448, rounded to nearest even E4M3 (as
- * torch's float8_e4m3fn cast). Bounds: pages whose first slot this write fills are emptied first, then every key is
- * folded in as attention will read it (payload times scale). Returns 0, or -2 - token for the first token whose slot
- * is outside the cache (nothing is written then). */
+ * key/value [tokens, kv_heads, dim] f32; caches [blocks, block_size, kv_heads, dim] E4M3 or f32; scales [blocks,
+ * block_size, kv_heads] f16 (E4M3 only); slots [tokens] i64; fresh [tokens] bool or NULL; k_min/k_max [blocks,
+ * kv_heads, dim] f32 or NULL (no page bounds kept). FP8, per token and head: scale = max|x| / 448 (1 for an all-zero
+ * vector), at least f16's smallest normal, rounded to f16; payload = x / scale clamped to +-448, rounded to nearest
+ * even E4M3 (as torch's float8_e4m3fn cast). f32: a copy. Bounds: pages whose first slot this write fills are emptied
+ * first, then every key is folded in as attention will read it (payload times scale for FP8). */
 
 #define E4M3_MAX 448.0f
 #define F16_TINY 6.103515625e-05f /* 2^-14, float16's smallest normal */
@@ -208,9 +227,28 @@ static void quantize_row(const float *x, int64_t dim, uint8_t *payload, uint16_t
     }
 }
 
-int cotserve_write_fp8(const float *key, const float *value, uint8_t *k_cache, uint8_t *v_cache, uint16_t *k_scale,
-                       uint16_t *v_scale, const int64_t *slots, const uint8_t *fresh, float *k_min, float *k_max,
-                       int64_t tokens, int64_t kv_heads, int64_t dim, int64_t bs, int64_t num_blocks) {
+/* One token's slot for every KV head: FP8 (quantized, `dequant` gets the keys as attention will read them) or f32
+ * (copied). */
+static void write_token(int kind, const float *key, const float *value, void *k_cache, void *v_cache, uint16_t *k_scale,
+                        uint16_t *v_scale, int64_t slot, int64_t h, int64_t kv_heads, int64_t dim, float *dequant,
+                        const float **key_read) {
+    int64_t dst = (slot * kv_heads + h) * dim;
+    if (kind == KV_F32) {
+        memcpy((float *)k_cache + dst, key, (size_t)dim * sizeof(float));
+        memcpy((float *)v_cache + dst, value, (size_t)dim * sizeof(float));
+        *key_read = key;
+        return;
+    }
+    quantize_row(key, dim, (uint8_t *)k_cache + dst, k_scale + slot * kv_heads + h, dequant);
+    quantize_row(value, dim, (uint8_t *)v_cache + dst, v_scale + slot * kv_heads + h, NULL);
+    *key_read = dequant;
+}
+
+/* New keys and values into their slots, f32 or FP8 pages (`kind`; scales NULL for f32). Returns 0, -1 for shapes out of
+ * range, or -2 - token for the first token whose slot is outside the cache (nothing is written then). */
+int cotserve_write_kv(int kind, const float *key, const float *value, void *k_cache, void *v_cache, uint16_t *k_scale,
+                      uint16_t *v_scale, const int64_t *slots, const uint8_t *fresh, float *k_min, float *k_max,
+                      int64_t tokens, int64_t kv_heads, int64_t dim, int64_t bs, int64_t num_blocks) {
     if (dim > MAX_DIM) return -1;
     for (int64_t t = 0; t < tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_blocks * bs) return -2 - (int)(t < 1000000 ? t : 1000000);
@@ -226,16 +264,92 @@ int cotserve_write_fp8(const float *key, const float *value, uint8_t *k_cache, u
     for (int64_t t = 0; t < tokens; t++) {
         int64_t slot = slots[t], page = slot / bs;
         for (int64_t h = 0; h < kv_heads; h++) {
-            int64_t src = (t * kv_heads + h) * dim, dst = (slot * kv_heads + h) * dim;
-            quantize_row(key + src, dim, k_cache + dst, k_scale + slot * kv_heads + h, k_min ? dequant : NULL);
-            quantize_row(value + src, dim, v_cache + dst, v_scale + slot * kv_heads + h, NULL);
+            int64_t src = (t * kv_heads + h) * dim;
+            const float *read;
+            write_token(kind, key + src, value + src, k_cache, v_cache, k_scale, v_scale, slot, h, kv_heads, dim,
+                        dequant, &read);
             if (!k_min) continue;
             float *lo = k_min + page * width + h * dim, *hi = k_max + page * width + h * dim;
             for (int64_t d = 0; d < dim; d++) {
-                lo[d] = dequant[d] < lo[d] ? dequant[d] : lo[d];
-                hi[d] = dequant[d] > hi[d] ? dequant[d] : hi[d];
+                lo[d] = read[d] < lo[d] ? read[d] : lo[d];
+                hi[d] = read[d] > hi[d] ? read[d] : hi[d];
             }
         }
     }
     return 0;
+}
+
+/* ---- The decode step's small operations between its matrix multiplies ------------------------------------------
+ *
+ * The model's references (cotserve.kernels.layer_ops) are a handful of torch operations each, every one a pass over
+ * the batch and a dispatch; on the demo model a decode step ran about 160 of them. Here each is one pass. RoPE and
+ * SiLU-times-up round as torch does (no fused multiply-adds: products are rounded before they are summed, as torch's
+ * separate operations do); RMSNorm's sum of squares may associate differently (within an ulp of the mean), and SiLU's
+ * exponential is `exp_approx` (torch's is its own vectorised one: 99% of results bit for bit, the rest within 2 ulp). */
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define NO_CONTRACT_HERE
+#else
+#define NO_CONTRACT
+#define NO_CONTRACT_HERE _Pragma("STDC FP_CONTRACT OFF")
+#endif
+
+/* out = x * rsqrt(mean(x^2) + eps) * weight, rows of `hidden`; with `residual`, first residual += x in place and the
+ * sum is normalized (the pre-norm residual stream). */
+void cotserve_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t rows, int64_t hidden,
+                       float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * hidden >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *in = x + r * hidden;
+        if (residual) {
+            float *res = residual + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) res[i] = in[i] + res[i];
+            in = res;
+        }
+        float part[16] = {0};
+        int64_t i = 0;
+        for (; i + 16 <= hidden; i += 16)
+            for (int j = 0; j < 16; j++) part[j] += in[i + j] * in[i + j];
+        float sum = 0.0f;
+        for (int j = 0; j < 16; j++) sum += part[j];
+        for (; i < hidden; i++) sum += in[i] * in[i];
+        float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        float *o = out + r * hidden;
+        for (i = 0; i < hidden; i++) o[i] = weight[i] * (in[i] * inv);
+    }
+}
+
+/* qkv [tokens, (heads + 2 kv_heads) * dim] -> q [tokens, heads, dim], k and v [tokens, kv_heads, dim], contiguous,
+ * with rotate-half RoPE on q and k: x * cos + rotate_half(x) * sin, cos/sin [tokens, dim]. */
+NO_CONTRACT void cotserve_rope_split(const float *qkv, const float *cos, const float *sin, float *q, float *k, float *v,
+                                     int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim) {
+    NO_CONTRACT_HERE
+    int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *row = qkv + t * width, *c = cos + t * dim, *s = sin + t * dim;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            const float *x = row + h * dim;
+            float *o = h < heads ? q + (t * heads + h) * dim : k + (t * kv_heads + h - heads) * dim;
+            for (int64_t d = 0; d < half; d++) {
+                float a = x[d] * c[d], b = -x[d + half] * s[d];
+                o[d] = a + b;
+            }
+            for (int64_t d = half; d < dim; d++) {
+                float a = x[d] * c[d], b = x[d - half] * s[d];
+                o[d] = a + b;
+            }
+        }
+        memcpy(v + t * kv_heads * dim, row + (heads + kv_heads) * dim, (size_t)(kv_heads * dim) * sizeof(float));
+    }
+}
+
+/* gate_up [rows, 2 * inter] (gate, then up) -> out [rows, inter] = silu(gate) * up, silu(x) = x / (1 + exp(-x)). */
+void cotserve_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter, int threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * inter >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+    }
 }

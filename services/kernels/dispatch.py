@@ -1,9 +1,11 @@
 """The one place that chooses a kernel implementation for a device.
 
 Triton on CUDA; on the CPU the plain-torch references (compiled by inductor, `cpu_compile`) with decode attention,
-the bulk of a decode step, and FP8 cache writes run by a small C kernel (`cpu_native`) where a C compiler builds it
-(DESIGN.md, Conventions: Kernels). `COTSERVE_KERNELS=reference` forces the references everywhere (a debugging switch,
-and the baseline the benches compare against).
+the bulk of a decode step, and cache writes run by a small C kernel (`cpu_native`) where a C compiler builds it
+(DESIGN.md, Conventions: Kernels). The small operations between a layer's multiplies (`layer_ops`: RMSNorm, RoPE,
+SwiGLU) run in C there too, for float32 models. `COTSERVE_KERNELS=reference` forces the references everywhere (a
+debugging switch, and the baseline the benches compare against); `COTSERVE_LAYER_OPS=reference` only the small
+operations' (what the benches measure the C ones against).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from cotserve.kernels import kv_fp8, paged_attention
+from cotserve.kernels import kv_fp8, layer_ops, paged_attention
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,3 +80,19 @@ def kernels_for(device: torch.device) -> KernelSet:
     if choice == "native" or (choice == "auto" and device.type == "cpu"):
         return native_cpu_kernels() or REFERENCE
     return REFERENCE
+
+
+def layer_ops_for(device: torch.device, dtype: torch.dtype) -> layer_ops.LayerOps:
+    """The small operations between a layer's multiplies for a model served on `device` in `dtype`: C on the CPU in
+    float32 where the kernel builds (COTSERVE_KERNELS auto or native, COTSERVE_LAYER_OPS auto), else the torch
+    references."""
+    choice, ops = os.environ.get("COTSERVE_KERNELS", "auto"), os.environ.get("COTSERVE_LAYER_OPS", "auto")
+    if ops not in ("auto", "reference"):
+        raise ValueError(f"COTSERVE_LAYER_OPS: {ops!r}, allowed auto, reference")
+    if device.type != "cpu" or dtype != torch.float32 or choice not in ("auto", "native") or ops == "reference":
+        return layer_ops.REFERENCE_OPS
+    from cotserve.kernels import cpu_native
+
+    if not cpu_native.available():
+        return layer_ops.REFERENCE_OPS
+    return layer_ops.LayerOps("cpu-native", cpu_native.rms_norm, cpu_native.rope_split, cpu_native.silu_mul)

@@ -1,7 +1,7 @@
 """The C kernels for the CPU (`cpu_native`) against the torch references they replace. Decode attention: fp32 and FP8
-pages, GQA, one row, partial last pages, padded block tables, top-k page selection, several OpenMP threads. FP8
-writes: payload, scales and page bounds bit for bit, every E4M3 rounding. And the fallbacks (a dtype they do not
-take, no C compiler) run the references."""
+pages, GQA, one row, partial last pages, padded block tables, top-k page selection, several OpenMP threads. Cache
+writes into FP8 and fp32 pages: payload, scales and page bounds bit for bit, every E4M3 rounding. And the fallbacks
+(a dtype they do not take, no C compiler) run the references. The layer's small operations: test_layer_ops.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from cotserve.kernels import cpu_native
-from cotserve.kernels.dispatch import REFERENCE, kernels_for
+from cotserve.kernels.dispatch import REFERENCE, kernels_for, layer_ops_for
 from cotserve.kernels.kv_fp8 import FP8, decode_attention_ref, quantize_ref, select_pages_from_bounds_ref
+from cotserve.kernels.layer_ops import REFERENCE_OPS
 
 BS, DIM = 16, 64
 
@@ -111,6 +112,7 @@ def test_without_a_c_compiler_the_cpu_runs_the_reference(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built before
     assert not cpu_native.available()
     assert kernels_for(torch.device("cpu")) is REFERENCE
+    assert layer_ops_for(torch.device("cpu"), torch.float32) is REFERENCE_OPS
     q, k_cache, v_cache, tables, ctx = _case(2, 2, 2, 2, seed=3)
     assert torch.equal(cpu_native.decode_attention(q, k_cache, v_cache, tables, ctx, 0.125),
                        decode_attention_ref(q, k_cache, v_cache, tables, ctx, 0.125))
@@ -134,9 +136,10 @@ def test_a_row_that_would_read_outside_its_table_or_the_cache_raises_instead():
     assert torch.equal(empty, torch.zeros_like(q))  # nothing to attend to: zeros, not NaN
 
 
-def _fp8_pages(blocks: int, kv_heads: int, dim: int = DIM, bounds: bool = True):
-    k, v = torch.zeros(blocks, BS, kv_heads, dim, dtype=FP8), torch.zeros(blocks, BS, kv_heads, dim, dtype=FP8)
-    ks, vs = torch.zeros(blocks, BS, kv_heads, dtype=torch.float16), torch.zeros(blocks, BS, kv_heads, dtype=torch.float16)
+def _fp8_pages(blocks: int, kv_heads: int, dim: int = DIM, bounds: bool = True, dtype: torch.dtype = FP8):
+    """[k, v, k_scale, v_scale, k_min, k_max] of a cache in `dtype` (scales only for FP8)."""
+    k, v = torch.zeros(blocks, BS, kv_heads, dim, dtype=dtype), torch.zeros(blocks, BS, kv_heads, dim, dtype=dtype)
+    ks, vs = (torch.zeros(blocks, BS, kv_heads, dtype=torch.float16) for _ in range(2)) if dtype == FP8 else (None, None)
     lo = torch.full((blocks, kv_heads, dim), 7.0) if bounds else None
     hi = torch.full((blocks, kv_heads, dim), -7.0) if bounds else None
     return [k, v, ks, vs, lo, hi]
@@ -146,15 +149,16 @@ def _bytes(tensors) -> list:
     return [t.view(torch.uint8) if t.dtype == FP8 else t for t in tensors if t is not None]
 
 
+@pytest.mark.parametrize("dtype", [FP8, torch.float32], ids=["fp8", "fp32"])
 @pytest.mark.parametrize("bounds", [True, False])
-def test_fp8_writes_are_the_references_bit_for_bit(bounds):
-    """Payload, scales and page bounds as `write_kv_ref` makes them: a prefill of 37 tokens over three pages (the
-    first fresh) and then decode writes, values over every E4M3 range (subnormal, normal, past 448 before scaling,
-    an all-zero vector, negative zero)."""
+def test_writes_are_the_references_bit_for_bit(bounds, dtype):
+    """Payload, scales and page bounds as `write_kv_ref` makes them, into FP8 and fp32 pages: a prefill of 37 tokens
+    over three pages (the first fresh) and then decode writes, values over every E4M3 range (subnormal, normal, past
+    448 before scaling, an all-zero vector, negative zero)."""
     from cotserve.kernels.kv_fp8 import write_kv_ref
 
     g = torch.Generator().manual_seed(3)
-    ref, got = _fp8_pages(8, 2, bounds=bounds), _fp8_pages(8, 2, bounds=bounds)
+    ref, got = _fp8_pages(8, 2, bounds=bounds, dtype=dtype), _fp8_pages(8, 2, bounds=bounds, dtype=dtype)
     scales = torch.tensor([1e-6, 1e-3, 1.0, 30.0, 1e4]).repeat_interleave(8)[:37, None, None]
     key = torch.randn(37, 2, DIM, generator=g) * scales
     value = torch.randn(37, 2, DIM, generator=g) * scales.flip(0)
@@ -177,6 +181,8 @@ def test_fp8_writes_are_the_references_bit_for_bit(bounds):
         assert torch.equal(a, b)
     if bounds:  # the pages written hold real bounds; page 0 was never written and keeps what it had
         assert torch.isfinite(got[4][3:7]).all() and (got[4][0] == 7.0).all()
+    if dtype == torch.float32:  # a copy: the keys as given
+        assert torch.equal(got[0].view(-1, 2, DIM)[slots], key) and torch.equal(got[1].view(-1, 2, DIM)[step], value2)
 
 
 def test_every_float_rounds_to_the_e4m3_code_torch_gives():
@@ -198,8 +204,9 @@ def test_every_float_rounds_to_the_e4m3_code_torch_gives():
     assert torch.equal(k.view(-1, 1, 64)[:rows].view(torch.uint8), want)
 
 
-def test_an_fp8_write_outside_the_cache_raises_and_writes_nothing():
-    k, v, ks, vs, lo, hi = _fp8_pages(2, 1)
+@pytest.mark.parametrize("dtype", [FP8, torch.float32], ids=["fp8", "fp32"])
+def test_a_write_outside_the_cache_raises_and_writes_nothing(dtype):
+    k, v, ks, vs, lo, hi = _fp8_pages(2, 1, dtype=dtype)
     before = [t.clone() for t in _bytes([k, v, ks, vs, lo, hi])]
     x = torch.randn(3, 1, DIM)
     with pytest.raises(IndexError, match=r"token 2's slot 32 is outside the cache \(2 blocks of 16\)"):
@@ -208,13 +215,13 @@ def test_an_fp8_write_outside_the_cache_raises_and_writes_nothing():
 
 
 def test_writes_the_c_kernel_does_not_take_run_the_reference():
-    """An fp32 cache, or bfloat16 keys: the reference writes them (same result as calling it)."""
+    """A bfloat16 cache, or bfloat16 keys: the reference writes them (same result as calling it)."""
     from cotserve.kernels.kv_fp8 import write_kv_ref
 
     x = torch.randn(2, 1, DIM)
-    a, b = torch.zeros(2, BS, 1, DIM), torch.zeros(2, BS, 1, DIM)
+    a, b = torch.zeros(2, BS, 1, DIM, dtype=torch.bfloat16), torch.zeros(2, BS, 1, DIM, dtype=torch.bfloat16)
     cpu_native.write_kv(x, x, a, b, torch.tensor([0, 17]))
-    assert torch.equal(a[0, 0], x[0]) and torch.equal(b[1, 1], x[1])
+    assert torch.equal(a[0, 0], x[0].bfloat16()) and torch.equal(b[1, 1], x[1].bfloat16())
     ref, got = _fp8_pages(2, 1, bounds=False), _fp8_pages(2, 1, bounds=False)
     xb = x.bfloat16()
     write_kv_ref(xb, xb, ref[0], ref[1], torch.tensor([0, 17]), ref[2], ref[3])

@@ -77,16 +77,11 @@ class PagedAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, c = self.batch, self.caches[layer]
         self.kernels.write_kv(k, v, c.k, c.v, b.slot_mapping, c.k_scale, c.v_scale, c.k_min, c.k_max, b.fresh_page)
+        if not b.prefill_rows:  # every token a decode row, in order: no gather and scatter around the kernel
+            return self._decode(layer, q)
         out = torch.empty_like(q)
         if b.decode_token_idx.numel():
-            dq = q.index_select(0, b.decode_token_idx)  # [num_decode, heads, dim]
-            pages = None
-            if not self.spec.layers[layer].dense:
-                pages = self.kernels.select_pages(dq, c.k_min, c.k_max, b.decode_block_tables, b.decode_context_lens,
-                                                  self.spec.topk_pages, self.spec.block_size)
-            res = self.kernels.decode_attention(dq, c.k, c.v, b.decode_block_tables, b.decode_context_lens,
-                                                self.scale, c.k_scale, c.v_scale, pages)
-            out.index_copy_(0, b.decode_token_idx, res)
+            out.index_copy_(0, b.decode_token_idx, self._decode(layer, q.index_select(0, b.decode_token_idx)))
         for start, qlen, table, ctx in b.prefill_rows:
             dev = q.device
             ctx_t, qlen_t = torch.tensor([ctx], device=dev), torch.tensor([qlen], device=dev)
@@ -97,3 +92,14 @@ class PagedAttention:
                 res = self.kernels.paged_attention(query, c.k, c.v, table, ctx_t, qlen_t, self.scale)
             out[start : start + qlen] = res[0]
         return out
+
+    def _decode(self, layer: int, dq: torch.Tensor) -> torch.Tensor:
+        """Decode attention for the batch's decode rows `dq` [num_decode, heads, dim], over all their pages or, in a
+        layer that is not dense, the top-k selected ones."""
+        b, c = self.batch, self.caches[layer]
+        pages = None
+        if not self.spec.layers[layer].dense:
+            pages = self.kernels.select_pages(dq, c.k_min, c.k_max, b.decode_block_tables, b.decode_context_lens,
+                                              self.spec.topk_pages, self.spec.block_size)
+        return self.kernels.decode_attention(dq, c.k, c.v, b.decode_block_tables, b.decode_context_lens, self.scale,
+                                             c.k_scale, c.v_scale, pages)

@@ -12,22 +12,24 @@ import math
 import torch
 from torch import nn
 
+from cotserve.kernels.layer_ops import REFERENCE_OPS, LayerOps, rotate_half_rope
 from cotserve.worker.models.attention import AttentionBackend
 from cotserve.worker.models.config import ModelConfig, RopeConfig
 from cotserve.worker.models.moe import RoutingPolicy, SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
+    """`forward(x, residual) -> (normalized, residual stream)`: with a residual, `x + residual` is the new stream and
+    what is normalized (the add and the norm one operation, as vLLM's fused_add_rms_norm)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: LayerOps = REFERENCE_OPS  # set by LlamaForCausalLM.use_layer_ops when served
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -54,15 +56,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [num_tokens, head_dim] for each token's position."""
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [num_tokens, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -94,6 +91,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_out, h, bias=cfg.o_bias)
         self.splits = (q_out, kv_out, kv_out)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse` once the weights are loaded
+        self.ops: LayerOps = REFERENCE_OPS
 
     def fuse(self) -> None:
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
@@ -103,12 +101,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         if self.qkv is not None:
-            q, k, v = nn.functional.linear(x, *self.qkv).split(self.splits, dim=-1)
+            q, k, v = self.ops.rope_split(nn.functional.linear(x, *self.qkv), cos, sin, self.num_heads,
+                                          self.num_kv_heads, self.head_dim)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = apply_rope(q.reshape(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+            cs, sn = cos[:, None, :], sin[:, None, :]
+            q = rotate_half_rope(self.q_proj(x).reshape(n, self.num_heads, self.head_dim), cs, sn)
+            k = rotate_half_rope(self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim), cs, sn)
+            v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
         out = attn.attend(self.layer, q, k, v)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(out.reshape(n, -1))
 
@@ -123,6 +122,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse`
+        self.ops: LayerOps = REFERENCE_OPS
 
     def fuse(self) -> None:
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
@@ -130,8 +130,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = nn.functional.linear(x, *self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(nn.functional.linear(x, *self.gate_up)))
 
 
 class DecoderLayer(nn.Module):
@@ -152,9 +151,13 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.ffn(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (this layer's output, the residual stream before it): the next norm adds the two (the first layer's
+        `x` is the stream itself, `residual` None)."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, attn), residual)
+        return self.ffn(h), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -185,9 +188,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.model.norm(x, residual)[0]
 
     def fuse_projections(self) -> None:
         """Fuse each layer's q/k/v and gate/up projections into one matrix multiply each. Call it once the weights
@@ -197,6 +201,13 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.fuse()
             if hasattr(layer, "mlp"):
                 layer.mlp.fuse()
+
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """Run the small operations between the multiplies (norms, RoPE, SwiGLU) with `ops` (the loader sets the
+        device's, `dispatch.layer_ops_for`; the default is the torch references, which training needs)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         return self.lm_head(hidden)

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from cotserve.common.errors import ModelLoadError
+from cotserve.kernels.dispatch import layer_ops_for
 from cotserve.worker.models.config import ModelConfig
 from cotserve.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 
@@ -195,6 +196,7 @@ def load_model(
         block.load = torch.zeros(block.num_experts, dtype=torch.int64)
     model.eval().requires_grad_(False)
     model.fuse_projections()
+    model.use_layer_ops(layer_ops_for(device, dtype))
     tokenizer, eos = load_tokenizer(folder, cfg)
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, eos_token_ids=eos,
