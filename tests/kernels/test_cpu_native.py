@@ -34,16 +34,18 @@ def test_the_kernel_builds_here_and_the_cpu_kernel_set_uses_it():
     assert cpu.select_pages is REFERENCE.select_pages and cpu.paged_attention is REFERENCE.paged_attention
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,width", [(6, 4, 2, 5), (1, 3, 3, 1), (3, 3, 3, 2), (5, 8, 1, 4), (9, 6, 3, 7)])
+@pytest.mark.parametrize("batch,heads,kv_heads,width,dim", [(6, 4, 2, 5, DIM), (1, 3, 3, 1, DIM), (3, 3, 3, 2, DIM),
+                                                            (5, 8, 1, 4, DIM), (9, 6, 3, 7, DIM), (3, 272, 17, 3, 8)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_the_reference_on_fp32_and_fp8_pages(batch, heads, kv_heads, width, threads):
-    q, k_cache, v_cache, tables, ctx = _case(batch, heads, kv_heads, width, seed=batch * 7 + heads)
+def test_matches_the_reference_on_fp32_and_fp8_pages(batch, heads, kv_heads, width, dim, threads):
+    """Every head of a row in one pass; 272 query heads (past the 256 one pass takes) one KV head at a time."""
+    q, k_cache, v_cache, tables, ctx = _case(batch, heads, kv_heads, width, seed=batch * 7 + heads, dim=dim)
     kq, ks = quantize_ref(k_cache, torch.float16)
     vq, vs = quantize_ref(v_cache, torch.float16)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for args in ((k_cache, v_cache, tables, ctx, DIM ** -0.5), (kq, vq, tables, ctx, DIM ** -0.5, ks, vs)):
+        for args in ((k_cache, v_cache, tables, ctx, dim ** -0.5), (kq, vq, tables, ctx, dim ** -0.5, ks, vs)):
             want = decode_attention_ref(q, *args)
             got = cpu_native.decode_attention(q, *args)
             assert got.shape == want.shape and got.dtype == torch.float32
