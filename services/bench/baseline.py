@@ -343,9 +343,12 @@ def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
                       soft_wrap=True)
 
 
-KERNEL_SETTINGS = (("native", "auto", True), ("compiled", "reference", True), ("eager", "reference", False))
-"""The engine-only rows' CPU kernels: the default (decode attention in C), the torch references compiled by inductor
-(the default before the C kernel), and the references eager. Each is (label, COTSERVE_KERNELS, compile)."""
+KERNEL_SETTINGS = (("native", "auto", "auto", True), ("native, torch layer ops", "auto", "reference", True),
+                   ("compiled", "reference", "reference", True), ("eager", "reference", "reference", False))
+"""The engine-only rows' CPU kernels: the default (decode attention, cache writes and the layers' small operations in
+C), the same with the small operations as torch references (the default before they were C), the torch references
+compiled by inductor (the default before the C kernel), and the references eager. Each is (label, COTSERVE_KERNELS,
+COTSERVE_LAYER_OPS, compile)."""
 
 
 def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batches: list[int],
@@ -355,9 +358,10 @@ def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batc
 
     rows = []
     for batch in batches:
-        for label, kernels, compiled in KERNEL_SETTINGS:
+        for label, kernels, layer_ops, compiled in KERNEL_SETTINGS:
             say(f"cotserve engine only, batch {batch}, {label} kernels ...")
-            with compile_setting(compiled), env_setting("COTSERVE_KERNELS", kernels):
+            with compile_setting(compiled), env_setting("COTSERVE_KERNELS", kernels), \
+                    env_setting("COTSERVE_LAYER_OPS", layer_ops):
                 rows.append((batch, label, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch)))
     return rows
 
@@ -367,18 +371,22 @@ def engine_table(rows: list[tuple[int, str, BaselineResult]], batches: list[int]
     from rich.table import Table
 
     threads = torch.get_num_threads()
-    e = Table(title=f"engine only (this process, one loop, {threads} torch thread{'s' * (threads > 1)}): CPU decode "
-                    "attention in C (native) vs the torch references compiled by inductor and eager; the ceiling is the "
-                    "model's linear layers alone, weights hot in cache")
-    for col in ("batch", "native tok/s", "compiled tok/s", "eager tok/s", "native / compiled", "native / eager",
-                "linears ceiling tok/s", "native / ceiling"):
+    e = Table(title=f"engine only (this process, one loop, {threads} torch thread{'s' * (threads > 1)}): CPU kernels "
+                    "in C (native: decode attention, cache writes, the layers' small operations; then with those small "
+                    "operations as torch references) vs the torch references compiled by inductor and eager; the "
+                    "ceiling is the model's linear layers alone, weights hot in cache")
+    for col in ("batch", "native tok/s", "torch layer ops tok/s", "compiled tok/s", "eager tok/s",
+                "native / torch layer ops", "native / compiled", "native / eager", "linears ceiling tok/s",
+                "native / ceiling"):
         e.add_column(col, justify="right")
     by = {(b, label): r.output_tokens_per_s for b, label, r in rows}
     for batch in batches:
-        n, c, g = by[batch, "native"], by[batch, "compiled"], by[batch, "eager"]
+        n, t = by[batch, "native"], by[batch, "native, torch layer ops"]
+        c, g = by[batch, "compiled"], by[batch, "eager"]
         ceiling = (ceilings or {}).get(batch)
-        e.add_row(str(batch), f"{n:.0f}", f"{c:.0f}", f"{g:.0f}", f"{n / c:.2f}x", f"{n / g:.2f}x",
-                  f"{ceiling.tokens_per_s:.0f}" if ceiling else "n/a", f"{n / ceiling.tokens_per_s:.0%}" if ceiling else "n/a")
+        e.add_row(str(batch), f"{n:.0f}", f"{t:.0f}", f"{c:.0f}", f"{g:.0f}", f"{n / t:.2f}x", f"{n / c:.2f}x",
+                  f"{n / g:.2f}x", f"{ceiling.tokens_per_s:.0f}" if ceiling else "n/a",
+                  f"{n / ceiling.tokens_per_s:.0%}" if ceiling else "n/a")
     return e
 
 
