@@ -190,6 +190,16 @@ class BlockManager:
         last = min(len(seq.block_table), self.blocks_needed(num_tokens))
         return [i for i in range(first, last) if self._ref_counts[seq.block_table[i]] > 1]
 
+    def fits_in_place(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq`'s tokens up to `num_tokens` go into the one block it holds and writes now, not shared and not
+        filled by them (so `allocate` would change nothing): most sequences of a decode step, checked in O(1)."""
+        bs, first = self.block_size, seq.num_computed_tokens // self.block_size
+        if first >= len(seq.block_table) or (num_tokens - 1) // bs != first:
+            return False
+        if self.enable_prefix_caching and num_tokens // bs != first:  # it fills the block: others wait for it
+            return False
+        return self._ref_counts[seq.block_table[first]] == 1
+
     def can_allocate(self, seq: Sequence, num_tokens: int, hit: CacheHit = NO_HIT) -> bool:
         return self.num_new_blocks(seq, num_tokens, hit) <= len(self._free)
 

@@ -55,18 +55,21 @@ class ModelRunner:
         for item in batch.items:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
             offset = len(ids)
-            tokens = seq.all_token_ids[start : start + n]
-            ids.extend(tokens)
-            positions.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            fresh.extend(p % bs == 0 for p in range(start, start + n))
             ctx = start + n
-            if n == 1:
+            if n == 1:  # a decode row (most rows of most steps): no ranges, no slices of the whole sequence
+                ids.append(seq.token_at(start))
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                fresh.append(start % bs == 0)
                 decode_idx.append(offset)
                 decode_tables.append(table[: (ctx + bs - 1) // bs])
                 decode_ctx.append(ctx)
             else:
+                ids.extend(seq.all_token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                fresh.extend(p % bs == 0 for p in range(start, start + n))
                 t = torch.tensor([table[: (ctx + bs - 1) // bs]], dtype=torch.int64, device=self.device)
                 prefill_rows.append((offset, n, t, ctx))
             if item.samples:

@@ -167,15 +167,17 @@ class Scheduler:
                 continue
             target = start + n
             if running:
-                if not self._make_room(seq, target, batch, scheduled, allow_self=True):
-                    continue
+                if not self.block_manager.fits_in_place(seq, target):  # else nothing to allocate, nobody to preempt
+                    if not self._make_room(seq, target, batch, scheduled, allow_self=True):
+                        continue
+                    self.block_manager.allocate(seq, target, hit)
             else:
                 if admission_blocked:
                     continue
                 if not self._admit(seq, start, target, hit, batch, scheduled):
                     admission_blocked = True  # strict priority: nothing newer jumps ahead of it
                     continue
-            self.block_manager.allocate(seq, target, hit)
+                self.block_manager.allocate(seq, target, hit)
             batch.items.append(ScheduledSeq(seq, n))
             scheduled.add(seq.seq_id)
             if is_batch:

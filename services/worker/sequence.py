@@ -79,6 +79,11 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, i: int) -> int:
+        """`all_token_ids[i]` without building the list."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self) - self.num_computed_tokens

@@ -181,7 +181,7 @@ def test_randomized_allocate_fork_write_free_evict_against_a_reference_model():
     pool = PoolModel(bm)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(3, 14))] for _ in range(4)]
     live: list[Sequence] = []
-    evictions_seen = 0
+    evictions_seen = fast_paths = 0
     for op in range(3000):
         choice = rng.random()
         if choice < 0.3 or not live:  # admit a new sequence, often sharing a prefix
@@ -197,8 +197,13 @@ def test_randomized_allocate_fork_write_free_evict_against_a_reference_model():
         elif choice < 0.65:  # decode one token
             seq = rng.choice(live)
             seq.output_ids.append(rng.randrange(50))
+            in_place = bm.fits_in_place(seq, len(seq))
+            fast_paths += in_place
+            before = (list(seq.block_table), bm.num_free_blocks, len(bm.pending_copies), dict(bm._pending))
             if bm.can_allocate(seq, len(seq)):
                 bm.allocate(seq, len(seq))
+                # the scheduler skips allocate when the token fits in place: it must have changed nothing
+                assert not in_place or before == (seq.block_table, bm.num_free_blocks, len(bm.pending_copies), bm._pending)
                 pool.compute(seq, len(seq))
             else:
                 seq.output_ids.pop()
@@ -219,3 +224,20 @@ def test_randomized_allocate_fork_write_free_evict_against_a_reference_model():
         bm.free(seq)
     assert bm.num_free_blocks == bm.num_blocks
     assert evictions_seen > 50 and bm.num_hit_tokens > 1000  # the run exercised eviction and hits
+    assert fast_paths > 100  # and decode tokens that fit in place
+
+
+def test_a_decode_token_fits_in_place_only_in_its_own_unshared_block_that_it_does_not_fill():
+    """The scheduler's O(1) check before it skips `allocate`: a token inside the sequence's last block fits; one that
+    needs a new block, writes into a block shared with a fork, or fills a block (with the prefix cache on: other
+    sequences must learn it is being computed) does not."""
+    for caching in (True, False):
+        bm = BlockManager(16, BS, enable_prefix_caching=caching)
+        seq = make_seq(range(5))  # blocks [0..3] full, [4] partial
+        prefill(bm, seq)
+        assert bm.fits_in_place(seq, 6) and bm.fits_in_place(seq, 7)  # positions 5 and 6, in block 1
+        assert bm.fits_in_place(seq, 8) == (not caching)  # position 7 fills block 1
+        assert not bm.fits_in_place(seq, 9)  # positions 5..8: into block 2, not held yet
+        child = Sequence("child", seq.all_token_ids, seq.params)
+        bm.fork(seq, child)
+        assert not bm.fits_in_place(seq, 6) and not bm.fits_in_place(child, 6)  # block 1 is shared now
