@@ -16,10 +16,11 @@ vectorises, which the table's gathers did not): fp8 pages 0.635 -> 0.313 ms per 
 The kernel reads each row's pages once, front to back, a token's keys for every head together (they lie side by side
 in the cache; one KV head at a time strided through the pages once per head and took 1.3-1.9x as long), a page at a
 time with an online softmax, never a token past the row's context, and nothing is copied. With top-k selection
-(pages chosen per KV head) it goes one KV head at a time, reading keys once for all query heads of its group. It is plain C (no torch headers), so building
-it takes a fraction of a second with the system's C compiler: `cc -O3 -march=native -fopenmp`, cached under
-`~/.cache/cotserve/kernels` by the source, the flags and the CPU's features. Rows (rows x KV heads with
-top-k) are spread over torch's thread count with OpenMP (when the build has it).
+(pages chosen per KV head) it goes one KV head at a time, reading keys once for all query heads of its group. It is
+plain C (no torch headers), so building it takes a fraction of a second with the system's C compiler: `cc -O3
+-march=native -fopenmp`, cached under `~/.cache/cotserve/kernels` by the source, the flags and the CPU's features.
+Rows (rows x KV heads with top-k) are spread over torch's thread count with OpenMP (when the build has it; it is
+torch's own OpenMP runtime, loaded once per process, so the two share one thread team).
 
 FP8 writes (`write_kv`): the reference quantizes a layer's new keys and values, writes payload and scales and folds
 the keys into their pages' bounds in about twenty torch operations, each a pass over the tokens and a dispatch; on a

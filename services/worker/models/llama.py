@@ -89,7 +89,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv_out, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, kv_out, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_out, h, bias=cfg.o_bias)
-        self.splits = (q_out, kv_out, kv_out)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse` once the weights are loaded
         self.ops: LayerOps = REFERENCE_OPS
 
