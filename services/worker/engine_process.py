@@ -91,6 +91,7 @@ class EngineReady:
     dtype: Any  # torch.dtype of the weights
     device: str
     stats: EngineStats
+    kernels: str = ""  # Engine.kernels
 
 
 @dataclass(slots=True, frozen=True)
@@ -199,7 +200,8 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
     outbox = _Outbox(engine, send)
     engine.after_iteration = outbox.flush
     engine.policy_listeners.append(lambda version: send(PolicyApplied(version)))
-    send(EngineReady(engine.config, engine.kv_spec, loaded.revision, loaded.dtype, str(loaded.device), engine.stats()))
+    send(EngineReady(engine.config, engine.kv_spec, loaded.revision, loaded.dtype, str(loaded.device), engine.stats(),
+                     engine.kernels))
     freeze_startup_heap("engine process")
     threading.Thread(target=lambda: engine.runner.warmed.wait() and freeze_startup_heap("engine process, kernels compiled"),
                      name="cotserve-freeze-after-compile", daemon=True).start()
@@ -252,6 +254,7 @@ class EngineProcess:
     revision: str = ""
     dtype: Any = None
     device: str = "cpu"
+    kernels: str = ""  # Engine.kernels, from the engine process
     dead: str | None = None
     _stats: EngineStats = field(default_factory=EngineStats)
     _sinks: dict[str, Sink] = field(default_factory=dict)
@@ -299,6 +302,7 @@ class EngineProcess:
         self.config, self._stats = first.config, first.stats
         self.kv_spec = first.kv_spec
         self.revision, self.dtype, self.device = first.revision, first.dtype, first.device
+        self.kernels = first.kernels
         self._reader = threading.Thread(target=self._read, name="cotserve-engine-reader", daemon=True)
         self._reader.start()
 

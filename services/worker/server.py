@@ -413,9 +413,9 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
         await follower.start()  # the current policy is in force before the first request
     servicer.attach(engine, loaded)
     await server.set_serving()
-    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d, %s scheduling, prefix cache %s",
+    log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d, %s scheduling, prefix cache %s, %s",
              loaded.name, loaded.revision, server.address, loaded.dtype, econfig.num_blocks, econfig.block_size,
-             econfig.max_model_len, econfig.scheduling, "on" if econfig.enable_prefix_caching else "off")
+             econfig.max_model_len, econfig.scheduling, "on" if econfig.enable_prefix_caching else "off", engine.kernels)
     return RunningWorker(server, engine, loaded, servicer, metrics_server, follower)
 
 

@@ -24,7 +24,7 @@ def test_killing_the_engine_fails_in_flight_calls_with_the_reason_and_health_tur
     async def main():
         worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4), on_engine_death=deaths.append)
         pid = worker.engine.pid
-        out = {"engine_pid": pid, "front_pid": os.getpid()}
+        out = {"engine_pid": pid, "front_pid": os.getpid(), "kernels": worker.engine.kernels}
         try:
             async with grpc.aio.insecure_channel(worker.server.address) as ch:
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
@@ -64,6 +64,7 @@ def test_killing_the_engine_fails_in_flight_calls_with_the_reason_and_health_tur
 
     out = asyncio.run(main())
     assert out["engine_pid"] != out["front_pid"]
+    assert out["kernels"] == "cpu-native kernels, cpu-native layer ops"  # the engine process's choice, reported back
     assert out["idle_cpu_s"] < 0.1, out["idle_cpu_s"]  # blocked on its input, not spinning
     code, details, got = out["stream"]
     assert code == grpc.StatusCode.UNAVAILABLE and got >= 3

@@ -113,6 +113,7 @@ def test_skip_layers_keep_their_cache_at_full_precision():
             assert [c.k.dtype for c in caches] == [torch.float32, torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32]
             assert [c.k_scale is not None for c in caches] == [False, True, True, False]
             assert worker.engine.kv_spec.skip_layers == {0, 3}
+            assert worker.engine.kernels == "cpu-native kernels, cpu-native layer ops"  # in the SERVING line
             async with grpc.aio.insecure_channel(worker.server.address) as ch:
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 info = await stub.Info(worker_pb2.InfoRequest())

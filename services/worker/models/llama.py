@@ -176,6 +176,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaBackbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.layer_ops: LayerOps = REFERENCE_OPS  # `use_layer_ops`
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -204,6 +205,7 @@ class LlamaForCausalLM(nn.Module):
     def use_layer_ops(self, ops: LayerOps) -> None:
         """Run the small operations between the multiplies (norms, RoPE, SwiGLU) with `ops` (the loader sets the
         device's, `dispatch.layer_ops_for`; the default is the torch references, which training needs)."""
+        self.layer_ops = ops
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
