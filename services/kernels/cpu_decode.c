@@ -96,6 +96,27 @@ static inline const float *kv_row(const void *cache, const uint16_t *scales, int
     return buf;
 }
 
+/* One page of one query head in the online softmax: `scores` [n] become the page's weights exp(score - max so far),
+ * and the running max `m`, sum `l` and accumulator `acc` [dim] are rescaled to the new max. */
+static inline void softmax_page(float *scores, int64_t n, float *m, float *l, float *acc, int64_t dim) {
+    float top = *m;
+    for (int64_t t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
+    float c = expf(*m - top);
+    *l *= c;
+    for (int64_t d = 0; d < dim; d++) acc[d] *= c;
+    *m = top;
+    for (int64_t t = 0; t < n; t++) {
+        scores[t] = expf(scores[t] - top);
+        *l += scores[t];
+    }
+}
+
+/* out [dim] = acc / l; an empty context reads nothing: zeros. */
+static inline void softmax_finish(const float *acc, float l, float *out, int64_t dim) {
+    float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t d = 0; d < dim; d++) out[d] = acc[d] * inv;
+}
+
 /* One (row, KV head): every query head of its group over the row's pages. The caller checked every block id the
  * row's pages name (`row_in_bounds`). */
 static void attend_one(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
@@ -116,18 +137,7 @@ static void attend_one(const float *q, const void *kc, const void *vc, const uin
             const float *key = kv_row(kc, ks, kind, block * bs + t, kv_heads, h, dim, buf);
             for (int64_t g = 0; g < group; g++) scores[g][t] = dot(q + g * dim, key, dim) * scale;
         }
-        for (int64_t g = 0; g < group; g++) {
-            float top = m[g];
-            for (int64_t t = 0; t < n; t++) top = scores[g][t] > top ? scores[g][t] : top;
-            float c = expf(m[g] - top);
-            l[g] *= c;
-            for (int64_t d = 0; d < dim; d++) acc[g][d] *= c;
-            m[g] = top;
-            for (int64_t t = 0; t < n; t++) {
-                scores[g][t] = expf(scores[g][t] - top);
-                l[g] += scores[g][t];
-            }
-        }
+        for (int64_t g = 0; g < group; g++) softmax_page(scores[g], n, &m[g], &l[g], acc[g], dim);
         for (int64_t t = 0; t < n; t++) {
             const float *value = kv_row(vc, vs, kind, block * bs + t, kv_heads, h, dim, buf);
             for (int64_t g = 0; g < group; g++) {
@@ -136,10 +146,7 @@ static void attend_one(const float *q, const void *kc, const void *vc, const uin
             }
         }
     }
-    for (int64_t g = 0; g < group; g++) {
-        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* an empty context reads nothing: zeros */
-        for (int64_t d = 0; d < dim; d++) out[g * dim + d] = acc[g][d] * inv;
-    }
+    for (int64_t g = 0; g < group; g++) softmax_finish(acc[g], l[g], out + g * dim, dim);
 }
 
 /* One row, every head, over all its pages (no selection). A token's keys (and values) for all KV heads lie side by side
@@ -167,18 +174,7 @@ static void attend_row(const float *q, const void *kc, const void *vc, const uin
                 for (int64_t g = 0; g < group; g++)
                     scores[h * group + g][t] = dot(q + (h * group + g) * dim, key, dim) * scale;
             }
-        for (int64_t i = 0; i < heads; i++) {
-            float top = m[i];
-            for (int64_t t = 0; t < n; t++) top = scores[i][t] > top ? scores[i][t] : top;
-            float c = expf(m[i] - top);
-            l[i] *= c;
-            for (int64_t d = 0; d < dim; d++) out[i * dim + d] *= c;
-            m[i] = top;
-            for (int64_t t = 0; t < n; t++) {
-                scores[i][t] = expf(scores[i][t] - top);
-                l[i] += scores[i][t];
-            }
-        }
+        for (int64_t i = 0; i < heads; i++) softmax_page(scores[i], n, &m[i], &l[i], out + i * dim, dim);
         for (int64_t t = 0; t < n; t++)
             for (int64_t h = 0; h < kv_heads; h++) {
                 const float *value = kv_row(vc, vs, kind, first + t, kv_heads, h, dim, buf);
@@ -188,10 +184,7 @@ static void attend_row(const float *q, const void *kc, const void *vc, const uin
                 }
             }
     }
-    for (int64_t i = 0; i < heads; i++) {
-        float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f; /* an empty context reads nothing: zeros */
-        for (int64_t d = 0; d < dim; d++) out[i * dim + d] *= inv;
-    }
+    for (int64_t i = 0; i < heads; i++) softmax_finish(out + i * dim, l[i], out + i * dim, dim);
 }
 
 /* Whether the row reads only what exists: its context within its table, every selected page within the table, and
