@@ -60,7 +60,7 @@ def triton_kernels() -> KernelSet:
 
 
 def native_cpu_kernels() -> KernelSet | None:
-    """The references with decode attention and FP8 writes in C, or None where the C kernel cannot be built here."""
+    """The references with decode attention and cache writes in C, or None where the C kernel cannot be built here."""
     from cotserve.kernels import cpu_native
 
     if not cpu_native.available():
@@ -69,12 +69,18 @@ def native_cpu_kernels() -> KernelSet | None:
                                write_kv=cpu_native.write_kv)
 
 
-def kernels_for(device: torch.device) -> KernelSet:
-    """Kernels for `device` (COTSERVE_KERNELS: auto, reference, triton, native): auto is Triton on CUDA, the
-    native CPU set on the CPU where it builds, else the reference."""
+def _kernels_choice() -> str:
+    """COTSERVE_KERNELS (auto, reference, triton, native), checked."""
     choice = os.environ.get("COTSERVE_KERNELS", "auto")
     if choice not in ("auto", "reference", "triton", "native"):
         raise ValueError(f"COTSERVE_KERNELS: {choice!r}, allowed auto, reference, triton, native")
+    return choice
+
+
+def kernels_for(device: torch.device) -> KernelSet:
+    """Kernels for `device` (COTSERVE_KERNELS: auto, reference, triton, native): auto is Triton on CUDA, the
+    native CPU set on the CPU where it builds, else the reference."""
+    choice = _kernels_choice()
     if choice == "triton" or (choice == "auto" and device.type == "cuda"):
         return triton_kernels()
     if choice == "native" or (choice == "auto" and device.type == "cpu"):
@@ -86,7 +92,7 @@ def layer_ops_for(device: torch.device, dtype: torch.dtype) -> layer_ops.LayerOp
     """The small operations between a layer's multiplies for a model served on `device` in `dtype`: C on the CPU in
     float32 where the kernel builds (COTSERVE_KERNELS auto or native, COTSERVE_LAYER_OPS auto), else the torch
     references."""
-    choice, ops = os.environ.get("COTSERVE_KERNELS", "auto"), os.environ.get("COTSERVE_LAYER_OPS", "auto")
+    choice, ops = _kernels_choice(), os.environ.get("COTSERVE_LAYER_OPS", "auto")
     if ops not in ("auto", "reference"):
         raise ValueError(f"COTSERVE_LAYER_OPS: {ops!r}, allowed auto, reference")
     if device.type != "cpu" or dtype != torch.float32 or choice not in ("auto", "native") or ops == "reference":

@@ -261,8 +261,7 @@ class Engine:
                                    max_model_len=config.max_model_len, eos_token_ids=loaded.eos_token_ids)
         self.kv_spec = kv_spec_of(config, loaded)
         self.runner = ModelRunner(loaded, config.num_blocks, self.kv_spec)
-        layer_ops = getattr(loaded.model, "layer_ops", None)
-        self.kernels = f"{self.runner.kernels.name} kernels, {layer_ops.name if layer_ops else 'torch'} layer ops"
+        self.kernels = f"{self.runner.kernels.name} kernels, {loaded.model.layer_ops.name} layer ops"
         """What runs the KV-cache kernels and the layers' small operations (logged when the worker starts serving)."""
         self.sampler = Sampler(loaded.device)
         # everything besides tokens and salt that decides a KV block's contents (the MoE policy
