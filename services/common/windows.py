@@ -25,6 +25,9 @@ def worker_total(windows, worker: str = "", start_unix_ms: int = 0) -> slo_pb2.M
         total.preemptions = max(total.preemptions, w.preemptions)
         total.output_tokens_per_s += w.output_tokens_per_s
         total.worker_waiting = max(total.worker_waiting, w.worker_waiting)
+        total.worker_running = max(total.worker_running, w.worker_running)
+        total.worker_step_ms = max(total.worker_step_ms, w.worker_step_ms)
+        total.worker_tokens_per_s = max(total.worker_tokens_per_s, w.worker_tokens_per_s)
         total.kv_used_fraction = max(total.kv_used_fraction, w.kv_used_fraction)
         total.utilization = max(total.utilization, w.utilization)
         total.utilization_is_cpu = w.utilization_is_cpu

@@ -77,9 +77,11 @@ class GatewayConfig(TlsSettings):
     """Hold BATCH in the gateway as an urgent class's forecast nears the threshold: a share rising from none at
     --slo-throttle-from x threshold to all at the threshold, drawn again at every forecast refresh."""
     slo_routing: bool = True
-    """Route among a model's workers by predicted TTFT."""
+    """Route among a model's workers by predicted TTFT (the predictor's trained trees, fetched when they change and
+    evaluated in the gateway)."""
     slo_predict_budget_ms: float = 5.0
-    """Milliseconds routing waits for a latency prediction before using the load heuristic."""
+    """Milliseconds routing waits for a latency prediction from a predictor whose trees this gateway cannot evaluate
+    itself (another build's features), before using the load heuristic."""
     slo_retry_after_ms: int = 10_000
     """retry-after-ms, on average (each drawn within +-50%), of a BATCH request turned away because
     --slo-max-held already wait."""

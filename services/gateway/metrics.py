@@ -34,6 +34,9 @@ class GatewayMetrics:
                                     ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.requests = Counter("cotserve_gateway_requests", "Requests by final status code and tenant.",
                                 (*_LABELS, "code", "tenant"), registry=r)
+        self.routed = Counter("cotserve_gateway_routed", "Worker picks among several by what decided them: predicted_ttft "
+                              "(the SLO predictor's answer) or load (the heuristic: no predictor, untrained, or no answer "
+                              "within --slo-predict-budget-ms).", ("model", "by"), registry=r)
         r.register(CallbackCollector(lambda: self._live(pool)))
 
     @staticmethod

@@ -231,12 +231,14 @@ class Relay:
         remaining = call.time_remaining()
         wait_s = self.worker_wait_s if remaining is None else max(0.0, min(self.worker_wait_s, remaining - 0.05))
         worker = await self.pool.pick_waiting(model, tried, sla, wait_s)
-        if self.slo is not None:
-            candidates = [w for w in self.pool.workers if w.healthy and w.model == model and w not in tried]
-            better = await self.slo.pick(model, candidates, sla, prompt_bytes, max_new)
+        candidates = [w for w in self.pool.workers if w.healthy and w.model == model and w not in tried]
+        if len(candidates) > 1:
+            better = await self.slo.pick(model, candidates, sla, prompt_bytes, max_new) if self.slo is not None else None
             if better is not None:
                 worker = better
-                span.set_attribute("cotserve.routed_by", "predicted_ttft")
+            by = "load" if better is None else "predicted_ttft"
+            span.set_attribute("cotserve.routed_by", by)
+            self.metrics.routed.labels(model, by).inc()
         span.set_attributes({"cotserve.worker": worker.address,
                              "cotserve.model_version": f"{model}@{worker.info.model_revision}"})
         return worker

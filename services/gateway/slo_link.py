@@ -1,12 +1,13 @@
 """The gateway's link to the SLO predictor: it records one metrics window per second per (model,
 worker, SLA class) and every finished request, reports them, keeps each model's latest forecast,
-and asks for per-worker latency predictions when routing.
+and routes by predicted TTFT: it fetches the predictor's trained TTFT trees when they change and
+evaluates them itself for each candidate worker (cotserve.common.latency: no call per request).
 
 The predictor is advice, never a dependency: a report that fails is retried with the next one (a
-bounded backlog), a forecast that is missing, stale or untrained sheds nothing, and a latency
-prediction that does not come back within its budget (a few ms) leaves routing to the load
-heuristic; after a failure the predictor is not asked again for a few seconds. No request ever
-fails because of it.
+bounded backlog), a forecast that is missing, stale or untrained sheds nothing, and a predictor
+whose trees this gateway cannot use (another build's features) is asked per request instead,
+within a budget of a few ms, past which the load heuristic decides; after a failure it is not
+asked again for a few seconds. No request ever fails because of it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 
 from cotserve.common.errors import ResourceExhausted
+from cotserve.common.latency import LATENCY_FEATURES, TreeEnsemble, latency_row
 from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS
 
@@ -73,6 +75,7 @@ class SloLinkConfig:
     report_interval_s: float = 1.0
     forecast_interval_s: float = 1.0
     backoff_s: float = 5.0
+    model_refresh_s: float = 5.0    # how often the trained TTFT model is fetched (only its version, while unchanged)
     max_backlog: int = 600
     retry_after_ms: int = 10_000  # retry-after-ms (+-50%) of BATCH turned away because `max_held` already wait
     throttle_from: float = 0.5    # forecast / threshold where holding starts (1: all BATCH above the threshold, none below)
@@ -96,6 +99,8 @@ class SloLink:
         self.tokens_per_byte: dict[str, float] = {}
         self.down_until = 0.0
         self.latency_trained = False
+        self.ttft_model: TreeEnsemble | None = None  # the predictor's TTFT trees, evaluated here (GetLatencyModel)
+        self.ttft_model_version = 0
         self.reports_failed = 0
         self._tasks: list[asyncio.Task] = []
         self._last_warning = 0.0
@@ -170,6 +175,8 @@ class SloLink:
                     memory_used_bytes=s.memory_used_bytes if s else 0,
                     mean_prompt_tokens=a.prompt_tokens / a.completions if a.completions else 0.0,
                     worker_waiting=s.num_waiting_seqs if s else 0,
+                    worker_running=s.num_running_seqs if s else 0, worker_step_ms=s.step_latency_p50_ms if s else 0.0,
+                    worker_tokens_per_s=s.generated_tokens_per_s if s else 0.0,
                 ))
             windows.extend(per_class)
             self.last_worker_window[w.address] = worker_total(per_class, w.address, start_unix_ms)
@@ -180,6 +187,8 @@ class SloLink:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._report_forever(), name="cotserve-slo-report"),
                        asyncio.create_task(self._forecast_forever(), name="cotserve-slo-forecast")]
+        if self.cfg.routing:
+            self._tasks.append(asyncio.create_task(self._fetch_model_forever(), name="cotserve-slo-latency-model"))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -234,6 +243,35 @@ class SloLink:
                     self._warn(f"SLO predictor {self.cfg.address}: Forecast failed: {err.code().name}")
             self.refreshed()
 
+    async def _fetch_model_forever(self) -> None:
+        while True:
+            await self.fetch_model()
+            await asyncio.sleep(self.cfg.model_refresh_s)
+
+    async def fetch_model(self) -> None:
+        """Take the predictor's TTFT model when it has a new one. Kept on a failed call (the predictor restarting is no
+        reason to route worse); dropped when the predictor is untrained or its model's features are not this
+        gateway's (another build: `pick` then asks it per request, within the budget)."""
+        try:
+            resp = await self.stub.GetLatencyModel(slo_pb2.GetLatencyModelRequest(known_version=self.ttft_model_version),
+                                                   timeout=10)
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                self._warn(f"SLO predictor {self.cfg.address}: GetLatencyModel failed: {err.code().name}")
+            return
+        if not resp.is_trained or tuple(resp.features) != LATENCY_FEATURES:
+            if resp.is_trained:
+                self._warn(f"SLO predictor {self.cfg.address}: its latency model has other features than this gateway's")
+            self.ttft_model, self.ttft_model_version = None, 0
+            return
+        if resp.version == self.ttft_model_version:
+            return
+        try:
+            self.ttft_model, self.ttft_model_version = TreeEnsemble(resp.ttft_model_json), resp.version
+        except ValueError as exc:
+            self.ttft_model, self.ttft_model_version = None, 0
+            self._warn(f"SLO predictor {self.cfg.address}: unusable latency model: {exc}")
+
     def refreshed(self) -> None:
         """New forecasts are in: every held BATCH request draws again."""
         self._refreshed.set()
@@ -282,22 +320,30 @@ class SloLink:
             finally:
                 self.held -= 1
 
+    def _state_now(self, w) -> slo_pb2.MetricsWindow:
+        """Worker `w`'s last window with what this gateway counts now, as the latency model learned them."""
+        window = slo_pb2.MetricsWindow()
+        if w.address in self.last_worker_window:
+            window.CopyFrom(self.last_worker_window[w.address])
+        window.in_flight, window.queue_depth = w.in_flight, queued(w)
+        window.waiting_for_first_token, window.prefill_tokens_ahead = w.waiting_for_first_token, w.prefill_tokens_ahead
+        return window
+
     async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):
-        """The candidate with the lowest predicted TTFT, or None (fall back to the heuristic)."""
-        if not self.cfg.routing or len(candidates) < 2 or time.monotonic() < self.down_until:
-            return None  # off, nothing to choose, or backing off after a failure / an untrained answer
-        states = []
-        for w in candidates:
-            window = slo_pb2.MetricsWindow()
-            if w.address in self.last_worker_window:
-                window.CopyFrom(self.last_worker_window[w.address])
-            # now, as the latency model learned them
-            window.in_flight, window.queue_depth = w.in_flight, queued(w)
-            window.waiting_for_first_token, window.prefill_tokens_ahead = w.waiting_for_first_token, w.prefill_tokens_ahead
-            states.append(slo_pb2.WorkerState(worker=w.address, window=window))
-        req = slo_pb2.PredictLatencyRequest(
-            prompt_tokens=max(1, round(prompt_bytes * self.tokens_per_byte_of(model))), max_new_tokens=max_new_tokens,
-            sla_class=PB_CLASS[sla], candidates=states)
+        """The candidate with the lowest predicted TTFT, or None (fall back to the heuristic). Predicted here by the
+        fetched trees (`fetch_model`); without them, by asking the predictor within the budget."""
+        if not self.cfg.routing or len(candidates) < 2:
+            return None  # off, or nothing to choose
+        prompt_tokens = max(1, round(prompt_bytes * self.tokens_per_byte_of(model)))
+        if self.ttft_model is not None:
+            ttft = [self.ttft_model.predict(latency_row(prompt_tokens, max_new_tokens, PB_CLASS[sla], self._state_now(w)))
+                    for w in candidates]
+            return min(zip(candidates, ttft), key=lambda cp: (not cp[0].admission.can_start(sla), cp[1]))[0]
+        if time.monotonic() < self.down_until:
+            return None  # backing off after a failure / an untrained answer
+        states = [slo_pb2.WorkerState(worker=w.address, window=self._state_now(w)) for w in candidates]
+        req = slo_pb2.PredictLatencyRequest(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                                            sla_class=PB_CLASS[sla], candidates=states)
         try:
             resp = await self.stub.PredictLatency(req, timeout=self.cfg.predict_budget_ms / 1000)
         except grpc.aio.AioRpcError as err:

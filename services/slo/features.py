@@ -21,13 +21,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# A request's latency feature row (LATENCY_FEATURES, latency_row) lives in common.latency: the gateway builds the
+# same rows to evaluate the trained trees itself.
+from cotserve.common.latency import CLASS_INDEX
 from cotserve.common.sampling import SLA_PB, SlaClass
 from cotserve.common.sla import DEFAULT_SLA_TARGETS, SlaTarget
 from cotserve.slo.v1 import slo_pb2
 
 CLASS_NAMES = ("REALTIME", "INTERACTIVE", "BATCH")
 PB_CLASSES = tuple(SLA_PB.values())
-CLASS_INDEX = {pb: i for i, pb in enumerate(PB_CLASSES)}
 LOOKBACK_S = 60
 
 
@@ -196,23 +198,3 @@ def feature_matrix(s: ModelSeries, targets: dict[SlaClass, SlaTarget] = DEFAULT_
 def baseline_score(s: ModelSeries) -> np.ndarray:
     """The naive baseline: requests queued now (gateway queues of every class + the workers' own)."""
     return s.queue.sum(0) + s.worker_waiting
-
-
-# -- latency prediction ------------------------------------------------------------------------
-
-# The worker's last window, with in_flight and queue_depth replaced by what the gateway counts at the
-# moment of the request (its own requests in flight on the worker and in its queues for it), and the
-# request's place in line for prefill: requests sent before it still without a first token, their prompt
-# tokens, and the prefill work before its own first token (theirs and its own prompt).
-LATENCY_FEATURES = ("prompt_tokens", "max_new_tokens", "is_realtime", "is_interactive", "is_batch",
-                    "w_in_flight", "w_queue", "w_waiting", "w_kv_used", "w_arrivals", "w_tokens_per_s",
-                    "w_utilization", "w_ttft_p50", "w_itl_p50", "waiting_ahead", "prefill_tokens_ahead",
-                    "prefill_tokens_to_first")
-
-
-def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, state: slo_pb2.MetricsWindow) -> list[float]:
-    c = CLASS_INDEX.get(sla_class, 1)
-    return [prompt_tokens, max_new_tokens, float(c == 0), float(c == 1), float(c == 2),
-            state.in_flight, state.queue_depth, state.worker_waiting, state.kv_used_fraction, state.arrivals,
-            state.output_tokens_per_s, state.utilization, state.ttft_p50_ms, state.itl_p50_ms,
-            state.waiting_for_first_token, state.prefill_tokens_ahead, state.prefill_tokens_ahead + prompt_tokens]

@@ -24,6 +24,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Gauge
 
 from cotserve.common.errors import InvalidArgument
+from cotserve.common.latency import LATENCY_FEATURES, latency_row
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
@@ -61,7 +62,9 @@ class SloState:
         self.history = History(cfg.state_dir / "history.bin" if cfg.state_dir else None, cfg.max_windows, cfg.max_windows)
         models = cfg.state_dir / "models" if cfg.state_dir else None
         self.forecaster = Forecaster.load(models, cfg.horizon_s) if models else Forecaster(horizon_s=cfg.horizon_s)
-        self.latency = LatencyModel.load(models) if models else LatencyModel()
+        self.latency = LatencyModel()
+        self.latency_version, self.latency_json = 0, b""
+        self.set_latency(LatencyModel.load(models) if models else LatencyModel())
         self.recent: dict[str, deque] = defaultdict(deque)  # model -> windows of the last LOOKBACK_S + STALE_S
         for w in self.history.windows:
             self._remember(w)
@@ -116,11 +119,27 @@ class SloState:
             resp.top_features.add(feature=name, contribution=value)
         return resp
 
+    def set_latency(self, lm: LatencyModel) -> None:
+        """Serve `lm` from now on; a trained one gets a new version (Unix ms, so a restarted predictor's model never
+        passes for the one a gateway holds) and its TTFT trees' JSON for GetLatencyModel."""
+        self.latency = lm
+        if lm.is_trained:
+            self.latency_version = max(self.latency_version + 1, int(time.time() * 1000))
+            self.latency_json = bytes(lm.ttft.save_raw("json"))
+
+    def latency_model(self, known_version: int) -> slo_pb2.GetLatencyModelResponse:
+        if not self.latency.is_trained:
+            return slo_pb2.GetLatencyModelResponse(untrained_reason=self.latency.untrained_reason)
+        resp = slo_pb2.GetLatencyModelResponse(is_trained=True, version=self.latency_version, features=LATENCY_FEATURES)
+        if known_version != self.latency_version:
+            resp.ttft_model_json = self.latency_json
+        return resp
+
     def predict_latency(self, request: slo_pb2.PredictLatencyRequest) -> slo_pb2.PredictLatencyResponse:
         resp = slo_pb2.PredictLatencyResponse()
         if not self.latency.is_trained or not request.candidates:
             return resp
-        X = np.array([F.latency_row(request.prompt_tokens, request.max_new_tokens, request.sla_class, c.window)
+        X = np.array([latency_row(request.prompt_tokens, request.max_new_tokens, request.sla_class, c.window)
                       for c in request.candidates])
         ttft, tpot = self.latency.predict(X)
         resp.is_trained = True
@@ -157,7 +176,7 @@ class SloState:
         if fc.is_trained or not self.forecaster.is_trained:
             self.forecaster = fc
         if lm.is_trained or not self.latency.is_trained:
-            self.latency = lm
+            self.set_latency(lm)
         if self.cfg.state_dir is not None:
             models = self.cfg.state_dir / "models"
             if fc.is_trained:
@@ -217,11 +236,15 @@ class SloServicer(slo_pb2_grpc.SloServiceServicer):
         for i, c in enumerate(request.candidates):
             if not c.worker:
                 raise InvalidArgument(f"candidates[{i}].worker: must not be empty")
-            for name in ("kv_used_fraction", "utilization", "ttft_p50_ms", "itl_p50_ms", "output_tokens_per_s"):
+            for name in ("kv_used_fraction", "utilization", "ttft_p50_ms", "itl_p50_ms", "output_tokens_per_s",
+                         "worker_step_ms", "worker_tokens_per_s"):
                 v = getattr(c.window, name)
                 if not math.isfinite(v) or v < 0:
                     raise InvalidArgument(f"candidates[{i}].window.{name}: must be a finite number >= 0, got {v}")
         return self.state.predict_latency(request)
+
+    async def GetLatencyModel(self, request, context) -> slo_pb2.GetLatencyModelResponse:
+        return self.state.latency_model(request.known_version)
 
     async def WatchAdvice(self, request, context) -> AsyncIterator[slo_pb2.WatchAdviceResponse]:
         queue: asyncio.Queue[Advice] = asyncio.Queue(maxsize=1000)

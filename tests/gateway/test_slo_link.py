@@ -21,6 +21,7 @@ from cotserve.common.sampling import SlaClass
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.gateway.slo_link import SloLink, SloLinkConfig, deferred_share
+from cotserve.common.latency import latency_row
 from cotserve.common.windows import worker_total
 from cotserve.sdk import AsyncClient
 from cotserve.slo.server import SloConfig, start_slo
@@ -72,6 +73,8 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
                 assert sum(w.arrivals for w in inter) == 5 and sum(w.completions for w in inter) == 5
                 assert sum(w.first_tokens for w in inter) == 5 and sum(w.arrivals for w in ours if w.sla_class == B) == 0
                 assert all(w.utilization_is_cpu and 0 <= w.kv_used_fraction <= 1 for w in ours)
+                # the worker's own Stats ride along: its step time and tokens/s (every client's, not only ours)
+                assert any(w.worker_step_ms > 0 for w in ours) and any(w.worker_tokens_per_s > 0 for w in ours)
                 obs = [r for r in exported.requests if r.worker == worker.server.address]
                 assert len(obs) == 5 and all(r.sla_class == I and r.prompt_tokens == 5 and r.max_new_tokens == 16 and r.ttft_ms > 0 for r in obs)
 
@@ -144,6 +147,89 @@ def test_routing_picks_the_lower_predicted_ttft_and_falls_back_within_its_budget
             t = time.monotonic()
             assert await link.pick("m", cands, SlaClass.INTERACTIVE, 200, 64) is None  # backing off: not even asked
             assert time.monotonic() - t < 0.01
+        finally:
+            await link.stop()
+            await slo.stop()
+
+    asyncio.run(main())
+
+
+def test_the_gateway_routes_by_the_predictors_trees_evaluated_in_process():
+    """The gateway fetches the trained TTFT trees and predicts each candidate itself: every pick among two workers is
+    decided by a prediction, and still is once the predictor is gone (the trees are kept); a gateway without a
+    predictor picks by load; one worker is no choice and is not counted."""
+    async def main():
+        slo, _ = await trained_slo()
+        workers = [await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4)) for _ in range(2)]
+        addresses = [w.server.address for w in workers]
+        gateway = await start_gateway(GatewayConfig(port=0, workers=addresses, slo_address=slo.server.address))
+        plain = await start_gateway(GatewayConfig(port=0, workers=addresses))
+
+        def routed(gw, by: str) -> float:
+            return gw.metrics.registry.get_sample_value("cotserve_gateway_routed_total", {"model": "cotserve-demo", "by": by}) or 0.0
+        try:
+            deadline = time.monotonic() + 10
+            while gateway.slo.ttft_model is None:
+                assert time.monotonic() < deadline, "the gateway never fetched the latency model"
+                await asyncio.sleep(0.05)
+            assert gateway.slo.ttft_model_version == slo.state.latency_version > 0
+            async with AsyncClient(gateway.server.address) as client, AsyncClient(plain.server.address) as other:
+                for i in range(4):
+                    assert (await client.generate(f"{i}+1=", max_new_tokens=4)).text
+                    assert (await other.generate(f"{i}+1=", max_new_tokens=4)).text
+                assert (routed(gateway, "predicted_ttft"), routed(gateway, "load")) == (4, 0)
+                assert (routed(plain, "predicted_ttft"), routed(plain, "load")) == (0, 4)
+                await slo.stop()
+                for i in range(3):
+                    assert (await client.generate(f"{i}+2=", max_new_tokens=4)).text
+                assert (routed(gateway, "predicted_ttft"), routed(gateway, "load")) == (7, 0)  # no call per request
+                await workers[1].stop()
+                deadline = time.monotonic() + 10
+                while sum(w.healthy for w in gateway.pool.workers) > 1:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.1)
+                assert (await client.generate("5+5=", max_new_tokens=4)).text
+                assert (routed(gateway, "predicted_ttft"), routed(gateway, "load")) == (7, 0)
+        finally:
+            await gateway.stop()
+            await plain.stop()
+            for w in workers:
+                await w.stop()
+            await slo.stop()
+
+    asyncio.run(main())
+
+
+def test_the_fetched_trees_predict_what_the_predictor_would_and_are_refetched_only_when_retrained():
+    async def main():
+        slo, windows = await trained_slo()
+        busy = worker_total([max(windows, key=lambda w: w.queue_depth)], "busy:1")
+        idle = worker_total([min(windows, key=lambda w: w.queue_depth)], "idle:1")
+        link = SloLink(SloLinkConfig(slo.server.address), SimpleNamespace(workers=[]))
+        link.last_worker_window = {"busy:1": busy, "idle:1": idle}
+        cands = [handle("busy:1", busy), handle("idle:1", idle)]
+        try:
+            await link.fetch_model()
+            version = link.ttft_model_version
+            assert link.ttft_model is not None and version == slo.state.latency_version
+            states = [slo_pb2.WorkerState(worker=c.address, window=link._state_now(c)) for c in cands]
+            theirs = slo.state.predict_latency(slo_pb2.PredictLatencyRequest(
+                prompt_tokens=round(200 * link.tokens_per_byte_of("m")), max_new_tokens=64, sla_class=I, candidates=states))
+            ours = [link.ttft_model.predict(latency_row(round(200 * link.tokens_per_byte_of("m")), 64, I, s.window)) for s in states]
+            assert ours == pytest.approx([p.ttft_ms for p in theirs.predictions], rel=1e-5)
+            assert ours[0] > ours[1]
+            assert (await link.pick("m", cands, SlaClass.INTERACTIVE, 200, 64)).address == "idle:1"
+            assert not slo.state.latency_model(version).ttft_model_json  # current: only the version comes back
+            assert slo.state.latency_model(0).ttft_model_json
+            slo.state.windows_since_fit = slo.state.cfg.min_new_windows
+            assert await slo.state.maybe_retrain()
+            assert slo.state.latency_version > version
+            await link.fetch_model()
+            assert link.ttft_model_version == slo.state.latency_version
+            await slo.stop()
+            await link.fetch_model()  # the predictor is gone: the trees are kept
+            assert link.ttft_model is not None
+            assert (await link.pick("m", cands[::-1], SlaClass.INTERACTIVE, 200, 64)).address == "idle:1"
         finally:
             await link.stop()
             await slo.stop()

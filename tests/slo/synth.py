@@ -70,3 +70,37 @@ def simulate_prefill(seconds: int, seed: int = 0, worker: str = "w1", model: str
             itl_p50_ms=8, itl_p95_ms=12, itl_p99_ms=15, in_flight=n, kv_used_fraction=0.3, output_tokens_per_s=n * 32,
             utilization=0.5, utilization_is_cpu=True, mean_prompt_tokens=sum(prompts) / n))
     return windows, requests
+
+
+def simulate_background(seconds: int, seed: int = 0, model: str = "m", t0_ms: int = T0_MS):
+    """Two workers whose TTFT is set by load this gateway never sent: each runs a batch of 0-40 sequences from other
+    clients (another gateway, a batch job), a level that changes every 10-30 s and makes its steps take 2 ms + 0.15 ms a
+    sequence; a request waits for the steps of this gateway's requests ahead of it and its own. This gateway sends each
+    worker 0-2 requests a second, so its own TTFT and ITL samples of a worker are often missing (zeros in the window);
+    the worker's Stats in the window (its running batch, step time and tokens/s) are there every second."""
+    rng = random.Random(seed)
+    windows, requests = [], []
+    running, change_at = {"w1": 0, "w2": 0}, {"w1": 0, "w2": 0}
+    for t in range(seconds):
+        start = t0_ms + t * 1000
+        for worker in ("w1", "w2"):
+            if t >= change_at[worker]:
+                running[worker], change_at[worker] = rng.randint(0, 40), t + rng.randint(10, 30)
+            step_ms = 2 + 0.15 * running[worker]
+            n = rng.randint(0, 2)
+            ttfts = [step_ms * (2 + i) * rng.uniform(0.95, 1.05) for i in range(n)]
+            for i, ttft in enumerate(ttfts):  # these see the previous second's window (latency_data)
+                requests.append(slo_pb2.RequestObservation(
+                    start_unix_ms=start + 5 + i, model=model, worker=worker, sla_class=common_pb2.SLA_CLASS_INTERACTIVE,
+                    prompt_tokens=32, max_new_tokens=32, completion_tokens=32, ttft_ms=ttft, tpot_ms=step_ms,
+                    in_flight_at_start=i, queued_at_start=0, waiting_for_first_token_at_start=i,
+                    prefill_tokens_ahead_at_start=32 * i))
+            ttfts.sort()
+            windows.append(slo_pb2.MetricsWindow(
+                start_unix_ms=start, model=model, worker=worker, sla_class=common_pb2.SLA_CLASS_INTERACTIVE, arrivals=n,
+                completions=n, first_tokens=n, ttft_p50_ms=ttfts[n // 2] if n else 0.0, ttft_p95_ms=max(ttfts, default=0.0),
+                ttft_p99_ms=max(ttfts, default=0.0), itl_p50_ms=step_ms if n else 0.0, itl_p95_ms=step_ms if n else 0.0,
+                itl_p99_ms=step_ms if n else 0.0, in_flight=n, kv_used_fraction=rng.uniform(0.1, 0.6),
+                output_tokens_per_s=n * 32, utilization=0.5, utilization_is_cpu=True, mean_prompt_tokens=32,
+                worker_running=running[worker], worker_step_ms=step_ms, worker_tokens_per_s=running[worker] * 1000 / step_ms))
+    return windows, requests

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from cotserve.common.errors import InvalidArgument
+from cotserve.common.latency import LATENCY_FEATURES
 from cotserve.slo import features as F
 from cotserve.slo.history import History, read_records, validate_window, write_records
 from cotserve.slo.model import (Forecaster, LatencyModel, Untrained, evaluate, forecast_data, latency_data, lead_times,
@@ -81,7 +82,7 @@ def test_too_little_history_says_so():
     with pytest.raises(Untrained, match="preceded a violation"):
         Forecaster().fit(forecast_data(quiet, horizon_s=30))
     with pytest.raises(Untrained, match="too few request observations"):
-        LatencyModel().fit(np.zeros((3, len(F.LATENCY_FEATURES))), np.zeros(3), np.zeros(3))
+        LatencyModel().fit(np.zeros((3, len(LATENCY_FEATURES))), np.zeros(3), np.zeros(3))
 
 
 def test_models_round_trip_through_xgboost_json_and_a_corrupt_file_means_untrained(tmp_path, caplog):
@@ -187,7 +188,7 @@ def test_the_place_in_the_prefill_line_is_what_predicts_ttft_when_the_window_can
     def fitted_mape(columns_off: tuple[str, ...]) -> float:
         Xm = X.copy()
         for name in columns_off:
-            Xm[:, F.LATENCY_FEATURES.index(name)] = 0
+            Xm[:, LATENCY_FEATURES.index(name)] = 0
         lm = LatencyModel()
         lm.fit(Xm[train], lt[train], lp[train])
         return mape(truth, lm.predict(Xm[test])[0])
@@ -218,3 +219,28 @@ def test_blocked_cross_validation_holds_out_every_onset_once_without_peeking():
     assert 0 < folded.events.alarm_share < folded.baseline_events.alarm_share == 1.0
     with pytest.raises(Untrained):
         evaluate_folds([], folds=5)
+
+
+def test_the_workers_own_batch_and_step_time_predict_ttft_when_this_gateway_sent_it_little():
+    """A worker busy with load that did not come through this gateway: its Stats in the window (running batch, step
+    time) carry what this gateway's own sparse TTFT samples miss."""
+    from tests.slo.synth import simulate_background
+
+    windows, requests = simulate_background(900)
+    X, lt, lp, ts = latency_data(windows, requests)
+    split = np.quantile(ts, 0.7)
+    train, test = ts < split, ts >= split
+    truth = np.expm1(lt[test])
+
+    def fitted_mape(columns_off: tuple[str, ...]) -> float:
+        Xm = X.copy()
+        for name in columns_off:
+            Xm[:, LATENCY_FEATURES.index(name)] = 0
+        lm = LatencyModel()
+        lm.fit(Xm[train], lt[train], lp[train])
+        return mape(truth, lm.predict(Xm[test])[0])
+
+    with_stats = fitted_mape(())
+    without = fitted_mape(("w_running", "w_step_ms", "w_gen_tokens_per_s", "steps_ahead_ms"))
+    print(f"TTFT MAPE with the worker's batch and step time {with_stats:.3f}, without {without:.3f}")
+    assert with_stats <= 0.10 and without >= 2 * with_stats, (with_stats, without)

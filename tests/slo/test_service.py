@@ -13,6 +13,7 @@ import urllib.request
 import grpc
 import pytest
 
+from cotserve.common.latency import LATENCY_FEATURES, TreeEnsemble, latency_row
 from cotserve.common.procs import free_port
 from cotserve.common.v1 import common_pb2
 from cotserve.slo.features import FEATURES
@@ -45,6 +46,8 @@ def test_trains_on_reported_windows_and_serves_forecasts_and_predictions(tmp_pat
                 stub = slo_pb2_grpc.SloServiceStub(ch)
                 before = await stub.Forecast(slo_pb2.ForecastRequest(model="m", sla_class=I))
                 assert not before.is_trained and before.untrained_reason == "no history yet"
+                model = await stub.GetLatencyModel(slo_pb2.GetLatencyModelRequest())
+                assert not model.is_trained and model.untrained_reason == "no request observations yet" and not model.ttft_model_json
                 for i in range(0, len(windows), 100):
                     resp = await stub.ReportWindows(slo_pb2.ReportWindowsRequest(
                         windows=windows[i:i + 100], requests=[r for r in requests if windows[i].start_unix_ms <= r.start_unix_ms
@@ -68,6 +71,13 @@ def test_trains_on_reported_windows_and_serves_forecasts_and_predictions(tmp_pat
                     candidates=[slo_pb2.WorkerState(worker="a", window=busy), slo_pb2.WorkerState(worker="b", window=idle)]))
                 assert pred.is_trained and [p.worker for p in pred.predictions] == ["a", "b"]
                 assert pred.predictions[0].ttft_ms > pred.predictions[1].ttft_ms > 0  # a queue means a later first token
+                model = await stub.GetLatencyModel(slo_pb2.GetLatencyModelRequest())
+                assert model.is_trained and model.version > 0 and list(model.features) == list(LATENCY_FEATURES)
+                trees = TreeEnsemble(model.ttft_model_json)  # the same predictions, made by the caller
+                assert [trees.predict(latency_row(64, 64, I, w)) for w in (busy, idle)] == pytest.approx(
+                    [p.ttft_ms for p in pred.predictions], rel=1e-5)
+                again = await stub.GetLatencyModel(slo_pb2.GetLatencyModelRequest(known_version=model.version))
+                assert again.is_trained and again.version == model.version and not again.ttft_model_json
 
                 for bad, message in (
                     (slo_pb2.ReportWindowsRequest(windows=[slo_pb2.MetricsWindow(start_unix_ms=1, model="m", worker="w", sla_class=I,

@@ -79,6 +79,9 @@ class MetricsWindow(_message.Message):
     WORKER_WAITING_FIELD_NUMBER: _builtins.int
     WAITING_FOR_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_AHEAD_FIELD_NUMBER: _builtins.int
+    WORKER_RUNNING_FIELD_NUMBER: _builtins.int
+    WORKER_STEP_MS_FIELD_NUMBER: _builtins.int
+    WORKER_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
     """Window start, Unix milliseconds."""
     model: _builtins.str
@@ -133,6 +136,12 @@ class MetricsWindow(_message.Message):
     """In a latency prediction's candidate: their prompt tokens (estimated from the prompts' bytes), the prefill work
     queued ahead of a new request (reported windows leave it 0).
     """
+    worker_running: _builtins.int
+    """Sequences in the worker's running batch, every client's (not only this gateway's), at its last Stats poll."""
+    worker_step_ms: _builtins.float
+    """The worker's median engine step latency over recent steps, at its last Stats poll."""
+    worker_tokens_per_s: _builtins.float
+    """Tokens the worker generated per second, every client's, at its last Stats poll."""
     def __init__(
         self,
         *,
@@ -161,10 +170,13 @@ class MetricsWindow(_message.Message):
         worker_waiting: _builtins.int = ...,
         waiting_for_first_token: _builtins.int = ...,
         prefill_tokens_ahead: _builtins.int = ...,
+        worker_running: _builtins.int = ...,
+        worker_step_ms: _builtins.float = ...,
+        worker_tokens_per_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "prefill_tokens_ahead", b"prefill_tokens_ahead", "queue_depth", b"queue_depth", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "waiting_for_first_token", b"waiting_for_first_token", "worker", b"worker", "worker_waiting", b"worker_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "prefill_tokens_ahead", b"prefill_tokens_ahead", "queue_depth", b"queue_depth", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "waiting_for_first_token", b"waiting_for_first_token", "worker", b"worker", "worker_running", b"worker_running", "worker_step_ms", b"worker_step_ms", "worker_tokens_per_s", b"worker_tokens_per_s", "worker_waiting", b"worker_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -517,6 +529,68 @@ class PredictLatencyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PredictLatencyResponse: _TypeAlias = PredictLatencyResponse  # noqa: Y015
+
+@_typing.final
+class GetLatencyModelRequest(_message.Message):
+    """Asks for the trained TTFT model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KNOWN_VERSION_FIELD_NUMBER: _builtins.int
+    known_version: _builtins.int
+    """The version the caller holds (0: none); while it is current the answer carries no model body."""
+    def __init__(
+        self,
+        *,
+        known_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["known_version", b"known_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLatencyModelRequest: _TypeAlias = GetLatencyModelRequest  # noqa: Y015
+
+@_typing.final
+class GetLatencyModelResponse(_message.Message):
+    """The trained TTFT model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IS_TRAINED_FIELD_NUMBER: _builtins.int
+    UNTRAINED_REASON_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
+    TTFT_MODEL_JSON_FIELD_NUMBER: _builtins.int
+    is_trained: _builtins.bool
+    """False while too little history exists (untrained_reason says why); nothing else is set then."""
+    untrained_reason: _builtins.str
+    """Why there is no model yet."""
+    version: _builtins.int
+    """Changes at every retraining."""
+    ttft_model_json: _builtins.bytes
+    """XGBoost's JSON of the model, predicting TTFT in milliseconds; empty when known_version is current."""
+    @_builtins.property
+    def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The features of a row, in order (the predictor build's latency features)."""
+
+    def __init__(
+        self,
+        *,
+        is_trained: _builtins.bool = ...,
+        untrained_reason: _builtins.str = ...,
+        version: _builtins.int = ...,
+        features: _abc.Iterable[_builtins.str] | None = ...,
+        ttft_model_json: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "is_trained", b"is_trained", "ttft_model_json", b"ttft_model_json", "untrained_reason", b"untrained_reason", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLatencyModelResponse: _TypeAlias = GetLatencyModelResponse  # noqa: Y015
 
 @_typing.final
 class WatchAdviceRequest(_message.Message):

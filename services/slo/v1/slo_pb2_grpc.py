@@ -50,6 +50,11 @@ class SloServiceStub:
                 request_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.PredictLatencyRequest.SerializeToString,
                 response_deserializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.PredictLatencyResponse.FromString,
                 _registered_method=True)
+        self.GetLatencyModel = channel.unary_unary(
+                '/cotserve.slo.v1.SloService/GetLatencyModel',
+                request_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.GetLatencyModelRequest.SerializeToString,
+                response_deserializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.GetLatencyModelResponse.FromString,
+                _registered_method=True)
         self.WatchAdvice = channel.unary_stream(
                 '/cotserve.slo.v1.SloService/WatchAdvice',
                 request_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.WatchAdviceRequest.SerializeToString,
@@ -87,6 +92,13 @@ class SloServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLatencyModel(self, request, context):
+        """Returns the trained TTFT model itself, for a gateway that evaluates it in process (no call per request).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchAdvice(self, request, context):
         """Streams scale advice per model.
         """
@@ -118,6 +130,11 @@ def add_SloServiceServicer_to_server(servicer, server):
                     servicer.PredictLatency,
                     request_deserializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.PredictLatencyRequest.FromString,
                     response_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.PredictLatencyResponse.SerializeToString,
+            ),
+            'GetLatencyModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLatencyModel,
+                    request_deserializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.GetLatencyModelRequest.FromString,
+                    response_serializer=cotserve_dot_slo_dot_v1_dot_slo__pb2.GetLatencyModelResponse.SerializeToString,
             ),
             'WatchAdvice': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchAdvice,
@@ -212,6 +229,33 @@ class SloService:
             '/cotserve.slo.v1.SloService/PredictLatency',
             cotserve_dot_slo_dot_v1_dot_slo__pb2.PredictLatencyRequest.SerializeToString,
             cotserve_dot_slo_dot_v1_dot_slo__pb2.PredictLatencyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLatencyModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cotserve.slo.v1.SloService/GetLatencyModel',
+            cotserve_dot_slo_dot_v1_dot_slo__pb2.GetLatencyModelRequest.SerializeToString,
+            cotserve_dot_slo_dot_v1_dot_slo__pb2.GetLatencyModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,8 @@ class SloServiceStub:
     """Forecasts the probability that a class misses its p99 target within the horizon."""
     PredictLatency: _grpc.UnaryUnaryMultiCallable[_slo_pb2.PredictLatencyRequest, _slo_pb2.PredictLatencyResponse]
     """Predicts TTFT and time per output token of a request on each candidate worker."""
+    GetLatencyModel: _grpc.UnaryUnaryMultiCallable[_slo_pb2.GetLatencyModelRequest, _slo_pb2.GetLatencyModelResponse]
+    """Returns the trained TTFT model itself, for a gateway that evaluates it in process (no call per request)."""
     WatchAdvice: _grpc.UnaryStreamMultiCallable[_slo_pb2.WatchAdviceRequest, _slo_pb2.WatchAdviceResponse]
     """Streams scale advice per model."""
     ExportWindows: _grpc.UnaryUnaryMultiCallable[_slo_pb2.ExportWindowsRequest, _slo_pb2.ExportWindowsResponse]
@@ -55,6 +57,8 @@ class SloServiceAsyncStub(SloServiceStub):
     """Forecasts the probability that a class misses its p99 target within the horizon."""
     PredictLatency: _aio.UnaryUnaryMultiCallable[_slo_pb2.PredictLatencyRequest, _slo_pb2.PredictLatencyResponse]  # type: ignore[assignment]
     """Predicts TTFT and time per output token of a request on each candidate worker."""
+    GetLatencyModel: _aio.UnaryUnaryMultiCallable[_slo_pb2.GetLatencyModelRequest, _slo_pb2.GetLatencyModelResponse]  # type: ignore[assignment]
+    """Returns the trained TTFT model itself, for a gateway that evaluates it in process (no call per request)."""
     WatchAdvice: _aio.UnaryStreamMultiCallable[_slo_pb2.WatchAdviceRequest, _slo_pb2.WatchAdviceResponse]  # type: ignore[assignment]
     """Streams scale advice per model."""
     ExportWindows: _aio.UnaryUnaryMultiCallable[_slo_pb2.ExportWindowsRequest, _slo_pb2.ExportWindowsResponse]  # type: ignore[assignment]
@@ -86,6 +90,14 @@ class SloServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_slo_pb2.PredictLatencyResponse, _abc.Awaitable[_slo_pb2.PredictLatencyResponse]]:
         """Predicts TTFT and time per output token of a request on each candidate worker."""
+
+    @_abc_1.abstractmethod
+    def GetLatencyModel(
+        self,
+        request: _slo_pb2.GetLatencyModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_slo_pb2.GetLatencyModelResponse, _abc.Awaitable[_slo_pb2.GetLatencyModelResponse]]:
+        """Returns the trained TTFT model itself, for a gateway that evaluates it in process (no call per request)."""
 
     @_abc_1.abstractmethod
     def WatchAdvice(
