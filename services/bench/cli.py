@@ -340,12 +340,18 @@ def bench_slo_routing(
     eval_s: float = typer.Option(60.0, min=5, help="Seconds of the same load's shape under each routing."),
     load: float = typer.Option(0.7, min=0.05, max=2.0, help="Arrival rate as a fraction of the three workers' measured capacity."),
     seed: int = typer.Option(0, help="Seed of the arrivals (the replays use SEED+1)."),
+    slowed: str = typer.Option("flood", help="How the first worker is slowed: flood (streams sent straight to it, "
+                               "not through the gateway) or max-seqs (--max-num-seqs 4: requests queue there)."),
+    rounds: int = typer.Option(2, min=1, help="Rounds of the two routings, in alternating order (pooled in the report)."),
 ) -> None:
     """Routing by predicted TTFT against least-loaded routing, among three workers of which one is slowed."""
-    from cotserve.bench.slo_routing import print_report, run
+    from cotserve.bench.slo_routing import SLOWED, print_report, run
 
+    if slowed not in SLOWED:
+        raise typer.BadParameter(f"{slowed!r}: must be one of {', '.join(SLOWED)}", param_hint="--slowed")
     console = wide_console()
-    out = run(model, train_s, eval_s, load, seed, progress=lambda m: console.print(m, style="dim"))
+    out = run(model, train_s, eval_s, load, seed, progress=lambda m: console.print(m, style="dim"), slowed=slowed,
+              rounds=rounds)
     if not print_report(out, console):
         raise typer.Exit(1)
 

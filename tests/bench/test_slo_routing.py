@@ -30,10 +30,15 @@ def test_the_report_compares_p90_overall_and_per_class():
     base = _run({SlaClass.REALTIME: [10.0] * 10, SlaClass.INTERACTIVE: [100.0] * 10, SlaClass.BATCH: [400.0] * 10})
     better = _run({SlaClass.REALTIME: [12.0] * 10, SlaClass.INTERACTIVE: [50.0] * 10, SlaClass.BATCH: [200.0] * 10})
     out = {"observations": 500, "ttft_mape": 0.18, "ttft_mape_by_load": [("light (0-3 in flight)", 100, 0.1)],
-           "rate_rps": 20.0, "runs": {"least loaded": base, "predicted TTFT": better}}
+           "rate_rps": 20.0, "runs": {"least loaded": base, "predicted TTFT": better}, "slowed": "flood",
+           "routed_by": {"least loaded": {"load": 30}, "predicted TTFT": {"predicted_ttft": 28, "load": 2}},
+           "flood_tok_s": {"least loaded": 1500.0, "predicted TTFT": 1800.0}}
     console = Console(record=True, width=220)
     assert print_report(out, console)
     text = console.export_text()
+    assert "Three workers (one flooded by 16 streams not through the gateway), 20.0 requests/s" in text
+    assert "predicted TTFT: worker picks by predicted TTFT 28, by the load heuristic 2" in text
+    assert "the flood was served 1,500 tok/s under least loaded, 1,800 tok/s under predicted TTFT" in text
     assert "met: all classes: p90 TTFT 200 ms vs 400 ms, 50% better (goal >= 30% better)" in text
     assert "NOT met: REALTIME: p90 TTFT 12 ms with predictions vs 10 least loaded (no worse)" in text
     assert "met: BATCH: p90 TTFT 200 ms with predictions vs 400 least loaded" in text
