@@ -29,21 +29,28 @@ CLASS_INDEX = {pb: i for i, pb in enumerate(SLA_PB.values())}
 # Stats say what this gateway cannot count: its running batch and tokens/s from every client (another
 # gateway's, a direct caller's) and how long its steps take; `steps_ahead_ms` is the step time times the
 # requests ahead of this one (this gateway's without a first token and the worker's own waiting), the
-# first-order estimate of the wait that the trees refine (they cannot form a product from two splits).
+# first-order estimate of the wait that the trees refine (they cannot form a product from two splits). A
+# worker's seats (the most sequences it runs at once) turn counts into how full it is: four of this gateway's
+# requests in flight fill a worker of four seats and not one of 32 (`in_flight_per_seat`; `busy_per_seat`
+# from its own running and waiting, every client's).
 LATENCY_FEATURES = ("prompt_tokens", "max_new_tokens", "is_realtime", "is_interactive", "is_batch",
                     "w_in_flight", "w_queue", "w_waiting", "w_kv_used", "w_arrivals", "w_tokens_per_s",
                     "w_utilization", "w_ttft_p50", "w_itl_p50", "waiting_ahead", "prefill_tokens_ahead",
-                    "prefill_tokens_to_first", "w_running", "w_step_ms", "w_gen_tokens_per_s", "steps_ahead_ms")
+                    "prefill_tokens_to_first", "w_running", "w_step_ms", "w_gen_tokens_per_s", "steps_ahead_ms",
+                    "w_seats", "in_flight_per_seat", "busy_per_seat")
 
 
 def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, state: slo_pb2.MetricsWindow) -> list[float]:
     c = CLASS_INDEX.get(sla_class, 1)
+    seats = state.worker_max_num_seqs
+    per_seat = (lambda n: n / seats) if seats else (lambda n: 0.0)  # noqa: E731 - unknown seats: no such signal
     return [prompt_tokens, max_new_tokens, float(c == 0), float(c == 1), float(c == 2),
             state.in_flight, state.queue_depth, state.worker_waiting, state.kv_used_fraction, state.arrivals,
             state.output_tokens_per_s, state.utilization, state.ttft_p50_ms, state.itl_p50_ms,
             state.waiting_for_first_token, state.prefill_tokens_ahead, state.prefill_tokens_ahead + prompt_tokens,
             state.worker_running, state.worker_step_ms, state.worker_tokens_per_s,
-            state.worker_step_ms * (1 + state.waiting_for_first_token + state.worker_waiting)]
+            state.worker_step_ms * (1 + state.waiting_for_first_token + state.worker_waiting),
+            seats, per_seat(state.in_flight), per_seat(state.worker_running + state.worker_waiting)]
 
 
 # Objectives whose prediction is the trees' sum plus the base score, untransformed (the latency model's kind).

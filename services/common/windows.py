@@ -28,6 +28,7 @@ def worker_total(windows, worker: str = "", start_unix_ms: int = 0) -> slo_pb2.M
         total.worker_running = max(total.worker_running, w.worker_running)
         total.worker_step_ms = max(total.worker_step_ms, w.worker_step_ms)
         total.worker_tokens_per_s = max(total.worker_tokens_per_s, w.worker_tokens_per_s)
+        total.worker_max_num_seqs = max(total.worker_max_num_seqs, w.worker_max_num_seqs)
         total.kv_used_fraction = max(total.kv_used_fraction, w.kv_used_fraction)
         total.utilization = max(total.utilization, w.utilization)
         total.utilization_is_cpu = w.utilization_is_cpu

@@ -1,7 +1,7 @@
 """The gateway's link to the SLO predictor: it records one metrics window per second per (model,
 worker, SLA class) and every finished request, reports them, keeps each model's latest forecast,
-and routes by predicted TTFT: it fetches the predictor's trained TTFT trees when they change and
-evaluates them itself for each candidate worker (cotserve.common.latency: no call per request).
+and routes by predicted TTFT: it fetches the predictor's trained trees of TTFT's 90th percentile when they
+change and evaluates them itself for each candidate worker (cotserve.common.latency: no call per request).
 
 The predictor is advice, never a dependency: a report that fails is retried with the next one (a
 bounded backlog), a forecast that is missing, stale or untrained sheds nothing, and a predictor
@@ -99,7 +99,7 @@ class SloLink:
         self.tokens_per_byte: dict[str, float] = {}
         self.down_until = 0.0
         self.latency_trained = False
-        self.ttft_model: TreeEnsemble | None = None  # the predictor's TTFT trees, evaluated here (GetLatencyModel)
+        self.ttft_model: TreeEnsemble | None = None  # the predictor's TTFT p90 trees, evaluated here (GetLatencyModel)
         self.ttft_model_version = 0
         self.reports_failed = 0
         self._tasks: list[asyncio.Task] = []
@@ -177,6 +177,7 @@ class SloLink:
                     worker_waiting=s.num_waiting_seqs if s else 0,
                     worker_running=s.num_running_seqs if s else 0, worker_step_ms=s.step_latency_p50_ms if s else 0.0,
                     worker_tokens_per_s=s.generated_tokens_per_s if s else 0.0,
+                    worker_max_num_seqs=w.info.max_num_seqs if w.info is not None else 0,
                 ))
             windows.extend(per_class)
             self.last_worker_window[w.address] = worker_total(per_class, w.address, start_unix_ms)
@@ -357,5 +358,6 @@ class SloLink:
             return None
         if len(resp.predictions) != len(candidates):
             return None
-        ranked = sorted(zip(candidates, resp.predictions), key=lambda cp: (not cp[0].admission.can_start(sla), cp[1].ttft_ms))
+        ranked = sorted(zip(candidates, resp.predictions),
+                        key=lambda cp: (not cp[0].admission.can_start(sla), cp[1].ttft_p90_ms or cp[1].ttft_ms))
         return ranked[0][0]

@@ -121,11 +121,11 @@ class SloState:
 
     def set_latency(self, lm: LatencyModel) -> None:
         """Serve `lm` from now on; a trained one gets a new version (Unix ms, so a restarted predictor's model never
-        passes for the one a gateway holds) and its TTFT trees' JSON for GetLatencyModel."""
+        passes for the one a gateway holds) and its routing trees' JSON (TTFT's 90th percentile) for GetLatencyModel."""
         self.latency = lm
         if lm.is_trained:
             self.latency_version = max(self.latency_version + 1, int(time.time() * 1000))
-            self.latency_json = bytes(lm.ttft.save_raw("json"))
+            self.latency_json = bytes(lm.ttft_p90.save_raw("json"))
 
     def latency_model(self, known_version: int) -> slo_pb2.GetLatencyModelResponse:
         if not self.latency.is_trained:
@@ -141,10 +141,10 @@ class SloState:
             return resp
         X = np.array([latency_row(request.prompt_tokens, request.max_new_tokens, request.sla_class, c.window)
                       for c in request.candidates])
-        ttft, tpot = self.latency.predict(X)
+        ttft, tpot, tail = self.latency.predict(X)
         resp.is_trained = True
-        for c, a, b in zip(request.candidates, ttft, tpot):
-            resp.predictions.add(worker=c.worker, ttft_ms=float(a), tpot_ms=float(b))
+        for c, a, b, p90 in zip(request.candidates, ttft, tpot, tail):
+            resp.predictions.add(worker=c.worker, ttft_ms=float(a), tpot_ms=float(b), ttft_p90_ms=float(p90))
         return resp
 
     # -- learning ------------------------------------------------------------------------

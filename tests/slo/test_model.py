@@ -174,16 +174,12 @@ def test_the_evaluation_reports_events_for_the_forecast_and_the_baseline():
     assert 0 <= ev.events.share_ahead <= 1 and ev.events.hours > 0
 
 
-def test_the_place_in_the_prefill_line_is_what_predicts_ttft_when_the_window_cannot():
-    """On a worker whose TTFT is the prefill line ahead of each request, the latency model learns it from the
-    request's place in line (prompt tokens ahead, sent by the gateway), and the evaluation reports MAPE by load."""
-    from tests.slo.synth import simulate_prefill
-
-    windows, requests = simulate_prefill(600)
+def held_out_mape_with_and_without(windows, requests, columns: tuple[str, ...]) -> tuple[float, float]:
+    """TTFT MAPE on the last 30% of the requests of a latency model fit on the first 70%, with every feature and
+    with `columns` zeroed."""
     X, lt, lp, ts = latency_data(windows, requests)
     split = np.quantile(ts, 0.7)
     train, test = ts < split, ts >= split
-    truth = np.expm1(lt[test])
 
     def fitted_mape(columns_off: tuple[str, ...]) -> float:
         Xm = X.copy()
@@ -191,10 +187,19 @@ def test_the_place_in_the_prefill_line_is_what_predicts_ttft_when_the_window_can
             Xm[:, LATENCY_FEATURES.index(name)] = 0
         lm = LatencyModel()
         lm.fit(Xm[train], lt[train], lp[train])
-        return mape(truth, lm.predict(Xm[test])[0])
+        return mape(np.expm1(lt[test]), lm.predict(Xm[test])[0])
 
-    with_line = fitted_mape(())
-    without = fitted_mape(("waiting_ahead", "prefill_tokens_ahead", "prefill_tokens_to_first"))
+    return fitted_mape(()), fitted_mape(columns)
+
+
+def test_the_place_in_the_prefill_line_is_what_predicts_ttft_when_the_window_cannot():
+    """On a worker whose TTFT is the prefill line ahead of each request, the latency model learns it from the
+    request's place in line (prompt tokens ahead, sent by the gateway), and the evaluation reports MAPE by load."""
+    from tests.slo.synth import simulate_prefill
+
+    windows, requests = simulate_prefill(600)
+    with_line, without = held_out_mape_with_and_without(windows, requests, ("waiting_ahead", "prefill_tokens_ahead",
+                                                                            "prefill_tokens_to_first"))
     print(f"TTFT MAPE with the place in line {with_line:.3f}, without {without:.3f}")
     assert with_line <= 0.10 and without >= 2 * with_line, (with_line, without)
     ev, _, _ = evaluate(windows, requests, train_fraction=0.7)
@@ -227,20 +232,7 @@ def test_the_workers_own_batch_and_step_time_predict_ttft_when_this_gateway_sent
     from tests.slo.synth import simulate_background
 
     windows, requests = simulate_background(900)
-    X, lt, lp, ts = latency_data(windows, requests)
-    split = np.quantile(ts, 0.7)
-    train, test = ts < split, ts >= split
-    truth = np.expm1(lt[test])
-
-    def fitted_mape(columns_off: tuple[str, ...]) -> float:
-        Xm = X.copy()
-        for name in columns_off:
-            Xm[:, LATENCY_FEATURES.index(name)] = 0
-        lm = LatencyModel()
-        lm.fit(Xm[train], lt[train], lp[train])
-        return mape(truth, lm.predict(Xm[test])[0])
-
-    with_stats = fitted_mape(())
-    without = fitted_mape(("w_running", "w_step_ms", "w_gen_tokens_per_s", "steps_ahead_ms"))
+    with_stats, without = held_out_mape_with_and_without(windows, requests, ("w_running", "w_step_ms", "w_gen_tokens_per_s",
+                                                                             "steps_ahead_ms"))
     print(f"TTFT MAPE with the worker's batch and step time {with_stats:.3f}, without {without:.3f}")
     assert with_stats <= 0.10 and without >= 2 * with_stats, (with_stats, without)

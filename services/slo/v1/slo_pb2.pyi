@@ -82,6 +82,7 @@ class MetricsWindow(_message.Message):
     WORKER_RUNNING_FIELD_NUMBER: _builtins.int
     WORKER_STEP_MS_FIELD_NUMBER: _builtins.int
     WORKER_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
+    WORKER_MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
     """Window start, Unix milliseconds."""
     model: _builtins.str
@@ -142,6 +143,8 @@ class MetricsWindow(_message.Message):
     """The worker's median engine step latency over recent steps, at its last Stats poll."""
     worker_tokens_per_s: _builtins.float
     """Tokens the worker generated per second, every client's, at its last Stats poll."""
+    worker_max_num_seqs: _builtins.int
+    """The most sequences the worker runs at once (its Info's max_num_seqs; 0: unknown)."""
     def __init__(
         self,
         *,
@@ -173,10 +176,11 @@ class MetricsWindow(_message.Message):
         worker_running: _builtins.int = ...,
         worker_step_ms: _builtins.float = ...,
         worker_tokens_per_s: _builtins.float = ...,
+        worker_max_num_seqs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "prefill_tokens_ahead", b"prefill_tokens_ahead", "queue_depth", b"queue_depth", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "waiting_for_first_token", b"waiting_for_first_token", "worker", b"worker", "worker_running", b"worker_running", "worker_step_ms", b"worker_step_ms", "worker_tokens_per_s", b"worker_tokens_per_s", "worker_waiting", b"worker_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "prefill_tokens_ahead", b"prefill_tokens_ahead", "queue_depth", b"queue_depth", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "waiting_for_first_token", b"waiting_for_first_token", "worker", b"worker", "worker_max_num_seqs", b"worker_max_num_seqs", "worker_running", b"worker_running", "worker_step_ms", b"worker_step_ms", "worker_tokens_per_s", b"worker_tokens_per_s", "worker_waiting", b"worker_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -481,22 +485,26 @@ class LatencyPrediction(_message.Message):
     WORKER_FIELD_NUMBER: _builtins.int
     TTFT_MS_FIELD_NUMBER: _builtins.int
     TPOT_MS_FIELD_NUMBER: _builtins.int
+    TTFT_P90_MS_FIELD_NUMBER: _builtins.int
     worker: _builtins.str
     """Worker address."""
     ttft_ms: _builtins.float
-    """Predicted time to first token."""
+    """Predicted time to first token (fit to relative error: a typical value)."""
     tpot_ms: _builtins.float
     """Predicted time per output token."""
+    ttft_p90_ms: _builtins.float
+    """Predicted 90th percentile of the time to first token (what routing minimises; 0 when not trained)."""
     def __init__(
         self,
         *,
         worker: _builtins.str = ...,
         ttft_ms: _builtins.float = ...,
         tpot_ms: _builtins.float = ...,
+        ttft_p90_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "ttft_p90_ms", b"ttft_p90_ms", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -570,7 +578,9 @@ class GetLatencyModelResponse(_message.Message):
     version: _builtins.int
     """Changes at every retraining."""
     ttft_model_json: _builtins.bytes
-    """XGBoost's JSON of the model, predicting TTFT in milliseconds; empty when known_version is current."""
+    """XGBoost's JSON of the routing model, predicting the 90th percentile of TTFT in milliseconds (LatencyPrediction's
+    ttft_p90_ms); empty when known_version is current.
+    """
     @_builtins.property
     def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The features of a row, in order (the predictor build's latency features)."""
