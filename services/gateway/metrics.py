@@ -35,8 +35,8 @@ class GatewayMetrics:
         self.requests = Counter("cotserve_gateway_requests", "Requests by final status code and tenant.",
                                 (*_LABELS, "code", "tenant"), registry=r)
         self.routed = Counter("cotserve_gateway_routed", "Worker picks among several by what decided them: predicted_ttft "
-                              "(the SLO predictor's answer) or load (the heuristic: no predictor, untrained, or no answer "
-                              "within --slo-predict-budget-ms).", ("model", "by"), registry=r)
+                              "(the SLO predictor's latency model) or load (the heuristic: no predictor, untrained, or no "
+                              "answer within --slo-predict-budget-ms).", ("model", "by"), registry=r)
         r.register(CallbackCollector(lambda: self._live(pool)))
 
     @staticmethod

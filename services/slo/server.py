@@ -62,7 +62,6 @@ class SloState:
         self.history = History(cfg.state_dir / "history.bin" if cfg.state_dir else None, cfg.max_windows, cfg.max_windows)
         models = cfg.state_dir / "models" if cfg.state_dir else None
         self.forecaster = Forecaster.load(models, cfg.horizon_s) if models else Forecaster(horizon_s=cfg.horizon_s)
-        self.latency = LatencyModel()
         self.latency_version, self.latency_json = 0, b""
         self.set_latency(LatencyModel.load(models) if models else LatencyModel())
         self.recent: dict[str, deque] = defaultdict(deque)  # model -> windows of the last LOOKBACK_S + STALE_S

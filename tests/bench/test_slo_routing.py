@@ -8,7 +8,7 @@ from rich.console import Console
 
 from cotserve.bench.isolation import RequestRecord
 from cotserve.bench.slo import LoadResult
-from cotserve.bench.slo_routing import NEW_TOKENS, drive, print_report
+from cotserve.bench.slo_routing import NEW_TOKENS, _pool, drive, print_report
 from cotserve.common.sampling import SlaClass
 
 
@@ -46,3 +46,25 @@ def test_the_report_compares_p90_overall_and_per_class():
     worse = {**out, "runs": {"least loaded": better, "predicted TTFT": base}}
     assert print_report(worse, console) and "NOT met: all classes: p90 TTFT 400 ms vs 200 ms, 100% worse" in console.export_text()
     assert not print_report({"untrained": "too few request observations: 3, need 50"}, console)
+
+
+def test_rounds_are_kept_and_pooled_and_each_rounds_p90_is_reported():
+    out: dict = {"runs": {}}
+    fast, slow = _run({SlaClass.INTERACTIVE: [100.0] * 10}), _run({SlaClass.INTERACTIVE: [300.0] * 10})
+    _pool(out, 0, "least loaded", slow, 1000.0, {"load": 10})
+    _pool(out, 0, "predicted TTFT", fast, 1200.0, {"predicted_ttft": 10})
+    _pool(out, 1, "predicted TTFT", slow, 1400.0, {"predicted_ttft": 9, "load": 1})
+    _pool(out, 1, "least loaded", slow, 1100.0, {"load": 10})
+    assert [sorted(r) for r in out["rounds"]] == [["least loaded", "predicted TTFT"]] * 2
+    pooled = out["runs"]["predicted TTFT"]
+    assert pooled.seconds == 120.0 and sorted(r.ttft_ms for _, r in pooled.records) == [100.0] * 10 + [300.0] * 10
+    assert len(fast.records) == len(slow.records) == 10  # the rounds' own records untouched
+    assert out["routed_by"] == {"least loaded": {"load": 20}, "predicted TTFT": {"predicted_ttft": 19, "load": 1}}
+    assert out["flood_tok_s"] == {"least loaded": 1050.0, "predicted TTFT": 1300.0}  # the rounds' mean
+    out.update({"observations": 500, "ttft_mape": 0.5, "ttft_mape_by_load": [], "rate_rps": 20.0, "slowed": "max-seqs"})
+    console = Console(record=True, width=220)
+    assert print_report(out, console)
+    text = console.export_text()
+    assert "Three workers (one at --max-num-seqs 4)" in text
+    assert "round 1: all classes p90 TTFT 100 ms with predictions vs 300 ms least loaded (67% better)" in text
+    assert "round 2: all classes p90 TTFT 300 ms with predictions vs 300 ms least loaded (0% better)" in text
