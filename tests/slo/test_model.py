@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -98,7 +99,13 @@ def test_models_round_trip_through_xgboost_json_and_a_corrupt_file_means_untrain
     assert (tmp_path / "forecast.json").read_text().startswith("{")  # XGBoost's JSON, not a pickle
     fc2, lm2 = Forecaster.load(tmp_path, 30), LatencyModel.load(tmp_path)
     assert np.array_equal(fc.predict(data.X[:50]), fc2.predict(data.X[:50]))
-    assert np.array_equal(lm.predict(X[:20])[0], lm2.predict(X[:20])[0])
+    for mine, loaded in zip(lm.predict(X[:20]), lm2.predict(X[:20])):  # typical TTFT, TPOT and TTFT's p90
+        assert np.array_equal(mine, loaded)
+    assert np.all(lm.predict(X[:20])[2] >= lm.predict(X[:20])[0])  # the 90th percentile above the typical value here
+    meta = json.loads((tmp_path / "latency.meta.json").read_text())
+    (tmp_path / "latency.meta.json").write_text(json.dumps({**meta, "target": "log1p ms, squared error"}))
+    assert "another target" in LatencyModel.load(tmp_path).untrained_reason  # a model fit to something else: retrain
+    (tmp_path / "latency.meta.json").write_text(json.dumps(meta))
     names = [n for n, _ in fc2.explain(data.X[-1])]
     assert len(names) == 5 and set(names) <= set(F.FEATURES)
     assert "other features or horizon" in Forecaster.load(tmp_path, 60).untrained_reason
