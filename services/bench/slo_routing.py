@@ -114,7 +114,7 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
                                                  "--slo-routing" if routing else "--no-slo-routing"), grpc_ready(addr))
 
     out: dict = {"workers": [w.address for w in workers], "slow": workers[0].address, "slowed": slowed, "runs": {}}
-    with running(workers), _flooding(workers[0].address if slowed == "flood" else None, progress) as flooded:
+    with running(workers), contextlib.closing(_Flood(workers[0].address if slowed == "flood" else None, progress)) as flooded:
         with running([slo_child(), gateway_child(routing=False)]) as (_, gw):
             prompts, flood_ids = asyncio.run(_prompts(gw.address))
             flooded.start(flood_ids)
@@ -206,15 +206,6 @@ class _Flood:
             self.proc.join(10)
             if self.proc.is_alive():
                 self.proc.kill()
-
-
-@contextlib.contextmanager
-def _flooding(worker: str | None, progress):
-    f = _Flood(worker, progress)
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 async def _prompts(address: str) -> tuple[list[str], list[int]]:

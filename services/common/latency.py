@@ -43,14 +43,14 @@ LATENCY_FEATURES = ("prompt_tokens", "max_new_tokens", "is_realtime", "is_intera
 def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, state: slo_pb2.MetricsWindow) -> list[float]:
     c = CLASS_INDEX.get(sla_class, 1)
     seats = state.worker_max_num_seqs
-    per_seat = (lambda n: n / seats) if seats else (lambda n: 0.0)  # noqa: E731 - unknown seats: no such signal
+    per_seat = 1.0 / seats if seats else 0.0  # unknown seats: no such signal
     return [prompt_tokens, max_new_tokens, float(c == 0), float(c == 1), float(c == 2),
             state.in_flight, state.queue_depth, state.worker_waiting, state.kv_used_fraction, state.arrivals,
             state.output_tokens_per_s, state.utilization, state.ttft_p50_ms, state.itl_p50_ms,
             state.waiting_for_first_token, state.prefill_tokens_ahead, state.prefill_tokens_ahead + prompt_tokens,
             state.worker_running, state.worker_step_ms, state.worker_tokens_per_s,
             state.worker_step_ms * (1 + state.waiting_for_first_token + state.worker_waiting),
-            seats, per_seat(state.in_flight), per_seat(state.worker_running + state.worker_waiting)]
+            seats, state.in_flight * per_seat, (state.worker_running + state.worker_waiting) * per_seat]
 
 
 # Objectives whose prediction is the trees' sum plus the base score, untransformed (the latency model's kind).

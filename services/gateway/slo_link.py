@@ -339,7 +339,15 @@ class SloLink:
         if self.ttft_model is not None:
             ttft = [self.ttft_model.predict(latency_row(prompt_tokens, max_new_tokens, PB_CLASS[sla], self._state_now(w)))
                     for w in candidates]
-            return min(zip(candidates, ttft), key=lambda cp: (not cp[0].admission.can_start(sla), cp[1]))[0]
+        else:
+            ttft = await self._ask(candidates, sla, prompt_tokens, max_new_tokens)
+            if ttft is None:
+                return None
+        return min(zip(candidates, ttft), key=lambda cp: (not cp[0].admission.can_start(sla), cp[1]))[0]
+
+    async def _ask(self, candidates: list, sla: SlaClass, prompt_tokens: int, max_new_tokens: int) -> list[float] | None:
+        """Each candidate's predicted TTFT p90 from `PredictLatency`, within the budget; None (and a back-off after a
+        failure or an untrained answer) when there is none."""
         if time.monotonic() < self.down_until:
             return None  # backing off after a failure / an untrained answer
         states = [slo_pb2.WorkerState(worker=w.address, window=self._state_now(w)) for w in candidates]
@@ -358,6 +366,4 @@ class SloLink:
             return None
         if len(resp.predictions) != len(candidates):
             return None
-        ranked = sorted(zip(candidates, resp.predictions),
-                        key=lambda cp: (not cp[0].admission.can_start(sla), cp[1].ttft_p90_ms or cp[1].ttft_ms))
-        return ranked[0][0]
+        return [p.ttft_p90_ms or p.ttft_ms for p in resp.predictions]
