@@ -146,8 +146,9 @@ def linear_ceilings(model_dir: Path, prompt_tokens: int, max_new_tokens: int, ba
     try:
         for batch in batches:
             prefill_rows = max(1, min(prompt_tokens * batch, max_prefill_rows))
-            prefill = _linears_seconds(weights, prefill_rows, loaded.dtype) / prefill_rows   # per prompt token
-            decode = _linears_seconds([*weights, head], batch, loaded.dtype) / batch           # per new token
+            linear = loaded.model.layer_ops.linear  # as served: C over the weights stored transposed, or F.linear
+            prefill = _linears_seconds(weights, prefill_rows, loaded.dtype, linear) / prefill_rows  # per prompt token
+            decode = _linears_seconds([*weights, head], batch, loaded.dtype, linear) / batch          # per new token
             per_request = prompt_tokens * prefill + max_new_tokens * decode
             out[batch] = LinearCeiling(max_new_tokens / per_request, flops / per_request / 1e9, threads)
     finally:
@@ -167,14 +168,16 @@ def print_ceiling(console, model_dir: Path, load: Load, threads: int, engine: Ba
                   "of that ceiling", soft_wrap=True)
 
 
-def _linears_seconds(weights: list[torch.Tensor], rows: int, dtype: torch.dtype, repeats: int = 20) -> float:
-    """Seconds for one pass of `rows` rows through every weight in turn (best of `repeats`, after a warm-up)."""
+def _linears_seconds(weights: list[torch.Tensor], rows: int, dtype: torch.dtype, linear=torch.nn.functional.linear,
+                     repeats: int = 20) -> float:
+    """Seconds for one pass of `rows` rows through every weight in turn with `linear` (best of `repeats`, after a
+    warm-up)."""
     inputs = [torch.randn(rows, w.shape[1], dtype=dtype) for w in weights]
     best = float("inf")
     for r in range(repeats + 2):
         start = time.perf_counter()
         for x, w in zip(inputs, weights):
-            torch.nn.functional.linear(x, w)
+            linear(x, w)
         if r >= 2:
             best = min(best, time.perf_counter() - start)
     return best

@@ -1,10 +1,11 @@
-/* Decode attention on the CPU over the paged KV cache: one query per row, every page of the row's block table or
- * only the selected ones, fp32 or FP8 (E4M3 with fp16 scales) pages dequantized as they are read.
+/* The CPU's C kernels: decode attention, KV writes, a decoder layer's small operations and its linear layers.
  *
- * The same contract as cotserve.kernels.kv_fp8.decode_attention_ref (see cpu_native.py for the why): per row over
- * every head (`attend_row`), or with a page selection per row and KV head (`attend_one`), the keys are read once for
- * every query head, a page at a time, with an online softmax, so nothing of the row's context is copied and tokens
- * past the row's context length are never read.
+ * Decode attention over the paged KV cache: one query per row, every page of the row's block table or only the
+ * selected ones, fp32 or FP8 (E4M3 with fp16 scales) pages dequantized as they are read. The same contract as
+ * cotserve.kernels.kv_fp8.decode_attention_ref (see cpu_native.py for the why): per (row, KV head) (`attend`), a page
+ * at a time, the page's keys and values read once for every query head of the group, with an online softmax whose
+ * exponentials are vectorised (`exp_approx`), so nothing of the row's context is copied and tokens past the row's
+ * context length are never read.
  *
  * Layouts (all contiguous): query/out [batch, heads, dim] f32; caches [blocks, block_size, kv_heads, dim]; scales
  * [blocks, block_size, kv_heads] f16 bits; tables [batch, width] i64; ctx [batch] i64; pages [batch, kv_heads, k]
@@ -19,7 +20,6 @@
 #define MAX_DIM 512
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
-#define MAX_HEADS 256 /* query heads a row-at-a-time pass takes (more: one KV head at a time) */
 
 enum { KV_F32 = 0, KV_E4M3 = 1 };
 
@@ -75,116 +75,112 @@ static inline float half_bits_to_float(uint16_t h) {
     return f;
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float part[8] = {0};
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+static ALWAYS_INLINE float dot(const float *a, const float *b, int64_t n) {
+    float part[16] = {0};
     int64_t d = 0;
-    for (; d + 8 <= n; d += 8)
-        for (int i = 0; i < 8; i++) part[i] += a[d + i] * b[d + i];
-    float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    for (; d + 16 <= n; d += 16)
+        for (int i = 0; i < 16; i++) part[i] += a[d + i] * b[d + i];
+    for (int i = 0; i < 8; i++) part[i] += part[i + 8];
+    float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
     for (; d < n; d++) s += a[d] * b[d];
     return s;
 }
 
-/* The row `slot`'s vector of KV head `h` as floats: a pointer into an f32 cache, or dequantized into `buf`. */
-static inline const float *kv_row(const void *cache, const uint16_t *scales, int kind, int64_t slot, int64_t kv_heads,
-                                  int64_t h, int64_t dim, float *buf) {
-    int64_t at = (slot * kv_heads + h) * dim;
-    if (kind == KV_F32) return (const float *)cache + at;
-    const uint8_t *p = (const uint8_t *)cache + at;
-    float s = half_bits_to_float(scales[slot * kv_heads + h]);
-    for (int64_t d = 0; d < dim; d++) buf[d] = e4m3_to_float(p[d]) * s;
+/* `n` rows of KV head `h` from slot `slot0` on (one page's tokens) as floats `stride` apart: a pointer into an f32
+ * cache (stride kv_heads * dim), or dequantized into `buf` [n, dim] (stride dim). */
+static ALWAYS_INLINE const float *page_rows(const void *cache, const uint16_t *scales, int kind, int64_t slot0, int64_t n,
+                                            int64_t kv_heads, int64_t h, int64_t dim, float *buf, int64_t *stride) {
+    if (kind == KV_F32) {
+        *stride = kv_heads * dim;
+        return (const float *)cache + (slot0 * kv_heads + h) * dim;
+    }
+    *stride = dim;
+    for (int64_t t = 0; t < n; t++) {
+        const uint8_t *p = (const uint8_t *)cache + ((slot0 + t) * kv_heads + h) * dim;
+        float s = half_bits_to_float(scales[(slot0 + t) * kv_heads + h]), *o = buf + t * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = e4m3_to_float(p[d]) * s;
+    }
     return buf;
 }
 
-/* One page of one query head in the online softmax: `scores` [n] become the page's weights exp(score - max so far),
- * and the running max `m`, sum `l` and accumulator `acc` [dim] are rescaled to the new max. */
-static inline void softmax_page(float *scores, int64_t n, float *m, float *l, float *acc, int64_t dim) {
-    float top = *m;
-    for (int64_t t = 0; t < n; t++) top = scores[t] > top ? scores[t] : top;
-    float c = expf(*m - top);
-    *l *= c;
-    for (int64_t d = 0; d < dim; d++) acc[d] *= c;
-    *m = top;
-    for (int64_t t = 0; t < n; t++) {
-        scores[t] = expf(scores[t] - top);
-        *l += scores[t];
+/* One page of one KV head for each query head of its group, in the online softmax: `q` [group, dim], the page's `n`
+ * keys and values `stride` floats apart; the running max `m`, sum `l` and accumulator `acc` [group, dim] are rescaled
+ * to the new max and the page's weighted values added. Each query head's accumulator lives in a local array of `dim`
+ * floats across the page's tokens (registers, where `dim` is a constant: see `attend`). */
+static ALWAYS_INLINE void page_head(const float *q, int64_t group, const float *keys, const float *values,
+                                    int64_t stride, int64_t n, float *acc, float *m, float *l, int64_t dim, float scale) {
+    float s[MAX_BLOCK], a[MAX_DIM];
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * dim;
+        float top = m[g], sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) s[t] = dot(qg, keys + t * stride, dim) * scale;
+        for (int64_t t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+        for (int64_t t = 0; t < n; t++) s[t] = exp_approx(s[t] - top);
+        for (int64_t t = 0; t < n; t++) sum += s[t];
+        float c = exp_approx(m[g] - top); /* the first page: m is -inf, c ~1e-38 times l = 0 and acc = 0 */
+        m[g] = top;
+        l[g] = l[g] * c + sum;
+        float *out = acc + g * dim;
+        for (int64_t d = 0; d < dim; d++) a[d] = out[d] * c;
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = values + t * stride;
+            float p = s[t];
+            for (int64_t d = 0; d < dim; d++) a[d] += p * v[d];
+        }
+        for (int64_t d = 0; d < dim; d++) out[d] = a[d];
     }
 }
 
-/* out [dim] = acc / l; an empty context reads nothing: zeros. */
-static inline void softmax_finish(const float *acc, float l, float *out, int64_t dim) {
-    float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int64_t d = 0; d < dim; d++) out[d] = acc[d] * inv;
-}
-
-/* One (row, KV head): every query head of its group over the row's pages. The caller checked every block id the
- * row's pages name (`row_in_bounds`). */
-static void attend_one(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
-                       const int64_t *table, int64_t ctx, const int64_t *pages, int64_t k, float *out, int64_t kv_heads,
-                       int64_t h, int64_t group, int64_t dim, int64_t bs, float scale) {
-    float acc[MAX_GROUP][MAX_DIM], scores[MAX_GROUP][MAX_BLOCK], m[MAX_GROUP], l[MAX_GROUP], buf[MAX_DIM];
+/* One (row, KV head): every query head of its group over the row's pages, or over the `k` selected ones (`pages` not
+ * NULL), a page at a time. `out` [group, dim] is the accumulator. The caller checked every block id the row's pages
+ * name (`row_in_bounds`). */
+static ALWAYS_INLINE void attend(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs,
+                                 int kind, const int64_t *table, int64_t ctx, const int64_t *pages, int64_t k, float *out,
+                                 int64_t kv_heads, int64_t h, int64_t group, int64_t dim, int64_t bs, float scale) {
+    float m[MAX_GROUP], l[MAX_GROUP], kbuf[MAX_BLOCK * MAX_DIM], vbuf[MAX_BLOCK * MAX_DIM];
     for (int64_t g = 0; g < group; g++) {
         m[g] = -INFINITY;
         l[g] = 0.0f;
-        memset(acc[g], 0, (size_t)dim * sizeof(float));
     }
+    memset(out, 0, (size_t)(group * dim) * sizeof(float));
     int64_t num_pages = (ctx + bs - 1) / bs, count = pages ? (k < num_pages ? k : num_pages) : num_pages;
     for (int64_t j = 0; j < count; j++) {
-        int64_t page = pages ? pages[j] : j, block = table[page], first = page * bs;
-        int64_t n = ctx - first < bs ? ctx - first : bs;
+        int64_t page = pages ? pages[j] : j, slot0 = table[page] * bs, n = ctx - page * bs < bs ? ctx - page * bs : bs;
         if (n <= 0) continue;
-        for (int64_t t = 0; t < n; t++) {
-            const float *key = kv_row(kc, ks, kind, block * bs + t, kv_heads, h, dim, buf);
-            for (int64_t g = 0; g < group; g++) scores[g][t] = dot(q + g * dim, key, dim) * scale;
-        }
-        for (int64_t g = 0; g < group; g++) softmax_page(scores[g], n, &m[g], &l[g], acc[g], dim);
-        for (int64_t t = 0; t < n; t++) {
-            const float *value = kv_row(vc, vs, kind, block * bs + t, kv_heads, h, dim, buf);
-            for (int64_t g = 0; g < group; g++) {
-                float p = scores[g][t];
-                for (int64_t d = 0; d < dim; d++) acc[g][d] += p * value[d];
-            }
-        }
+        int64_t ks_stride, vs_stride;
+        const float *keys = page_rows(kc, ks, kind, slot0, n, kv_heads, h, dim, kbuf, &ks_stride);
+        const float *values = page_rows(vc, vs, kind, slot0, n, kv_heads, h, dim, vbuf, &vs_stride);
+        (void)vs_stride; /* the same layout as the keys' */
+        page_head(q, group, keys, values, ks_stride, n, out, m, l, dim, scale);
     }
-    for (int64_t g = 0; g < group; g++) softmax_finish(acc[g], l[g], out + g * dim, dim);
+    for (int64_t g = 0; g < group; g++) {
+        float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* an empty context reads nothing: zeros */
+        for (int64_t d = 0; d < dim; d++) out[g * dim + d] *= inv;
+    }
 }
 
-/* One row, every head, over all its pages (no selection). A token's keys (and values) for all KV heads lie side by side
- * in the cache, so going token by token through every head reads the row's pages once, front to back, where one
- * (row, KV head) at a time strides through them once per head (a third of each token's bytes a pass on the demo
- * model). Per layer call at batch 32, demo shapes, one thread, with other traffic between calls: 0.435 -> 0.229 ms over
- * consecutive pages, 0.445 -> 0.357 ms over pages scattered through the cache; a decode step's attention in the engine
- * 1.30 -> 1.0 ms. `out` [heads, dim] is the accumulator. Top-k selection picks pages per KV head: `attend_one`. */
-static void attend_row(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
-                       const int64_t *table, int64_t ctx, float *out, int64_t heads, int64_t kv_heads, int64_t dim,
-                       int64_t bs, float scale) {
-    float scores[MAX_HEADS][MAX_BLOCK], m[MAX_HEADS], l[MAX_HEADS], buf[MAX_DIM];
-    int64_t group = heads / kv_heads;
-    for (int64_t i = 0; i < heads; i++) {
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-    }
-    memset(out, 0, (size_t)(heads * dim) * sizeof(float));
-    int64_t num_pages = (ctx + bs - 1) / bs;
-    for (int64_t page = 0; page < num_pages; page++) {
-        int64_t first = table[page] * bs, n = ctx - page * bs < bs ? ctx - page * bs : bs;
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t h = 0; h < kv_heads; h++) {
-                const float *key = kv_row(kc, ks, kind, first + t, kv_heads, h, dim, buf);
-                for (int64_t g = 0; g < group; g++)
-                    scores[h * group + g][t] = dot(q + (h * group + g) * dim, key, dim) * scale;
-            }
-        for (int64_t i = 0; i < heads; i++) softmax_page(scores[i], n, &m[i], &l[i], out + i * dim, dim);
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t h = 0; h < kv_heads; h++) {
-                const float *value = kv_row(vc, vs, kind, first + t, kv_heads, h, dim, buf);
-                for (int64_t g = 0; g < group; g++) {
-                    float p = scores[h * group + g][t], *acc = out + (h * group + g) * dim;
-                    for (int64_t d = 0; d < dim; d++) acc[d] += p * value[d];
-                }
-            }
-    }
-    for (int64_t i = 0; i < heads; i++) softmax_finish(out + i * dim, l[i], out + i * dim, dim);
+/* `attend` for the common head sizes with `dim` a constant (its loops unrolled, each query head's accumulator in
+ * registers over a page), and for any other. Per layer call at batch 32, demo shapes (contexts 64-128 tokens, pages
+ * scattered through 4,096 blocks), one thread, against the token-at-a-time loop with libm's expf it replaces, two
+ * interleaved runs: f32 pages 201-226 -> 134-138 us, FP8 pages 453-516 -> 354 us. */
+static void attend_64(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
+                      const int64_t *table, int64_t ctx, const int64_t *pages, int64_t k, float *out, int64_t kv_heads,
+                      int64_t h, int64_t group, int64_t bs, float scale) {
+    attend(q, kc, vc, ks, vs, kind, table, ctx, pages, k, out, kv_heads, h, group, 64, bs, scale);
+}
+
+static void attend_128(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
+                       const int64_t *table, int64_t ctx, const int64_t *pages, int64_t k, float *out, int64_t kv_heads,
+                       int64_t h, int64_t group, int64_t bs, float scale) {
+    attend(q, kc, vc, ks, vs, kind, table, ctx, pages, k, out, kv_heads, h, group, 128, bs, scale);
+}
+
+static void attend_any(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
+                       const int64_t *table, int64_t ctx, const int64_t *pages, int64_t k, float *out, int64_t kv_heads,
+                       int64_t h, int64_t group, int64_t dim, int64_t bs, float scale) {
+    attend(q, kc, vc, ks, vs, kind, table, ctx, pages, k, out, kv_heads, h, group, dim, bs, scale);
 }
 
 /* Whether the row reads only what exists: its context within its table, every selected page within the table, and
@@ -212,19 +208,21 @@ int cotserve_decode_attention(const float *query, const void *k_cache, const voi
         if (!row_in_bounds(tables + b * width, ctx[b], pages ? pages + b * kv_heads * k : NULL, k, kv_heads, bs, width,
                            num_blocks))
             return -2 - (int)(b < 1000000 ? b : 1000000); /* -2 - row: the first row out of bounds */
-    if (!pages && heads <= MAX_HEADS) {
-#pragma omp parallel for num_threads(threads) if (threads > 1 && batch >= 2 * threads)
-        for (int64_t b = 0; b < batch; b++)
-            attend_row(query + b * heads * dim, k_cache, v_cache, k_scale, v_scale, kind, tables + b * width, ctx[b],
-                       out + b * heads * dim, heads, kv_heads, dim, bs, scale);
-        return 0;
-    }
 #pragma omp parallel for collapse(2) num_threads(threads) if (threads > 1 && batch * kv_heads >= 2 * threads)
     for (int64_t b = 0; b < batch; b++)
-        for (int64_t h = 0; h < kv_heads; h++)
-            attend_one(query + (b * heads + h * group) * dim, k_cache, v_cache, k_scale, v_scale, kind, tables + b * width,
-                       ctx[b], pages ? pages + (b * kv_heads + h) * k : NULL, k, out + (b * heads + h * group) * dim,
-                       kv_heads, h, group, dim, bs, scale);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *q = query + (b * heads + h * group) * dim;
+            const int64_t *table = tables + b * width, *sel = pages ? pages + (b * kv_heads + h) * k : NULL;
+            float *o = out + (b * heads + h * group) * dim;
+            if (dim == 64)
+                attend_64(q, k_cache, v_cache, k_scale, v_scale, kind, table, ctx[b], sel, k, o, kv_heads, h, group, bs, scale);
+            else if (dim == 128)
+                attend_128(q, k_cache, v_cache, k_scale, v_scale, kind, table, ctx[b], sel, k, o, kv_heads, h, group, bs,
+                           scale);
+            else
+                attend_any(q, k_cache, v_cache, k_scale, v_scale, kind, table, ctx[b], sel, k, o, kv_heads, h, group, dim,
+                           bs, scale);
+        }
     return 0;
 }
 
@@ -406,4 +404,96 @@ void cotserve_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t i
         float *o = out + r * inter;
         for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
     }
+}
+
+/* ---- Linear layers: y = x @ W^T + b, W stored transposed ([in, out] contiguous) ----------------------------------
+ *
+ * MKL's sgemm packs the weight matrix into its panel format on every call; at a decode step's few rows that copy is
+ * about a third of each multiply (perf on the demo model at batch 32: mkl_blas_def_sgemm_scopy_right16_bdz 12.7% of
+ * the engine's time beside the kernel's 17.8%). Stored transposed, a weight's rows ARE panels: for each input feature
+ * k, the next 16 output columns are 16 adjacent floats. A tile of 6 rows x 64 columns keeps its 24 accumulators in
+ * vector registers over the whole of k: per k, 4 vector loads of the weight, 6 broadcasts of x and 24 fused
+ * multiply-adds. Written with GCC vector types (16 floats), so it is plain C: AVX-512 where the CPU has it, halves or
+ * quarters elsewhere. Each output is summed over k in order, one fused multiply-add at a time (MKL blocks k: the two
+ * differ in the last bits). Threads split the columns. */
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static ALWAYS_INLINE v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static ALWAYS_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+#define TILE_ROWS 6
+#define TILE_VECS 4
+
+/* y [R, 16 C] (row stride ldy) = x [R, K] (row stride ldx) @ wt [K, 16 C] (row stride ldw) + bias. */
+static ALWAYS_INLINE void linear_tile(const float *x, int64_t ldx, const float *wt, int64_t ldw, const float *bias,
+                                      float *y, int64_t ldy, int64_t K, const int R, const int C) {
+    v16 acc[TILE_ROWS][TILE_VECS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = bias ? load16(bias + 16 * c) : (v16){0};
+    for (int64_t k = 0; k < K; k++) {
+        v16 w[TILE_VECS];
+        for (int c = 0; c < C; c++) w[c] = load16(wt + k * ldw + 16 * c);
+        for (int r = 0; r < R; r++) {
+            float s = x[r * ldx + k]; /* a splat written out: `(v16){0} + s` would add a zero for every element */
+            v16 a = {s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+            for (int c = 0; c < C; c++) acc[r][c] += a * w[c];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) store16(y + r * ldy + 16 * c, acc[r][c]);
+}
+
+typedef void (*linear_tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int64_t);
+
+#define LINEAR_TILE(R, C)                                                                                              \
+    static void linear_tile_##R##_##C(const float *x, int64_t ldx, const float *wt, int64_t ldw, const float *bias,    \
+                                      float *y, int64_t ldy, int64_t K) {                                              \
+        linear_tile(x, ldx, wt, ldw, bias, y, ldy, K, R, C);                                                           \
+    }
+#define LINEAR_TILES(C) LINEAR_TILE(6, C) LINEAR_TILE(4, C) LINEAR_TILE(2, C) LINEAR_TILE(1, C)
+LINEAR_TILES(1)
+LINEAR_TILES(2)
+LINEAR_TILES(3)
+LINEAR_TILES(4)
+
+static const linear_tile_fn LINEAR_TILE_FNS[4][TILE_VECS] = {
+    {linear_tile_6_1, linear_tile_6_2, linear_tile_6_3, linear_tile_6_4},
+    {linear_tile_4_1, linear_tile_4_2, linear_tile_4_3, linear_tile_4_4},
+    {linear_tile_2_1, linear_tile_2_2, linear_tile_2_3, linear_tile_2_4},
+    {linear_tile_1_1, linear_tile_1_2, linear_tile_1_3, linear_tile_1_4},
+};
+static const int LINEAR_TILE_ROWS[4] = {6, 4, 2, 1};
+
+/* y [M, N] = x [M, K] @ wt [K, N] + bias [N] (NULL: none); all contiguous. Columns past the last multiple of 16 are
+ * summed one at a time, in the same order. Threads take (columns, rows) blocks: whole spans of 64 columns where there
+ * are enough of them, else the rows split too (a 192-wide output is 3 spans). */
+void cotserve_linear(const float *x, const float *wt, const float *bias, float *y, int64_t M, int64_t N, int64_t K,
+                     int threads) {
+    const int64_t span = 16 * TILE_VECS, spans = (N + span - 1) / span;
+    int64_t chunk = spans >= 4 * threads ? M : (M + 6 * threads - 1) / (6 * threads) * 6;
+    chunk = chunk < 1 ? 1 : chunk;
+    const int64_t chunks = (M + chunk - 1) / chunk;
+#pragma omp parallel for collapse(2) num_threads(threads) if (threads > 1 && spans * chunks >= 2 && M * N * K >= (1 << 18))
+    for (int64_t j = 0; j < spans; j++)
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t n0 = j * span, width = N - n0 < span ? N - n0 : span, vecs = width / 16;
+            int64_t m0 = c * chunk, m1 = M - m0 < chunk ? M : m0 + chunk, m = m0;
+            if (vecs)
+                for (int i = 0; i < 4; i++)
+                    for (; m + LINEAR_TILE_ROWS[i] <= m1; m += LINEAR_TILE_ROWS[i])
+                        LINEAR_TILE_FNS[i][vecs - 1](x + m * K, K, wt + n0, N, bias ? bias + n0 : NULL, y + m * N + n0,
+                                                     N, K);
+            for (int64_t n = n0 + 16 * vecs; n < n0 + width; n++)
+                for (m = m0; m < m1; m++) {
+                    float s = bias ? bias[n] : 0.0f;
+                    for (int64_t k = 0; k < K; k++) s += x[m * K + k] * wt[k * N + n];
+                    y[m * N + n] = s;
+                }
+        }
 }

@@ -13,14 +13,18 @@ vectorise there). Demo model shapes, batch 32, contexts 64-128, one thread, per 
 E4M3 is now decoded by placing its bits in a float's exponent and mantissa and multiplying by 2^120 (exact, and it
 vectorises, which the table's gathers did not): fp8 pages 0.635 -> 0.313 ms per call in one run (fp32 0.207 there).
 
-The kernel reads each row's pages once, front to back, a token's keys for every head together (they lie side by side
-in the cache; one KV head at a time strided through the pages once per head and took 1.3-1.9x as long), a page at a
-time with an online softmax, never a token past the row's context, and nothing is copied. With top-k selection
-(pages chosen per KV head) it goes one KV head at a time, reading keys once for all query heads of its group. It is
-plain C (no torch headers), so building it takes a fraction of a second with the system's C compiler: `cc -O3
--march=native -fopenmp`, cached under `~/.cache/cotserve/kernels` by the source, the flags and the CPU's features.
-Rows (rows x KV heads with top-k) are spread over torch's thread count with OpenMP (when the build has it; it is
-torch's own OpenMP runtime, loaded once per process, so the two share one thread team).
+The kernel goes one (row, KV head) at a time, a page at a time: the page's keys and values for that head are read
+once for every query head of its group (from the cache's f32 pages in place, or dequantized into a page buffer), with
+an online softmax whose exponentials are one vectorised pass over the page's scores, each query head's accumulator in
+registers over the page (the head size a compile-time constant for 64 and 128), never a token past the row's
+context, and nothing copied. It replaced a token-at-a-time loop over every head (libm's `expf` per score, the
+accumulators in memory): per layer call as above, f32 pages 0.20-0.23 -> 0.135 ms, FP8 0.45-0.52 -> 0.35 ms. In the
+engine a decode step's attention reads each layer's pages from memory rather than cache (about 5 MB a layer call at
+batch 32 with f32 pages), so it costs there about twice what it does hot. It is plain C (no torch headers), so
+building it takes a fraction of a second with the system's C compiler: `cc -O3 -march=native -fopenmp`, cached under
+`~/.cache/cotserve/kernels` by the source, the flags and the CPU's features. (row, KV head) pairs are spread over
+torch's thread count with OpenMP (when the build has it; it is torch's own OpenMP runtime, loaded once per process, so
+the two share one thread team).
 
 FP8 writes (`write_kv`): the reference quantizes a layer's new keys and values, writes payload and scales and folds
 the keys into their pages' bounds in about twenty torch operations, each a pass over the tokens and a dispatch; on a
@@ -34,6 +38,14 @@ us, RoPE and split 43.3 -> 8.1 us, SiLU times up 12.0 -> 9.7 us (its exponential
 libm's expf, a call per element, made it 43 us); at a 2048-token prefill 2.0 -> 0.1 ms, 5.4 -> 1.6 ms and 3.4 -> 2.5
 ms. Engine alone at batch 32 (`COTSERVE_LAYER_OPS=reference` against the default, three interleaved runs each, medians):
 5,372 -> 5,792 tok/s on one thread (1.08x), 5,318 -> 5,886 on two (1.11x).
+
+The linear layers (`linear`, `cotserve_linear`): MKL's sgemm packs the weight into its own panel format on every call,
+about a third of each multiply at a decode step's few rows (perf, engine alone at batch 32: the copy 12.7% of the
+time beside the kernel's 17.8%). The served model stores each weight transposed ([in, out] contiguous, the parameter a
+transposed view of it: `layer_ops.store_transposed`), whose rows already are panels, and a 6-row x 64-column tile
+keeps its accumulators in vector registers over the whole input. The demo model's 17 multiplies of a decode step, one
+thread, best of five: batch 1 15 -> 18 GFLOP/s, 8 40-50 -> 66-67, 32 57-73 -> 72-87, 64 67-73 -> 81-88; two threads
+at batch 32 115 -> 164. Up to `LINEAR_MAX_ROWS` rows; a longer prefill runs MKL on the same transposed weight.
 
 Where they do not apply (a query or keys that are not float32, another cache dtype, no C compiler) the references
 run, as they do under `COTSERVE_KERNELS=reference`; `cotserve.kernels.dispatch` makes the choice once.
@@ -53,6 +65,7 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from cotserve.common.paths import cache_dir
 from cotserve.kernels import kv_fp8, layer_ops
@@ -127,6 +140,8 @@ def library() -> ctypes.CDLL | None:
         lib.cotserve_rms_norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int]
         lib.cotserve_rope_split.restype = None
         lib.cotserve_rope_split.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+        lib.cotserve_linear.restype = None
+        lib.cotserve_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.cotserve_silu_mul.restype = None
         lib.cotserve_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
         _lib = lib
@@ -275,4 +290,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, inter)
     lib.cotserve_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+    return out
+
+
+LINEAR_MAX_ROWS = 256
+"""Rows (tokens) up to which `linear` runs the C multiply; a longer prefill runs MKL, whose packing is then paid once
+for many rows."""
+
+
+def transposed(weight: torch.Tensor) -> bool:
+    """Whether `weight` [out, in] is a transposed view of a contiguous [in, out] tensor (`layer_ops.store_transposed`)."""
+    return weight.dim() == 2 and weight.stride() == (1, weight.shape[0])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`'s contract; in one pass of C (`cotserve_linear`) for float32 rows on the CPU with the weight stored
+    transposed, up to `LINEAR_MAX_ROWS` rows."""
+    lib = _lib or library()  # built once: the lock only until then
+    rows = x.numel() // max(x.shape[-1], 1)
+    if lib is None or rows > LINEAR_MAX_ROWS or not transposed(weight) or weight.dtype != torch.float32 \
+            or not weight.is_cpu or not _f32_rows(x, bias) or x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != (weight.shape[0],)):
+        return F.linear(x, weight, bias)
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    lib.cotserve_linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                        rows, weight.shape[0], weight.shape[1], torch.get_num_threads())
     return out

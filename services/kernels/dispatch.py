@@ -101,4 +101,5 @@ def layer_ops_for(device: torch.device, dtype: torch.dtype) -> layer_ops.LayerOp
 
     if not cpu_native.available():
         return layer_ops.REFERENCE_OPS
-    return layer_ops.LayerOps("cpu-native", cpu_native.rms_norm, cpu_native.rope_split, cpu_native.silu_mul)
+    return layer_ops.LayerOps("cpu-native", cpu_native.rms_norm, cpu_native.rope_split, cpu_native.silu_mul,
+                              cpu_native.linear, transposed_weights=True)

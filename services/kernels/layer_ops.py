@@ -62,6 +62,15 @@ class LayerOps:
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope_split: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[..., torch.Tensor] = F.linear
+    transposed_weights: bool = False  # `linear` wants each weight stored transposed (`store_transposed`)
 
 
 REFERENCE_OPS = LayerOps("torch-reference", rms_norm_ref, rope_split_ref, silu_mul_ref)
+
+
+def store_transposed(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] as the transposed view of a contiguous [in, out] copy: the same values and shape, which
+    `F.linear` and every torch operation take as they are, and whose memory a multiply can read a row of outputs at a
+    time (`cpu_native.linear`)."""
+    return weight.detach().t().contiguous().t()

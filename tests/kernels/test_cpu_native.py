@@ -35,10 +35,12 @@ def test_the_kernel_builds_here_and_the_cpu_kernel_set_uses_it():
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,width,dim", [(6, 4, 2, 5, DIM), (1, 3, 3, 1, DIM), (3, 3, 3, 2, DIM),
-                                                            (5, 8, 1, 4, DIM), (9, 6, 3, 7, DIM), (3, 272, 17, 3, 8)])
+                                                            (5, 8, 1, 4, DIM), (9, 6, 3, 7, DIM), (3, 272, 17, 3, 8),
+                                                            (4, 8, 2, 3, 128), (2, 2, 1, 2, 80)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_the_reference_on_fp32_and_fp8_pages(batch, heads, kv_heads, width, dim, threads):
-    """Every head of a row in one pass; 272 query heads (past the 256 one pass takes) one KV head at a time."""
+    """GQA groups of 1 to 8 query heads per KV head, 272 query heads; head sizes 64 and 128 (each compiled with the size
+    a constant) and 8 and 80 (any other)."""
     q, k_cache, v_cache, tables, ctx = _case(batch, heads, kv_heads, width, seed=batch * 7 + heads, dim=dim)
     kq, ks = quantize_ref(k_cache, torch.float16)
     vq, vs = quantize_ref(v_cache, torch.float16)

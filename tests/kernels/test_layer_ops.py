@@ -1,6 +1,6 @@
-"""The decoder layer's small operations in C (`cpu_native`: RMSNorm with the residual add, RoPE while splitting q/k/v,
-SiLU times up) against their torch references (`layer_ops`), the choice `dispatch.layer_ops_for` makes, and a served
-model with them against the same model with the references."""
+"""The decoder layer's operations in C (`cpu_native`: RMSNorm with the residual add, RoPE while splitting q/k/v, SiLU
+times up, the linear layers over weights stored transposed) against their torch references (`layer_ops`), the choice
+`dispatch.layer_ops_for` makes, and a served model with them against the same model with the references."""
 
 from __future__ import annotations
 
@@ -98,9 +98,58 @@ def test_inputs_the_c_does_not_take_run_the_references():
         cpu_native.rope_split(qkv, wide_cos, wide_cos, 2, 2, 4)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 32, 64, 256])
+@pytest.mark.parametrize("out_features,in_features", [(192, 192), (1464, 192), (7, 33), (80, 448)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_linear_over_a_transposed_weight_matches_f_linear(rows, out_features, in_features, threads):
+    """Every tile shape (rows 6, 4, 2, 1 and their mixes; 1-4 vectors of 16 columns, a tail of single columns: 1464 is
+    22 spans of 64 and 56 columns, 7 is a tail alone), with a bias and without, one and two threads (192 columns are 3
+    spans: two threads split the rows too): F.linear's result within float32 rounding (the sums go in another order)."""
+    g = _gen(rows * 7 + out_features + in_features)
+    x = torch.randn(rows, in_features, generator=g)
+    weight, bias = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+    stored = layer_ops.store_transposed(weight)
+    assert torch.equal(stored, weight) and cpu_native.transposed(stored) and not cpu_native.transposed(weight)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (bias, None):
+            got = cpu_native.linear(x, stored, b)
+            assert got.shape == (rows, out_features) and got.is_contiguous()
+            torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=2e-5)
+    finally:
+        torch.set_num_threads(saved)
+    assert cpu_native.linear(x[:0], stored, bias).shape == (0, out_features)
+
+
+def test_linear_runs_f_linear_where_the_c_does_not_apply(monkeypatch):
+    """A weight stored as loaded (not transposed), float64, a non-contiguous input, more rows than LINEAR_MAX_ROWS, a
+    batch of rows in 3 dimensions (C: the rows flattened): F.linear's result, exactly where F.linear runs."""
+    g = _gen(5)
+    x, weight = torch.randn(9, 48, generator=g), torch.randn(20, 48, generator=g)
+    calls = []
+    real = cpu_native.library().cotserve_linear
+    monkeypatch.setattr(cpu_native.library(), "cotserve_linear", lambda *a: calls.append(a) or real(*a))
+    assert torch.equal(cpu_native.linear(x, weight), torch.nn.functional.linear(x, weight)) and not calls
+    w64 = layer_ops.store_transposed(weight.double())
+    assert torch.equal(cpu_native.linear(x.double(), w64), torch.nn.functional.linear(x.double(), w64)) and not calls
+    stored = layer_ops.store_transposed(weight)
+    xt = torch.randn(48, 9, generator=g).t()
+    assert torch.equal(cpu_native.linear(xt, stored), torch.nn.functional.linear(xt, stored)) and not calls
+    monkeypatch.setattr(cpu_native, "LINEAR_MAX_ROWS", 8)
+    assert torch.equal(cpu_native.linear(x, stored), torch.nn.functional.linear(x, stored)) and not calls
+    monkeypatch.setattr(cpu_native, "LINEAR_MAX_ROWS", 256)
+    x3 = torch.randn(2, 3, 48, generator=g)
+    got = cpu_native.linear(x3, stored)
+    assert len(calls) == 1 and got.shape == (2, 3, 20)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x3, weight), rtol=1e-5, atol=2e-5)
+
+
 def test_the_choice_is_c_on_the_cpu_in_float32_and_the_references_otherwise(monkeypatch):
     cpu = torch.device("cpu")
-    assert layer_ops_for(cpu, torch.float32).rms_norm is cpu_native.rms_norm
+    native = layer_ops_for(cpu, torch.float32)
+    assert native.rms_norm is cpu_native.rms_norm and native.linear is cpu_native.linear and native.transposed_weights
+    assert layer_ops.REFERENCE_OPS.linear is torch.nn.functional.linear and not layer_ops.REFERENCE_OPS.transposed_weights
     assert layer_ops_for(cpu, torch.bfloat16) is layer_ops.REFERENCE_OPS
     assert layer_ops_for(torch.device("cuda"), torch.float32) is layer_ops.REFERENCE_OPS
     monkeypatch.setenv("COTSERVE_LAYER_OPS", "reference")
@@ -123,6 +172,16 @@ def test_the_demo_model_serves_the_same_with_the_c_operations(monkeypatch):
     monkeypatch.setenv("COTSERVE_LAYER_OPS", "reference")
     reference = load_model(DEMO_MODEL)
     assert native.model.model.norm.ops.name == "cpu-native" and reference.model.model.norm.ops is layer_ops.REFERENCE_OPS
+    served, loaded = native.model, reference.model
+    for name, param in loaded.named_parameters():  # the same values; the dense weights stored transposed when served
+        assert torch.equal(dict(served.named_parameters())[name], param), name
+    layer = served.model.layers[0]
+    for weight in (layer.self_attn.qkv[0], layer.self_attn.o_proj.weight, layer.mlp.gate_up[0], layer.mlp.down_proj.weight,
+                   served.lm_head.weight):
+        assert cpu_native.transposed(weight)
+    assert served.model.embed_tokens.weight is served.lm_head.weight  # still tied
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv[0].data_ptr()  # a view, nothing stored twice
+    assert not cpu_native.transposed(loaded.model.layers[0].self_attn.o_proj.weight)
     ids = torch.randint(3, native.config.vocab_size, (80,), generator=_gen(11))
     positions = torch.arange(40).repeat(2)
     got = native.model(ids, positions, DenseCausalAttention(2, 40))

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from cotserve.kernels.layer_ops import REFERENCE_OPS, LayerOps, rotate_half_rope
+from cotserve.kernels.layer_ops import REFERENCE_OPS, LayerOps, rotate_half_rope, store_transposed
 from cotserve.worker.models.attention import AttentionBackend
 from cotserve.worker.models.config import ModelConfig, RopeConfig
 from cotserve.worker.models.moe import RoutingPolicy, SparseMoeBlock
@@ -62,11 +62,14 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(*linears: nn.Linear, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for `linears` that read the same input: their rows concatenated, and each linear's own
     parameters re-pointed at its slice, so the checkpoint's names still hold the weights and nothing is stored
-    twice. One matrix multiply then does the work of several (a step's cost on small models is per operation)."""
+    twice. One matrix multiply then does the work of several (a step's cost on small models is per operation).
+    `transposed`: the weight stored transposed (`layer_ops.store_transposed`)."""
     weight = torch.cat([lin.weight for lin in linears])
+    if transposed:
+        weight = store_transposed(weight)
     biases = [lin.bias for lin in linears]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
     start = 0
@@ -77,6 +80,11 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
             lin.bias = nn.Parameter(bias[start:start + rows], requires_grad=False)
         start += rows
     return weight, bias
+
+
+def transpose_weight(linear: nn.Module) -> None:
+    """`linear`'s weight stored transposed (`layer_ops.store_transposed`): the same parameter values."""
+    linear.weight = nn.Parameter(store_transposed(linear.weight), requires_grad=False)
 
 
 class Attention(nn.Module):
@@ -92,15 +100,17 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse` once the weights are loaded
         self.ops: LayerOps = REFERENCE_OPS
 
-    def fuse(self) -> None:
-        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+    def fuse(self, transposed: bool = False) -> None:
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj, transposed=transposed)
+        if transposed:
+            transpose_weight(self.o_proj)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
         if self.qkv is not None:
-            q, k, v = self.ops.rope_split(nn.functional.linear(x, *self.qkv), cos, sin, self.num_heads,
+            q, k, v = self.ops.rope_split(self.ops.linear(x, *self.qkv), cos, sin, self.num_heads,
                                           self.num_kv_heads, self.head_dim)
         else:
             cs, sn = cos[:, None, :], sin[:, None, :]
@@ -108,7 +118,7 @@ class Attention(nn.Module):
             k = rotate_half_rope(self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim), cs, sn)
             v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
         out = attn.attend(self.layer, q, k, v)  # [num_tokens, num_heads, head_dim]
-        return self.o_proj(out.reshape(n, -1))
+        return self.ops.linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -123,13 +133,16 @@ class MLP(nn.Module):
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse`
         self.ops: LayerOps = REFERENCE_OPS
 
-    def fuse(self) -> None:
-        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
+    def fuse(self, transposed: bool = False) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj, transposed=transposed)
+        if transposed:
+            transpose_weight(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(self.ops.silu_mul(nn.functional.linear(x, *self.gate_up)))
+        down = self.down_proj
+        return self.ops.linear(self.ops.silu_mul(self.ops.linear(x, *self.gate_up)), down.weight, down.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -203,15 +216,25 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.fuse()
 
     def use_layer_ops(self, ops: LayerOps) -> None:
-        """Run the small operations between the multiplies (norms, RoPE, SwiGLU) with `ops` (the loader sets the
-        device's, `dispatch.layer_ops_for`; the default is the torch references, which training needs)."""
+        """Run the small operations between the multiplies (norms, RoPE, SwiGLU) and the dense layers' multiplies
+        with `ops` (the loader sets the device's, `dispatch.layer_ops_for`; the default is the torch references, which
+        training needs). Ops that want their weights stored transposed get them so: the fused projections (call this
+        after `fuse_projections`), the output projections and the LM head (the embedding too, when tied)."""
         self.layer_ops = ops
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+        if not ops.transposed_weights:
+            return
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)) and (module.qkv if isinstance(module, Attention) else module.gate_up):
+                module.fuse(transposed=True)
+        transpose_weight(self.lm_head)
+        if self.config.tie_word_embeddings:
+            self.model.embed_tokens.weight = self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
-        return self.lm_head(hidden)
+        return self.layer_ops.linear(hidden, self.lm_head.weight)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
