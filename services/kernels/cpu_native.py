@@ -18,7 +18,9 @@ once for every query head of its group (from the cache's f32 pages in place, or 
 an online softmax whose exponentials are one vectorised pass over the page's scores, each query head's accumulator in
 registers over the page (the head size a compile-time constant for 64 and 128), never a token past the row's
 context, and nothing copied. It replaced a token-at-a-time loop over every head (libm's `expf` per score, the
-accumulators in memory): per layer call as above, f32 pages 0.20-0.23 -> 0.135 ms, FP8 0.45-0.52 -> 0.35 ms. In the
+accumulators in memory): per layer call as above, f32 pages 0.20-0.23 -> 0.135 ms, FP8 0.45-0.52 -> 0.27-0.34 ms (a
+query head per KV head reads FP8 pages in place: each token's scale multiplies its score or its softmax weight once,
+the codes are decoded in registers; a larger group dequantizes the page into a buffer once for all its heads). In the
 engine a decode step's attention reads each layer's pages from memory rather than cache (about 5 MB a layer call at
 batch 32 with f32 pages), so it costs there about twice what it does hot. It is plain C (no torch headers), so
 building it takes a fraction of a second with the system's C compiler: `cc -O3 -march=native -fopenmp`, cached under

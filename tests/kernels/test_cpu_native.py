@@ -75,9 +75,11 @@ def test_top_k_pages_match_the_reference_and_rows_with_fewer_pages_read_each_pag
                                                                      pages)[1:3], atol=2e-6)  # <= k pages: all of them
 
 
-def test_fp8_special_codes_decode_as_torch_does():
+@pytest.mark.parametrize("heads", [1, 2])
+def test_fp8_special_codes_decode_as_torch_does(heads):
     """Every finite E4M3 code through the kernel's decoding: one token per page, so the output is that token's value;
-    the two NaN codes decode to NaN."""
+    the two NaN codes decode to NaN. One query head per KV head reads the codes in place, two decode the page into a
+    buffer first: both ways."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
     codes = codes[torch.isfinite(codes.float())]  # 254: both NaN codes left out, two zeros fill the last row
     codes = torch.cat([codes, torch.zeros(4 * DIM - codes.numel(), dtype=FP8)]).view(4, DIM)
@@ -87,14 +89,15 @@ def test_fp8_special_codes_decode_as_torch_does():
     v8[:, 0, 0] = codes
     scale = torch.full((n, BS, 1), 0.5, dtype=torch.float16)
     tables = torch.arange(n).view(n, 1)
-    out = cpu_native.decode_attention(torch.randn(n, 1, DIM), k8, v8, tables, torch.ones(n, dtype=torch.int64), 0.125,
+    out = cpu_native.decode_attention(torch.randn(n, heads, DIM), k8, v8, tables, torch.ones(n, dtype=torch.int64), 0.125,
                                       scale, scale)
-    assert torch.equal(out[:, 0], codes.float() * 0.5)
+    for head in range(heads):
+        assert torch.equal(out[:, head], codes.float() * 0.5)
     v8[0, 0, 0, 0] = torch.tensor([0x7F], dtype=torch.uint8).view(FP8)  # E4M3's NaN (it has no infinity) stays NaN
     v8[1, 0, 0, 0] = torch.tensor([0xFF], dtype=torch.uint8).view(FP8)
-    out = cpu_native.decode_attention(torch.randn(n, 1, DIM), k8, v8, tables, torch.ones(n, dtype=torch.int64), 0.125,
+    out = cpu_native.decode_attention(torch.randn(n, heads, DIM), k8, v8, tables, torch.ones(n, dtype=torch.int64), 0.125,
                                       scale, scale)
-    assert out[:2, 0, 0].isnan().all() and not out[2:, 0, 0].isnan().any()
+    assert out[:2, :, 0].isnan().all() and not out[2:, :, 0].isnan().any()
 
 
 def test_shapes_it_does_not_take_run_the_reference():
