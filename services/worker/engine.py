@@ -276,6 +276,7 @@ class Engine:
         self._step_counts = [0] * (len(STEP_LATENCY_BUCKETS_S) + 1)
         self._step_sum_s = 0.0
         self._tokens: deque[tuple[float, int]] = deque()
+        self._tokens_in_window = 0  # the sum of `_tokens`' counts, kept as they come and go (stats every step)
         self._finished_total = 0
         self._generated_total = 0
         self._reasoning_tokens_total = 0
@@ -619,6 +620,7 @@ class Engine:
             if not tracker.is_thinking and req.probes:
                 self._drop_probes(req, seq)
         self._tokens.append((now, generated))
+        self._tokens_in_window += generated
         self._generated_total += generated
 
     def _emit(self, seq: Sequence, token: int, logprob: float | None, now: float, finish: str | None = None,
@@ -739,9 +741,9 @@ class Engine:
     def _publish_stats(self) -> None:
         now = time.monotonic()
         while self._tokens and now - self._tokens[0][0] > 10.0:
-            self._tokens.popleft()
+            self._tokens_in_window -= self._tokens.popleft()[1]
         span = max(1e-3, now - self._tokens[0][0]) if len(self._tokens) > 1 else 1.0
-        steps = self._step_ms
+        steps = sorted(self._step_ms)  # once for both percentiles
         bm = self.block_manager
         running = {s.request_id for s in self.scheduler.running if not s.is_probe}
         self._stats = EngineStats(
@@ -754,7 +756,7 @@ class Engine:
             kv_blocks_free=self.block_manager.num_free_blocks,
             step_latency_p50_ms=percentile(steps, 50, empty=0.0),
             step_latency_p95_ms=percentile(steps, 95, empty=0.0),
-            generated_tokens_per_s=sum(n for _, n in self._tokens) / span if self._tokens else 0.0,
+            generated_tokens_per_s=self._tokens_in_window / span if self._tokens else 0.0,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_batch_yields_total=self.scheduler.num_batch_yields_total,
             num_requests_finished_total=self._finished_total,
