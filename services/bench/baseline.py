@@ -56,15 +56,15 @@ def run_transformers(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
 
 
 def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, num_requests: int,
-                    batch_size: int, threads: int | None = None) -> BaselineResult:
+                    batch_size: int, threads: int | None = None, kv_cache_dtype: str = "auto") -> BaselineResult:
     """cotserve's engine alone, in this process (no gRPC, no gateway, no worker front): `num_requests` greedy
     requests, all submitted at once, batched `batch_size` at a time by the scheduler (continuous batching), on
-    `threads` torch threads (default: as this process has them)."""
+    `threads` torch threads (default: as this process has them), its KV cache in `kv_cache_dtype`."""
     saved = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        result = _run_engine_only(model_dir, prompt_ids, max_new_tokens, num_requests, batch_size)
+        result = _run_engine_only(model_dir, prompt_ids, max_new_tokens, num_requests, batch_size, kv_cache_dtype)
     finally:
         torch.set_num_threads(saved)
     if threads is None:
@@ -74,7 +74,7 @@ def run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int,
 
 
 def _run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, num_requests: int,
-                     batch_size: int) -> BaselineResult:
+                     batch_size: int, kv_cache_dtype: str = "auto") -> BaselineResult:
     from cotserve.common.sampling import SamplingParams
     from cotserve.worker.engine import Engine
     from cotserve.worker.models.loader import load_model
@@ -82,7 +82,8 @@ def _run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
     from cotserve.worker.sizing import engine_config
 
     loaded = load_model(model_dir)
-    engine = Engine(loaded, engine_config(WorkerConfig(model=model_dir, max_num_seqs=batch_size), loaded))
+    engine = Engine(loaded, engine_config(WorkerConfig(model=model_dir, max_num_seqs=batch_size,
+                                                       kv_cache_dtype=kv_cache_dtype), loaded))
     engine.runner.warmed.wait(600)  # the CPU kernels compiled: measure what a warmed-up worker runs
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     counts = {"tokens": 0, "finished": 0}
@@ -346,12 +347,14 @@ def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
                       soft_wrap=True)
 
 
-KERNEL_SETTINGS = (("native", "auto", "auto", True), ("native, torch layer ops", "auto", "reference", True),
-                   ("compiled", "reference", "reference", True), ("eager", "reference", "reference", False))
-"""The engine-only rows' CPU kernels: the default (decode attention, cache writes and the layers' small operations in
-C), the same with the small operations as torch references (the default before they were C), the torch references
-compiled by inductor (the default before the C kernel), and the references eager. Each is (label, COTSERVE_KERNELS,
-COTSERVE_LAYER_OPS, compile)."""
+KERNEL_SETTINGS = (("native", "auto", "auto", True, "auto"), ("native, FP8 cache", "auto", "auto", True, "fp8_e4m3"),
+                   ("native, torch layer ops", "auto", "reference", True, "auto"),
+                   ("compiled", "reference", "reference", True, "auto"), ("eager", "reference", "reference", False, "auto"))
+"""The engine-only rows' CPU kernels: the default (decode attention, cache writes, the layers' multiplies and small
+operations in C), the same with an FP8 KV cache, the same with the layers' operations as torch's (MKL's multiplies and
+the small operations' references: the default before they were C), the torch references compiled by inductor (the
+default before the C kernel), and the references eager. Each is (label, COTSERVE_KERNELS, COTSERVE_LAYER_OPS,
+compile, kv_cache_dtype)."""
 
 
 def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batches: list[int],
@@ -361,11 +364,12 @@ def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batc
 
     rows = []
     for batch in batches:
-        for label, kernels, layer_ops, compiled in KERNEL_SETTINGS:
+        for label, kernels, layer_ops, compiled, kv_dtype in KERNEL_SETTINGS:
             say(f"cotserve engine only, batch {batch}, {label} kernels ...")
             with compile_setting(compiled), env_setting("COTSERVE_KERNELS", kernels), \
                     env_setting("COTSERVE_LAYER_OPS", layer_ops):
-                rows.append((batch, label, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch)))
+                rows.append((batch, label, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch,
+                                                           kv_cache_dtype=kv_dtype)))
     return rows
 
 
@@ -375,20 +379,20 @@ def engine_table(rows: list[tuple[int, str, BaselineResult]], batches: list[int]
 
     threads = torch.get_num_threads()
     e = Table(title=f"engine only (this process, one loop, {threads} torch thread{'s' * (threads > 1)}): CPU kernels "
-                    "in C (native: decode attention, cache writes, the layers' small operations; then with those small "
-                    "operations as torch references) vs the torch references compiled by inductor and eager; the "
-                    "ceiling is the model's linear layers alone, weights hot in cache")
-    for col in ("batch", "native tok/s", "torch layer ops tok/s", "compiled tok/s", "eager tok/s",
-                "native / torch layer ops", "native / compiled", "native / eager", "linears ceiling tok/s",
-                "native / ceiling"):
+                    "in C (native: decode attention, cache writes, the layers' multiplies and small operations; with an "
+                    "FP8 KV cache; then with the layers' operations as torch's) vs the torch references compiled by "
+                    "inductor and eager; the ceiling is the model's linear layers alone, weights hot in cache")
+    for col in ("batch", "native tok/s", "FP8 cache tok/s", "torch layer ops tok/s", "compiled tok/s", "eager tok/s",
+                "FP8 / native", "native / torch layer ops", "native / compiled", "native / eager",
+                "linears ceiling tok/s", "native / ceiling"):
         e.add_column(col, justify="right")
     by = {(b, label): r.output_tokens_per_s for b, label, r in rows}
     for batch in batches:
-        n, t = by[batch, "native"], by[batch, "native, torch layer ops"]
+        n, f, t = by[batch, "native"], by[batch, "native, FP8 cache"], by[batch, "native, torch layer ops"]
         c, g = by[batch, "compiled"], by[batch, "eager"]
         ceiling = (ceilings or {}).get(batch)
-        e.add_row(str(batch), f"{n:.0f}", f"{t:.0f}", f"{c:.0f}", f"{g:.0f}", f"{n / t:.2f}x", f"{n / c:.2f}x",
-                  f"{n / g:.2f}x", f"{ceiling.tokens_per_s:.0f}" if ceiling else "n/a",
+        e.add_row(str(batch), f"{n:.0f}", f"{f:.0f}", f"{t:.0f}", f"{c:.0f}", f"{g:.0f}", f"{f / n:.2f}x", f"{n / t:.2f}x",
+                  f"{n / c:.2f}x", f"{n / g:.2f}x", f"{ceiling.tokens_per_s:.0f}" if ceiling else "n/a",
                   f"{n / ceiling.tokens_per_s:.0%}" if ceiling else "n/a")
     return e
 
