@@ -16,7 +16,8 @@ vectorises, which the table's gathers did not): fp8 pages 0.635 -> 0.313 ms per 
 The kernel goes one (row, KV head) at a time, a page at a time: the page's keys and values for that head are read
 once for every query head of its group (from the cache's f32 pages in place, or dequantized into a page buffer), with
 an online softmax whose exponentials are one vectorised pass over the page's scores, each query head's accumulator in
-registers over the page (the head size a compile-time constant for 64 and 128), never a token past the row's
+registers over the page (the head size a compile-time constant for 64 and 128), four tokens' dot products reduced
+to their scores together (with AVX-512: 10-30% off each call), never a token past the row's
 context, and nothing copied. It replaced a token-at-a-time loop over every head (libm's `expf` per score, the
 accumulators in memory): per layer call as above, f32 pages 0.20-0.23 -> 0.135 ms, FP8 0.45-0.52 -> 0.27-0.34 ms (a
 query head per KV head reads FP8 pages in place: each token's scale multiplies its score or its softmax weight once,
