@@ -129,17 +129,6 @@ static ALWAYS_INLINE v16 e4m3x16(const uint8_t *p) {
 }
 #endif
 
-static ALWAYS_INLINE float dot(const float *a, const float *b, int64_t n) {
-    float part[16] = {0};
-    int64_t d = 0;
-    for (; d + 16 <= n; d += 16)
-        for (int i = 0; i < 16; i++) part[i] += a[d + i] * b[d + i];
-    for (int i = 0; i < 8; i++) part[i] += part[i + 8];
-    float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-    for (; d < n; d++) s += a[d] * b[d];
-    return s;
-}
-
 /* `n` rows of KV head `h` from slot `slot0` on (one page's tokens) as floats `stride` apart: a pointer into an f32
  * cache (stride kv_heads * dim), or dequantized into `buf` [n, dim] (stride dim). */
 static ALWAYS_INLINE const float *page_rows(const void *cache, const uint16_t *scales, int kind, int64_t slot0, int64_t n,
@@ -157,12 +146,27 @@ static ALWAYS_INLINE const float *page_rows(const void *cache, const uint16_t *s
     return buf;
 }
 
-/* One page of one KV head for each query head of its group, in the online softmax: `q` [group, dim], the page's `n`
- * keys and values `stride` floats apart; the running max `m`, sum `l` and accumulator `acc` [group, dim] are rescaled
- * to the new max and the page's weighted values added. Each query head's accumulator lives in a local array of `dim`
- * floats across the page's tokens (registers, where `dim` is a constant: see `attend`). */
-static ALWAYS_INLINE void page_head(const float *q, int64_t group, const float *keys, const float *values,
-                                    int64_t stride, int64_t n, float *acc, float *m, float *l, int64_t dim, float scale) {
+/* 16 elements of a key or value row from element d on: f32, or E4M3 codes decoded (`kind` is a constant wherever this
+ * is inlined); and one element. */
+static ALWAYS_INLINE v16 row16(const char *row, int64_t d, int kind) {
+    return kind == KV_F32 ? load16((const float *)row + d) : e4m3x16((const uint8_t *)row + d);
+}
+
+static ALWAYS_INLINE float row1(const char *row, int64_t d, int kind) {
+    return kind == KV_F32 ? ((const float *)row)[d] : e4m3_to_float(((const uint8_t *)row)[d]);
+}
+
+/* One page of one KV head for each query head of its group, in the online softmax: `q` [group, dim]; the page's `n`
+ * keys and values, rows `stride` bytes apart, f32 or E4M3 codes (`kind`) read where they lie, with their per-token
+ * scales `sstride` apart (NULL: none). Each token's scale multiplies its score (the key's) or its softmax weight (the
+ * value's) once instead of each of its elements, so FP8 pages are never written out as floats: a quarter of the f32
+ * pages' bytes read, nothing stored. The running max `m`, sum `l` and accumulator `acc` [group, dim] are rescaled to
+ * the new max and the page's weighted values added; each query head's accumulator lives in a local array of `dim`
+ * floats across the page's tokens (registers, where `dim` is a constant: see `attend`). Four tokens' dot products
+ * are reduced to their scores together where AVX-512 is there (`sum4`). */
+static ALWAYS_INLINE void page_head(const float *q, int64_t group, const char *keys, const char *values,
+                                    const uint16_t *kscale, const uint16_t *vscale, int64_t stride, int64_t sstride,
+                                    int64_t n, float *acc, float *m, float *l, int64_t dim, float scale, int kind) {
     float s[MAX_BLOCK], a[MAX_DIM];
     for (int64_t g = 0; g < group; g++) {
         const float *qg = q + g * dim;
@@ -170,84 +174,40 @@ static ALWAYS_INLINE void page_head(const float *q, int64_t group, const float *
         int64_t t = 0;
 #ifdef HAVE_SUM4
         if (dim % 16 == 0)
-            for (; t + 4 <= n; t += 4) { /* four tokens' dots, reduced together */
+            for (; t + 4 <= n; t += 4) {
                 v16 acc4[4] = {{0}};
                 for (int64_t d = 0; d < dim; d += 16) {
                     v16 qv = load16(qg + d);
-                    for (int i = 0; i < 4; i++) acc4[i] += qv * load16(keys + (t + i) * stride + d);
+                    for (int i = 0; i < 4; i++) acc4[i] += qv * row16(keys + (t + i) * stride, d, kind);
                 }
                 sum4(acc4[0], acc4[1], acc4[2], acc4[3], s + t);
-                for (int i = 0; i < 4; i++) s[t + i] *= scale;
             }
 #endif
-        for (; t < n; t++) s[t] = dot(qg, keys + t * stride, dim) * scale;
-        for (int64_t t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
-        for (int64_t t = 0; t < n; t++) s[t] = exp_approx(s[t] - top);
-        for (int64_t t = 0; t < n; t++) sum += s[t];
+        for (; t < n; t++) {
+            v16 part = {0};
+            int64_t d = 0;
+            for (; d + 16 <= dim; d += 16) part += load16(qg + d) * row16(keys + t * stride, d, kind);
+            s[t] = sum16(part);
+            for (; d < dim; d++) s[t] += qg[d] * row1(keys + t * stride, d, kind);
+        }
+        for (t = 0; t < n; t++) s[t] *= kscale ? half_bits_to_float(kscale[t * sstride]) * scale : scale;
+        for (t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
+        for (t = 0; t < n; t++) s[t] = exp_approx(s[t] - top);
+        for (t = 0; t < n; t++) sum += s[t];
         float c = exp_approx(m[g] - top); /* the first page: m is -inf, c ~1e-38 times l = 0 and acc = 0 */
         m[g] = top;
         l[g] = l[g] * c + sum;
         float *out = acc + g * dim;
         for (int64_t d = 0; d < dim; d++) a[d] = out[d] * c;
-        for (int64_t t = 0; t < n; t++) {
-            const float *v = values + t * stride;
-            float p = s[t];
-            for (int64_t d = 0; d < dim; d++) a[d] += p * v[d];
+        for (t = 0; t < n; t++) {
+            const char *v = values + t * stride;
+            float p = vscale ? s[t] * half_bits_to_float(vscale[t * sstride]) : s[t];
+            int64_t d = 0;
+            for (; d + 16 <= dim; d += 16) store16(a + d, load16(a + d) + p * row16(v, d, kind));
+            for (; d < dim; d++) a[d] += p * row1(v, d, kind);
         }
         for (int64_t d = 0; d < dim; d++) out[d] = a[d];
     }
-}
-
-/* q . (codes as floats) over `dim`: the codes decoded in registers, 16 at a time. */
-static ALWAYS_INLINE float dot_e4m3(const float *q, const uint8_t *codes, int64_t dim) {
-    v16 acc = {0};
-    int64_t d = 0;
-    for (; d + 16 <= dim; d += 16) acc += load16(q + d) * e4m3x16(codes + d);
-    float s = sum16(acc);
-    for (; d < dim; d++) s += q[d] * e4m3_to_float(codes[d]);
-    return s;
-}
-
-/* `page_head` reading FP8 pages as they are: `keys`/`values` point at the page's first token's codes for this KV head,
- * `stride` bytes apart, `kscale`/`vscale` at its scales, `sstride` apart. Each token's scale multiplies its score (the
- * key's) or its softmax weight (the value's) once instead of each of its elements, so a page is never written out as
- * floats: a quarter of the f32 pages' bytes read, and nothing stored. For a group of one query head (more would decode
- * each code once per head: `attend` dequantizes the page for those). */
-static ALWAYS_INLINE void page_head_e4m3(const float *q, const uint8_t *keys, const uint8_t *values,
-                                         const uint16_t *kscale, const uint16_t *vscale, int64_t stride, int64_t sstride,
-                                         int64_t n, float *acc, float *m, float *l, int64_t dim, float scale) {
-    float s[MAX_BLOCK], a[MAX_DIM];
-    float top = *m, sum = 0.0f;
-    int64_t t = 0;
-#ifdef HAVE_SUM4
-    if (dim % 16 == 0)
-        for (; t + 4 <= n; t += 4) { /* four tokens' dots, reduced together */
-            v16 acc4[4] = {{0}};
-            for (int64_t d = 0; d < dim; d += 16) {
-                v16 qv = load16(q + d);
-                for (int i = 0; i < 4; i++) acc4[i] += qv * e4m3x16(keys + (t + i) * stride + d);
-            }
-            sum4(acc4[0], acc4[1], acc4[2], acc4[3], s + t);
-            for (int i = 0; i < 4; i++) s[t + i] *= half_bits_to_float(kscale[(t + i) * sstride]) * scale;
-        }
-#endif
-    for (; t < n; t++)
-        s[t] = dot_e4m3(q, keys + t * stride, dim) * (half_bits_to_float(kscale[t * sstride]) * scale);
-    for (int64_t t = 0; t < n; t++) top = s[t] > top ? s[t] : top;
-    for (int64_t t = 0; t < n; t++) s[t] = exp_approx(s[t] - top);
-    for (int64_t t = 0; t < n; t++) sum += s[t];
-    float c = exp_approx(*m - top);
-    *m = top;
-    *l = *l * c + sum;
-    for (int64_t d = 0; d < dim; d++) a[d] = acc[d] * c;
-    for (int64_t t = 0; t < n; t++) {
-        const uint8_t *v = values + t * stride;
-        float p = s[t] * half_bits_to_float(vscale[t * sstride]);
-        int64_t d = 0;
-        for (; d + 16 <= dim; d += 16) store16(a + d, load16(a + d) + p * e4m3x16(v + d));
-        for (; d < dim; d++) a[d] += p * e4m3_to_float(v[d]);
-    }
-    for (int64_t d = 0; d < dim; d++) acc[d] = a[d];
 }
 
 /* One (row, KV head): every query head of its group over the row's pages, or over the `k` selected ones (`pages` not
@@ -266,17 +226,18 @@ static ALWAYS_INLINE void attend(const float *q, const void *kc, const void *vc,
     for (int64_t j = 0; j < count; j++) {
         int64_t page = pages ? pages[j] : j, slot0 = table[page] * bs, n = ctx - page * bs < bs ? ctx - page * bs : bs;
         if (n <= 0) continue;
-        if (kind == KV_E4M3 && group == 1) {
+        if (kind == KV_E4M3 && group == 1) { /* read in place; a larger group would decode each code once per head */
             int64_t at = slot0 * kv_heads + h;
-            page_head_e4m3(q, (const uint8_t *)kc + at * dim, (const uint8_t *)vc + at * dim, ks + at, vs + at,
-                           kv_heads * dim, kv_heads, n, out, m, l, dim, scale);
+            page_head(q, 1, (const char *)kc + at * dim, (const char *)vc + at * dim, ks + at, vs + at, kv_heads * dim,
+                      kv_heads, n, out, m, l, dim, scale, KV_E4M3);
             continue;
         }
         int64_t ks_stride, vs_stride;
         const float *keys = page_rows(kc, ks, kind, slot0, n, kv_heads, h, dim, kbuf, &ks_stride);
         const float *values = page_rows(vc, vs, kind, slot0, n, kv_heads, h, dim, vbuf, &vs_stride);
         (void)vs_stride; /* the same layout as the keys' */
-        page_head(q, group, keys, values, ks_stride, n, out, m, l, dim, scale);
+        page_head(q, group, (const char *)keys, (const char *)values, NULL, NULL, ks_stride * (int64_t)sizeof(float), 0,
+                  n, out, m, l, dim, scale, KV_F32);
     }
     for (int64_t g = 0; g < group; g++) {
         float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f; /* an empty context reads nothing: zeros */
@@ -288,7 +249,7 @@ static ALWAYS_INLINE void attend(const float *q, const void *kc, const void *vc,
  * registers over a page), and for any other. Per layer call at batch 32, demo shapes (contexts 64-128 tokens, pages
  * scattered through 4,096 blocks), one thread, against the token-at-a-time loop with libm's expf it replaces, two
  * interleaved runs: f32 pages 201-226 -> 134-138 us; FP8 pages 453-516 -> 354 us dequantized into a page buffer, 270-340
- * us read in place (`page_head_e4m3`). Four tokens' dots reduced together (`sum4`, AVX-512), three interleaved pairs
+ * us read in place (`page_head` on the codes). Four tokens' dots reduced together (`sum4`, AVX-512), three interleaved pairs
  * of runs: f32 147-189 -> 127-136 us, FP8 317-404 -> 285-298 us. */
 static void attend_64(const float *q, const void *kc, const void *vc, const uint16_t *ks, const uint16_t *vs, int kind,
                       const int64_t *table, int64_t ctx, const int64_t *pages, int64_t k, float *out, int64_t kv_heads,
