@@ -51,10 +51,9 @@ def bench_baseline(
     max_new_tokens: int = typer.Option(64, help="Tokens generated per request."),
     requests: int = typer.Option(64, help="Requests for cotserve and for static batching."),
     single_requests: int = typer.Option(16, help="Requests for transformers one-at-a-time."),
-    engine_batches: str = typer.Option("1,8,32", help="Engine-only batch sizes, each run with the CPU kernels as served (in C), "
-                                       "the same with an FP8 KV cache, with the layers' multiplies and small operations in "
-                                       "torch (COTSERVE_LAYER_OPS=reference), the torch references compiled "
-                                       "(COTSERVE_KERNELS=reference) and eager; empty for none."),
+    engine_batches: str = typer.Option("1,8,32", help="Engine-only batch sizes, each run with the C kernels as served, with an FP8 "
+                                       "KV cache, with the layers' operations in torch (COTSERVE_LAYER_OPS=reference), the "
+                                       "torch references compiled (COTSERVE_KERNELS=reference) and eager; empty for none."),
     ttft_rounds: int = typer.Option(50, help="Requests (one at a time) for the gateway-added TTFT, per path; 0: skip."),
     stream_intervals: str = typer.Option("1,8", help="The workers' --stream-interval for the runs through the gateway, "
                                          "one stack started per value (ignored with --address)."),

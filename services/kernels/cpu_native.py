@@ -311,8 +311,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     transposed, up to `LINEAR_MAX_ROWS` rows."""
     lib = _lib or library()  # built once: the lock only until then
     rows = x.numel() // max(x.shape[-1], 1)
-    if lib is None or rows > LINEAR_MAX_ROWS or not transposed(weight) or weight.dtype != torch.float32 \
-            or not weight.is_cpu or not _f32_rows(x, bias) or x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != (weight.shape[0],)):
+    takes = transposed(weight) and weight.dtype == torch.float32 and weight.is_cpu and _f32_rows(x, bias) \
+        and x.shape[-1] == weight.shape[1] and (bias is None or bias.shape == (weight.shape[0],))
+    if lib is None or rows > LINEAR_MAX_ROWS or not takes:
         return F.linear(x, weight, bias)
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     lib.cotserve_linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),

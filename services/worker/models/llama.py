@@ -226,9 +226,11 @@ class LlamaForCausalLM(nn.Module):
                 module.ops = ops
         if not ops.transposed_weights:
             return
-        for module in self.modules():
-            if isinstance(module, (Attention, MLP)) and (module.qkv if isinstance(module, Attention) else module.gate_up):
-                module.fuse(transposed=True)
+        for layer in self.model.layers:  # the fused weights, stored again transposed (where fused: see fuse_projections)
+            if layer.self_attn.qkv is not None:
+                layer.self_attn.fuse(transposed=True)
+            if hasattr(layer, "mlp") and layer.mlp.gate_up is not None:
+                layer.mlp.fuse(transposed=True)
         transpose_weight(self.lm_head)
         if self.config.tie_word_embeddings:
             self.model.embed_tokens.weight = self.lm_head.weight
