@@ -1,5 +1,5 @@
-"""Decode attention, cache writes and a decoder layer's small operations on the CPU as small C kernels
-(`cpu_decode.c`), built at first use and called through ctypes.
+"""Decode attention, cache writes, a decoder layer's small operations and its linear layers on the CPU as small C
+kernels (`cpu_decode.c`), built at first use and called through ctypes.
 
 Why not the reference compiled by inductor (`cpu_compile`): a decode step's attention is a memory-bound read of
 every row's pages, and the loop nest inductor makes of `decode_all_pages_ref` reads them several times over, the

@@ -3,9 +3,10 @@
 Triton on CUDA; on the CPU the plain-torch references (compiled by inductor, `cpu_compile`) with decode attention,
 the bulk of a decode step, and cache writes run by a small C kernel (`cpu_native`) where a C compiler builds it
 (DESIGN.md, Conventions: Kernels). The small operations between a layer's multiplies (`layer_ops`: RMSNorm, RoPE,
-SwiGLU) run in C there too, for float32 models. `COTSERVE_KERNELS=reference` forces the references everywhere (a
-debugging switch, and the baseline the benches compare against); `COTSERVE_LAYER_OPS=reference` only the small
-operations' (what the benches measure the C ones against).
+SwiGLU) and the dense multiplies themselves (over weights stored transposed) run in C there too, for float32 models.
+`COTSERVE_KERNELS=reference` forces the references everywhere (a debugging switch, and the baseline the benches compare
+against); `COTSERVE_LAYER_OPS=reference` only the layer operations' (torch's and MKL's: what the benches measure the C
+ones against).
 """
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def kernels_for(device: torch.device) -> KernelSet:
 
 
 def layer_ops_for(device: torch.device, dtype: torch.dtype) -> layer_ops.LayerOps:
-    """The small operations between a layer's multiplies for a model served on `device` in `dtype`: C on the CPU in
-    float32 where the kernel builds (COTSERVE_KERNELS auto or native, COTSERVE_LAYER_OPS auto), else the torch
+    """The small operations between a layer's multiplies, and the dense multiplies, for a model served on `device` in
+    `dtype`: C on the CPU in float32 where the kernel builds (COTSERVE_KERNELS auto or native, COTSERVE_LAYER_OPS auto), else the torch
     references."""
     choice, ops = _kernels_choice(), os.environ.get("COTSERVE_LAYER_OPS", "auto")
     if ops not in ("auto", "reference"):
