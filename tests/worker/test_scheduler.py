@@ -193,3 +193,29 @@ def test_append_token_finishes_a_sequence_on_its_stop_tokens_and_at_its_length_a
     assert s.append_token(ignores, 1) == "length" and ignores.status == SequenceStatus.FINISHED_LENGTH  # ... up to max_new
     assert s.append_token(long, 3) is None and s.append_token(long, 3) == "length"  # the model's length
     assert s.running == [] and s.block_manager.num_free_blocks == 16  # every finished sequence's blocks are back
+
+
+def test_a_step_walks_the_waiting_queue_only_up_to_the_first_sequence_it_cannot_admit():
+    """Two seats, two running, 300 waiting: the step schedules the two running decodes, tries the oldest waiting
+    sequence once (no seat: admission blocked, strict priority) and visits none of the other 299; the order of the
+    walk is the priority order of running and waiting together."""
+    s = make_scheduler(num_blocks=2000, max_num_seqs=2, budget=4096)
+    seqs = make_sequences(*[4] * 302)
+    for seq in seqs:
+        s.add(seq)
+    run_step(s, s.schedule())  # the first two admitted and prefilled
+    assert [q.request_id for q in s.running] == ["r0", "r1"] and len(s.waiting) == 300
+    walked = []
+    real = s._by_priority
+
+    def counting(admitting):
+        for seq in real(admitting):
+            walked.append(seq.request_id)
+            yield seq
+
+    s._by_priority = counting
+    batch = s.schedule()
+    assert [(i.seq.request_id, i.num_tokens) for i in batch.items] == [("r0", 1), ("r1", 1)]
+    assert walked == ["r0", "r1", "r2"] and len(s.waiting) == 300
+    ordered = list(real(lambda: True))  # with admission open: everything, in priority order
+    assert [q.request_id for q in ordered] == [f"r{i}" for i in range(302)]

@@ -233,3 +233,20 @@ def test_fifo_and_the_switch_off_never_make_batch_yield():
         s.add(seq(I, 5))
         assert b in [x.seq for x in s.schedule().items]
         assert s.num_batch_yields_total == 0
+
+
+def test_batch_waiting_past_a_blocked_admission_still_sits_out_a_step_of_urgent_prompt():
+    """One seat, an INTERACTIVE sequence in it still computing its prompt (8 tokens a step), a second INTERACTIVE
+    waiting for the seat (tried with the budget left: no seat, admission blocked) and a BATCH waiting behind it: the
+    step computes the urgent prompt only and counts as BATCH sitting out, as when the walk reached the BATCH sequence
+    itself (the walk now stops at the blocked admission)."""
+    s = make(max_num_seqs=1, budget=8)
+    i1, i2, b = seq(I, prompt_len=12), seq(I), seq(B)
+    s.add(i1)
+    run_step(s, s.schedule())  # i1 takes the seat: 8 of its 12 prompt tokens
+    s.add(i2)
+    s.add(b)
+    batch = s.schedule()
+    assert [(x.seq, x.num_tokens) for x in batch.items] == [(i1, 4)]
+    assert s.batch_yielded and s.num_batch_yields_total == 1
+    assert list(s.waiting) == [i2, b]
