@@ -89,10 +89,8 @@ static ALWAYS_INLINE v16 load16(const float *p) {
 static ALWAYS_INLINE void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
 static ALWAYS_INLINE float sum16(v16 v) {
-    float s = 0.0f;
     for (int i = 0; i < 8; i++) v[i] += v[i + 8];
-    s = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-    return s;
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
 /* 16 E4M3 codes as floats, `e4m3_to_float` 16 at a time: the codes widened, their bits placed, times 2^120 (with
