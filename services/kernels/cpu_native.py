@@ -48,7 +48,8 @@ time beside the kernel's 17.8%). The served model stores each weight transposed 
 transposed view of it: `layer_ops.store_transposed`), whose rows already are panels, and a 6-row x 64-column tile
 keeps its accumulators in vector registers over the whole input. The demo model's 17 multiplies of a decode step, one
 thread, best of five: batch 1 15 -> 18 GFLOP/s, 8 40-50 -> 66-67, 32 57-73 -> 72-87, 64 67-73 -> 81-88; two threads
-at batch 32 115 -> 164. Up to `LINEAR_MAX_ROWS` rows; a longer prefill runs MKL on the same transposed weight.
+at batch 32 115 -> 164; prefill chunks of 256-2048 rows 1.05-1.18x MKL. Up to `LINEAR_MAX_ROWS` rows; beyond, MKL on
+the same transposed weight.
 
 Where they do not apply (a query or keys that are not float32, another cache dtype, no C compiler) the references
 run, as they do under `COTSERVE_KERNELS=reference`; `cotserve.kernels.dispatch` makes the choice once.
@@ -296,9 +297,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-LINEAR_MAX_ROWS = 256
-"""Rows (tokens) up to which `linear` runs the C multiply; a longer prefill runs MKL, whose packing is then paid once
-for many rows."""
+LINEAR_MAX_ROWS = 4096
+"""Rows (tokens) up to which `linear` runs the C multiply (a step's default token budget is 2048): the demo model's
+multiplies at 256 / 512 / 2048 rows ran 1.05-1.18x MKL's over the same transposed weights, on one thread and on two
+(two runs, a quiet machine); beyond, untried, MKL."""
 
 
 def transposed(weight: torch.Tensor) -> bool:
