@@ -230,11 +230,10 @@ static ALWAYS_INLINE void attend(const float *q, const void *kc, const void *vc,
                       kv_heads, n, out, m, l, dim, scale, KV_E4M3);
             continue;
         }
-        int64_t ks_stride, vs_stride;
-        const float *keys = page_rows(kc, ks, kind, slot0, n, kv_heads, h, dim, kbuf, &ks_stride);
-        const float *values = page_rows(vc, vs, kind, slot0, n, kv_heads, h, dim, vbuf, &vs_stride);
-        (void)vs_stride; /* the same layout as the keys' */
-        page_head(q, group, (const char *)keys, (const char *)values, NULL, NULL, ks_stride * (int64_t)sizeof(float), 0,
+        int64_t rows_apart; /* the keys' and the values' alike */
+        const float *keys = page_rows(kc, ks, kind, slot0, n, kv_heads, h, dim, kbuf, &rows_apart);
+        const float *values = page_rows(vc, vs, kind, slot0, n, kv_heads, h, dim, vbuf, &rows_apart);
+        page_head(q, group, (const char *)keys, (const char *)values, NULL, NULL, rows_apart * (int64_t)sizeof(float), 0,
                   n, out, m, l, dim, scale, KV_F32);
     }
     for (int64_t g = 0; g < group; g++) {

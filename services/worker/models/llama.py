@@ -67,9 +67,10 @@ def fuse_linears(*linears: nn.Linear, transposed: bool = False) -> tuple[torch.T
     parameters re-pointed at its slice, so the checkpoint's names still hold the weights and nothing is stored
     twice. One matrix multiply then does the work of several (a step's cost on small models is per operation).
     `transposed`: the weight stored transposed (`layer_ops.store_transposed`)."""
-    weight = torch.cat([lin.weight for lin in linears])
-    if transposed:
-        weight = store_transposed(weight)
+    if transposed:  # concatenated straight into the [in, out] layout: one copy, not a concatenation and then another
+        weight = torch.cat([lin.weight.detach().t() for lin in linears], dim=1).t()
+    else:
+        weight = torch.cat([lin.weight for lin in linears])
     biases = [lin.bias for lin in linears]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
     start = 0
