@@ -26,6 +26,13 @@ def _run(ttfts: dict[SlaClass, list[float]]) -> LoadResult:
     return run
 
 
+def _printed(out: dict, console: Console | None = None) -> str:
+    """The report of a run that has figures (print_report says so), as text."""
+    console = console or Console(record=True, width=220)
+    assert print_report(out, console)
+    return console.export_text()
+
+
 def test_the_report_compares_p90_overall_and_per_class():
     base = _run({SlaClass.REALTIME: [10.0] * 10, SlaClass.INTERACTIVE: [100.0] * 10, SlaClass.BATCH: [400.0] * 10})
     better = _run({SlaClass.REALTIME: [12.0] * 10, SlaClass.INTERACTIVE: [50.0] * 10, SlaClass.BATCH: [200.0] * 10})
@@ -34,8 +41,7 @@ def test_the_report_compares_p90_overall_and_per_class():
            "routed_by": {"least loaded": {"load": 30}, "predicted TTFT": {"predicted_ttft": 28, "load": 2}},
            "flood_tok_s": {"least loaded": 1500.0, "predicted TTFT": 1800.0}}
     console = Console(record=True, width=220)
-    assert print_report(out, console)
-    text = console.export_text()
+    text = _printed(out, console)
     assert "Three workers (one flooded by 16 streams not through the gateway), 20.0 requests/s" in text
     assert "predicted TTFT: worker picks by predicted TTFT 28, by the load heuristic 2" in text
     assert "the flood was served 1,500 tok/s under least loaded, 1,800 tok/s under predicted TTFT" in text
@@ -62,9 +68,7 @@ def test_rounds_are_kept_and_pooled_and_each_rounds_p90_is_reported():
     assert out["routed_by"] == {"least loaded": {"load": 20}, "predicted TTFT": {"predicted_ttft": 19, "load": 1}}
     assert out["flood_tok_s"] == {"least loaded": 1050.0, "predicted TTFT": 1300.0}  # the rounds' mean
     out.update({"observations": 500, "ttft_mape": 0.5, "ttft_mape_by_load": [], "rate_rps": 20.0, "slowed": "max-seqs"})
-    console = Console(record=True, width=220)
-    assert print_report(out, console)
-    text = console.export_text()
+    text = _printed(out)
     assert "Three workers (one at --max-num-seqs 4)" in text
     assert "round 1: all classes p90 TTFT 100 ms with predictions vs 300 ms least loaded (67% better)" in text
     assert "round 2: all classes p90 TTFT 300 ms with predictions vs 300 ms least loaded (0% better)" in text
