@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from cotserve.common.clitools import run_loop
+
 
 @dataclass(slots=True, frozen=True)
 class BaselineResult:
@@ -257,8 +259,6 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
                         say: Callable[[str], None]) -> GatewayRun:
     """The load through `address`, or through a worker (`--stream-interval interval`) + gateway started here;
     with `ttft_rounds`, then the TTFT pairs against the worker directly and a bare relay."""
-    import asyncio
-
     from cotserve.bench.isolation import cpu_seconds
     from cotserve.bench.throughput import prompt_of_tokens, run_level
     from cotserve.common.procs import free_port, running
@@ -284,7 +284,7 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
 
         label = "" if interval is None else f", stream interval {interval}"
         say(f"cotserve: {load.requests} requests at concurrency {load.concurrency}{label} ...")
-        prompt, ids, level = asyncio.run(measure())
+        prompt, ids, level = run_loop(measure())
         cpu = {name: v - cpu_before[name] for name, v in cpu_seconds(procs).items()}
         ttft = None
         if children and ttft_rounds > 0:
@@ -308,15 +308,13 @@ def service_pids(children: list) -> dict[str, int]:
 def ttft_three_ways(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[list[float], list[float], list[float]]:
     """TTFT (ms) straight to the worker, through a bare grpc.aio relay (`bench/relay.py`: the hop alone) and
     through the gateway, one request at a time, interleaved."""
-    import asyncio
-
     from cotserve.common.procs import Child, free_port, grpc_ready, running
 
     relay_addr = f"127.0.0.1:{free_port()}"
     relay = Child("relay", relay_addr, [sys.executable, "-m", "cotserve.bench.relay", relay_addr, worker],
                   grpc_ready(relay_addr))
     with running([relay]):
-        return asyncio.run(ttft_direct_relay_gateway(gateway, relay_addr, worker, prompt, rounds))
+        return run_loop(ttft_direct_relay_gateway(gateway, relay_addr, worker, prompt, rounds))
 
 
 def print_gateway_runs(console, runs: list[GatewayRun]) -> None:

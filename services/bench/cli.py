@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from cotserve.common.clitools import int_list, wide_console
+from cotserve.common.clitools import int_list, run_loop, wide_console
 from cotserve.common.topology import stack
 
 
@@ -37,7 +36,7 @@ def bench_throughput(
     from cotserve.bench.throughput import run, table
 
     console = wide_console()
-    results = asyncio.run(run(address, _levels(concurrency), prompt_tokens, max_new_tokens, requests_per_level, model,
+    results = run_loop(run(address, _levels(concurrency), prompt_tokens, max_new_tokens, requests_per_level, model,
                               progress=lambda m: console.print(m, style="dim"), http_url=http_url if http else None))
     console.print(table(results))
 
@@ -146,7 +145,7 @@ def bench_isolation(
         children, _ = stack(model, free_port(), None, full=False, worker_extra=wargs, gateway_extra=gargs)
         with running(children):
             console.print(f"{name}: {duration_s:.0f} s ...", style="dim")
-            result = asyncio.run(drive(children[-1].address, duration_s=duration_s, flood_concurrency=flood,
+            result = run_loop(drive(children[-1].address, duration_s=duration_s, flood_concurrency=flood,
                                        interactive_rps=interactive_rps, realtime_rps=realtime_rps,
                                        pids=service_pids(children)))
             result.name = name
@@ -447,7 +446,7 @@ def bench_reasoning(
     todo = problem_set(problems)
     worker_args = ("--max-num-seqs", str(max(64, concurrency * samples)), "--reasoning-step", ".")
     with Stack(folder, True, log, worker_args) as st:
-        results = asyncio.run(run_all(st.gateway, todo, samples, temperature, concurrency, seed, log))
+        results = run_loop(run_all(st.gateway, todo, samples, temperature, concurrency, seed, log))
     by = {r.name: r for r in results}
     base, greedy = results[1], by["greedy"]
     table = Table(title=f"{folder.name}: {problems} problems, concurrency {concurrency}, temperature {temperature:g} for sampled methods")

@@ -35,6 +35,7 @@ from typing import Callable
 
 import grpc
 
+from cotserve.common.clitools import run_loop
 from cotserve.common.procs import Child, Supervisor, free_port, running
 from cotserve.sdk import AsyncClient, CotserveError
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -272,6 +273,6 @@ def _with_faults(children: list[Child], redis_url: str, targets: tuple[str, ...]
 
     threading.Thread(target=supervise, name="cotserve-bench-supervisor", daemon=True).start()
     try:
-        return asyncio.run(main())
+        return run_loop(main())
     finally:
         stop.set()

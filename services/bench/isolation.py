@@ -15,6 +15,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from cotserve.common.clitools import run_loop
 from cotserve.common.stats import percentile
 from cotserve.common.sampling import SlaClass
 from cotserve.common.sla import DEFAULT_SLA_TARGETS, SlaTarget
@@ -231,4 +232,4 @@ def goals(alone: RunResult, on: RunResult, fifo: RunResult) -> list[str]:
 if __name__ == "__main__":
     import sys
 
-    asyncio.run(flood(sys.argv[1], int(sys.argv[2])))
+    run_loop(flood(sys.argv[1], int(sys.argv[2])))

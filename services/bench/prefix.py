@@ -23,6 +23,7 @@ from typing import Callable
 import grpc
 
 from cotserve.bench.throughput import first_token_ms, prompt_of_tokens
+from cotserve.common.clitools import run_loop
 from cotserve.common.topology import stack
 from cotserve.common.procs import free_port, running
 from cotserve.common.stats import percentile
@@ -161,7 +162,7 @@ def report_shared_prompt(console, folder: Path, size: int, requests: int, concur
         name = "on" if caching else "off"
         log(f"{folder.name}: shared system prompt, cache {name} ...")
         with Stack(folder, caching, log) as st:
-            runs.append(asyncio.run(shared_system_prompt(st, name, size, requests, concurrency, max_new_tokens)))
+            runs.append(run_loop(shared_system_prompt(st, name, size, requests, concurrency, max_new_tokens)))
     off, on = runs
     for r in runs:
         p50 = percentile(r.ttft_ms, 50)
@@ -191,7 +192,7 @@ def report_parallel_samples(console, folder: Path, prompt_size: int, samples: in
                                     (f"{samples} requests, cache on", True, False), (f"n={samples}", True, True)):
         log(f"{folder.name}: {label} ...")
         with Stack(folder, caching, log) as st:
-            results.append(asyncio.run(parallel_samples(st, label, prompt_size, samples, sample_tokens, grouped)))
+            results.append(run_loop(parallel_samples(st, label, prompt_size, samples, sample_tokens, grouped)))
     base, group = results[0], results[-1]
     for r in results:
         par.add_row(r.name, str(r.peak_blocks), str(bound), f"{r.prompt_tokens_computed:,}", f"{r.seconds:.2f}",

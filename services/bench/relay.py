@@ -8,13 +8,13 @@ what the gateway's own work costs.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from cotserve.common.clitools import run_loop
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -46,4 +46,4 @@ if __name__ == "__main__":
     from cotserve.common.procs import die_with_supervisor
 
     die_with_supervisor()
-    asyncio.run(serve(sys.argv[1], sys.argv[2]))
+    run_loop(serve(sys.argv[1], sys.argv[2]))

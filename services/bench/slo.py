@@ -31,6 +31,7 @@ from pathlib import Path
 
 from cotserve.bench.isolation import RequestRecord, _one
 from cotserve.bench.throughput import prompt_of_tokens
+from cotserve.common.clitools import run_loop
 from cotserve.common.stats import percentile
 from cotserve.common.sampling import SlaClass
 from cotserve.common.sla import DEFAULT_SLA_TARGETS
@@ -244,12 +245,12 @@ def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
     out: dict = {"seed": seed, "replays": {}}
     with running([worker]):
         with running([slo_child(), gateway_child(None)]) as (_, gw):
-            short, long = asyncio.run(_prompts(gw.address))
-            cap = asyncio.run(capacity(gw.address, short))
+            short, long = run_loop(_prompts(gw.address))
+            cap = run_loop(capacity(gw.address, short))
             out["capacity_rps"] = cap
             progress(f"seed {seed}: capacity {cap:.1f} INTERACTIVE requests/s; recording {mode.duration_s:.0f} s of "
                      "time-varying load ...")
-            out["recorded"] = asyncio.run(drive(gw.address, mode.duration_s, cap, short, long, seed, progress, mode.cycle_s))
+            out["recorded"] = run_loop(drive(gw.address, mode.duration_s, cap, short, long, seed, progress, mode.cycle_s))
             time.sleep(2.5)  # the last windows reach the predictor
             if not _train(slo_addr, state, out):
                 return out
@@ -258,7 +259,7 @@ def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
                 with running([gateway_child(ADMISSION_VARIANTS[name])]) as (gw,):
                     time.sleep(3)  # the gateway's first forecasts
                     progress(f"seed {seed}: replaying {mode.replay_s:.0f} s of bursty load, BATCH admission {name} ...")
-                    out["replays"][name] = asyncio.run(drive(gw.address, mode.replay_s, cap, short, long, seed + 1,
+                    out["replays"][name] = run_loop(drive(gw.address, mode.replay_s, cap, short, long, seed + 1,
                                                              progress, mode.cycle_s))
     return out
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from cotserve.bench.isolation import RequestRecord, _one
 from cotserve.bench.slo import LoadResult
 from cotserve.bench.throughput import prompt_of_tokens
+from cotserve.common.clitools import run_loop
 from cotserve.common.sampling import SlaClass
 from cotserve.common.stats import percentile
 from cotserve.sdk import AsyncClient
@@ -63,7 +64,7 @@ def flood(worker: str, streams: int, prompt_ids: list[int], stop, served) -> Non
             stub = worker_pb2_grpc.WorkerServiceStub(ch)
             await asyncio.gather(*(one_stream(stub) for _ in range(streams)))
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 async def drive(address: str, seconds: float, rate: float, prompts: list[str], seed: int) -> LoadResult:
@@ -116,12 +117,12 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
     out: dict = {"workers": [w.address for w in workers], "slow": workers[0].address, "slowed": slowed, "runs": {}}
     with running(workers), contextlib.closing(_Flood(workers[0].address if slowed == "flood" else None, progress)) as flooded:
         with running([slo_child(), gateway_child(routing=False)]) as (_, gw):
-            prompts, flood_ids = asyncio.run(_prompts(gw.address))
+            prompts, flood_ids = run_loop(_prompts(gw.address))
             flooded.start(flood_ids)
-            out["capacity_rps"] = asyncio.run(capacity(gw.address, prompts[:1], concurrency=3 * CAPACITY_CONCURRENCY))
+            out["capacity_rps"] = run_loop(capacity(gw.address, prompts[:1], concurrency=3 * CAPACITY_CONCURRENCY))
             rate = out["rate_rps"] = load * out["capacity_rps"]
             progress(f"capacity of the three: {out['capacity_rps']:.1f} INTERACTIVE-sized requests/s; recording {train_s:.0f} s at {rate:.0f} requests/s, least-loaded routing, for the latency model ...")
-            out["recorded"] = asyncio.run(drive(gw.address, train_s, rate, prompts, seed))
+            out["recorded"] = run_loop(drive(gw.address, train_s, rate, prompts, seed))
             time.sleep(2.5)  # the last observations reach the predictor
             if not train_latency(slo_addr, state, out):
                 return out
@@ -132,7 +133,7 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
                         time.sleep(2)  # the first Stats polls and windows
                         progress(f"round {r + 1} of {rounds}: {eval_s:.0f} s at {rate:.0f} requests/s, routing: {name} ...")
                         flooded.mark()
-                        result = asyncio.run(drive(gw.address, eval_s, rate, prompts, seed + 1 + r))
+                        result = run_loop(drive(gw.address, eval_s, rate, prompts, seed + 1 + r))
                         _pool(out, r, name, result, flooded.rate(), routed_by(metrics_port))
     return out
 

@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from cotserve.common.clitools import run_loop
 from cotserve.telemetry.otlpbuild import export_request, gateway_attrs, span
 
 SPANS_PER_REQUEST = 9
@@ -105,7 +106,7 @@ def _null_receiver(port: int) -> None:
         await server.start()
         await server.wait_for_termination()
 
-    asyncio.run(main())
+    run_loop(main())
 
 
 def run(num_batches: int, concurrency: int, progress) -> tuple[ReceiverRun, ReceiverRun, dict]:
@@ -129,7 +130,7 @@ def run(num_batches: int, concurrency: int, progress) -> tuple[ReceiverRun, Rece
     for child in (null, tel):
         with running([child], grace_s=2.0, wait=lambda c: wait_serving(c, 60, lambda: None)):
             progress(f"sending {num_batches * per_batch} spans to the {child.name} ...")
-            results.append(asyncio.run(drive(child.address, batches, per_batch, concurrency, child.name)))
+            results.append(run_loop(drive(child.address, batches, per_batch, concurrency, child.name)))
             if child is tel:
                 with grpc.insecure_channel(child.address) as ch:
                     s = telemetry_pb2_grpc.TelemetryServiceStub(ch).GetStats(telemetry_pb2.GetStatsRequest(), timeout=10)

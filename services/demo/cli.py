@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Optional
 
 import typer
+
+from cotserve.common.clitools import run_loop
 
 demo_app = typer.Typer(help="The bundled demo model: train it, measure it.", no_args_is_help=True)
 
@@ -34,7 +35,7 @@ def demo_eval(
     """Ask a served demo model fresh arithmetic problems (greedy) and print its exact-answer accuracy."""
     from cotserve.demo.evaluate import evaluate
 
-    result = asyncio.run(evaluate(address, n=n, seed=seed, concurrency=concurrency, progress=True))
+    result = run_loop(evaluate(address, n=n, seed=seed, concurrency=concurrency, progress=True))
     typer.echo(f"accuracy {result.correct}/{result.total} = {result.accuracy:.1%} ({result.seconds:.1f}s)")
 
 

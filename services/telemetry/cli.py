@@ -3,12 +3,11 @@ and `cotserve trace check` (read the telemetry service)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import typer
 
-from cotserve.common.clitools import rpc_error_exit, wide_console
+from cotserve.common.clitools import rpc_error_exit, run_loop, wide_console
 from cotserve.common.config import serve_service
 from cotserve.common.tls import client_channel
 from cotserve.telemetry.config import TelemetryConfig
@@ -81,7 +80,7 @@ def trace_check(
     from cotserve.telemetry.tracecheck import check_traces
 
     try:
-        verdicts = asyncio.run(check_traces(address, telemetry, n, concurrency, max_new_tokens=max_new_tokens,
+        verdicts = run_loop(check_traces(address, telemetry, n, concurrency, max_new_tokens=max_new_tokens,
                                             post_processor=post_processor, wait_s=wait_s,
                                             progress=lambda msg: typer.echo(msg, err=True)))
     except RuntimeError as exc:
