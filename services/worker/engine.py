@@ -76,8 +76,8 @@ class Timing:
 
 
 STEP_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-STATS_EVERY_S = 0.02  # a busy engine's stats snapshot at most this often (`Engine._publish_stats`)
 """Upper bounds of the engine-step latency histogram's buckets, in seconds."""
+STATS_EVERY_S = 0.02  # a busy engine's stats snapshot at most this often (`Engine._publish_stats`)
 
 
 @dataclass(slots=True, frozen=True)
