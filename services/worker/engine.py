@@ -77,7 +77,6 @@ class Timing:
 
 STEP_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 """Upper bounds of the engine-step latency histogram's buckets, in seconds."""
-STATS_EVERY_S = 0.02  # a busy engine's stats snapshot at most this often (`Engine._publish_stats`)
 
 
 @dataclass(slots=True, frozen=True)
@@ -274,7 +273,6 @@ class Engine:
         self._inbox: queue.Queue[_Command] = queue.Queue()
         self._requests: dict[str, _Request] = {}
         self._step_ms: deque[float] = deque(maxlen=256)
-        self._stats_at = 0.0  # when `_publish_stats` last ran
         self._step_counts = [0] * (len(STEP_LATENCY_BUCKETS_S) + 1)
         self._step_sum_s = 0.0
         self._tokens: deque[tuple[float, int]] = deque()
@@ -469,8 +467,7 @@ class Engine:
         self._step_ms.append((now - start) * 1000)
         self._step_counts[bisect.bisect_left(STEP_LATENCY_BUCKETS_S, now - start)] += 1
         self._step_sum_s += now - start
-        if now - self._stats_at >= STATS_EVERY_S or not self.scheduler.has_work():
-            self._publish_stats()
+        self._publish_stats()
 
     def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """Logits row and sequence of each token to sample: a sequence whose samples fork now
@@ -742,10 +739,7 @@ class Engine:
             req.sink(RequestOutput(seq.request_id, 0, "", None, error=message))
 
     def _publish_stats(self) -> None:
-        """A new `EngineStats` snapshot. A busy engine takes one after a step at most every `STATS_EVERY_S` (each
-        walks the queues: with 2,048 requests queued it was 5.8% of the engine's time at batch 32), and always
-        when a step leaves it idle, so that an idle engine's stats are exact."""
-        now = self._stats_at = time.monotonic()
+        now = time.monotonic()
         while self._tokens and now - self._tokens[0][0] > 10.0:
             self._tokens_in_window -= self._tokens.popleft()[1]
         span = max(1e-3, now - self._tokens[0][0]) if len(self._tokens) > 1 else 1.0

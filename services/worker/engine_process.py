@@ -97,7 +97,7 @@ class EngineReady:
 @dataclass(slots=True, frozen=True)
 class StepOutputs:
     outputs: list[RequestOutput]
-    stats: EngineStats | None  # None: unchanged since the last message (a busy engine renews them every 20 ms)
+    stats: EngineStats
 
 
 @dataclass(slots=True, frozen=True)
@@ -156,9 +156,8 @@ class _Outbox:
             return
         batch = self.pending[:]  # the same list stays: requests' sinks are its `append`
         self.pending.clear()
-        changed = stats is not self.last_stats
         self.last_stats = stats
-        self.send(StepOutputs(batch, stats if changed else None))
+        self.send(StepOutputs(batch, stats))
 
 
 def _apply(engine: Any, cmd: object, sink: Sink, send: Callable[[object], None]) -> bool:
@@ -374,8 +373,7 @@ class EngineProcess:
             except (EOFError, OSError):
                 break
             if isinstance(msg, StepOutputs):
-                if msg.stats is not None:
-                    self._stats = msg.stats
+                self._stats = msg.stats
                 for out in msg.outputs:
                     with self._lock:
                         sink = self._sinks.get(out.request_id)

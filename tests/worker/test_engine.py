@@ -227,29 +227,3 @@ def test_the_engine_takes_its_settings_from_the_worker_config(demo):
     assert (got.block_size, got.max_num_seqs, got.scheduling, got.kv_cache_dtype, got.kv_skip_layers,
             got.enable_prefix_caching, got.max_model_len) == (32, 5, "fifo", "fp8_e4m3", (0,), False, 64)
     assert got.num_blocks >= 1
-
-
-def test_a_busy_engine_renews_its_stats_at_most_every_interval_and_exactly_when_idle(demo, monkeypatch):
-    import cotserve.worker.engine as engine_module
-
-    engine = make_engine(demo, max_num_seqs=2)
-    got: list[RequestOutput] = []
-    for i in range(4):  # two run, two wait
-        engine.submit(f"r{i}", encode(demo, "1+2+3="), SamplingParams(max_new_tokens=6, ignore_eos=True), got.append)
-    engine._drain_inbox(block=False)
-    monkeypatch.setattr(engine_module, "STATS_EVERY_S", 3600.0)
-    engine.step()  # the first step after submitting: the previous snapshot is older than the interval
-    first = engine.stats()
-    assert (first.num_running_requests, first.num_waiting_requests) == (2, 2)
-    for _ in range(3):
-        engine.step()
-    assert engine.stats() is first  # busy, within the interval: no new snapshot
-    monkeypatch.setattr(engine_module, "STATS_EVERY_S", 0.0)
-    engine.step()
-    assert engine.stats() is not first and engine.stats().num_generated_tokens_total == sum(1 for o in got)
-    monkeypatch.setattr(engine_module, "STATS_EVERY_S", 3600.0)
-    while engine.scheduler.has_work():
-        engine.step()
-    idle = engine.stats()  # the step that left the engine idle took one, whatever the interval
-    assert (idle.num_running_requests, idle.num_waiting_requests, idle.kv_blocks_used) == (0, 0, 0)
-    assert idle.num_requests_finished_total == 4 and idle.num_generated_tokens_total == 24 == len(got)
