@@ -77,6 +77,10 @@ class ModelRunner:
         width = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
         dev = self.device
+        whole: dict[int, list[int]] = {}  # prompts computed whole in this step (no cached prefix), by length
+        for start, n, _, ctx in prefill_rows:
+            if ctx == n:
+                whole.setdefault(n, []).append(start)
 
         def as_long(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=dev)
@@ -88,6 +92,7 @@ class ModelRunner:
             decode_context_lens=as_long(decode_ctx),
             prefill_rows=prefill_rows,
             fresh_page=torch.tensor(fresh, dtype=torch.bool, device=dev),
+            whole_rows=[(n, as_long([s + i for s in starts for i in range(n)])) for n, starts in whole.items()],
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
 

@@ -227,3 +227,41 @@ def test_the_engine_takes_its_settings_from_the_worker_config(demo):
     assert (got.block_size, got.max_num_seqs, got.scheduling, got.kv_cache_dtype, got.kv_skip_layers,
             got.enable_prefix_caching, got.max_model_len) == (32, 5, "fifo", "fp8_e4m3", (0,), False, 64)
     assert got.num_blocks >= 1
+
+
+def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkeypatch):
+    """Prompts computed whole in a step (no cached prefix) attend together by length over their own keys and values;
+    beside them a decode row and a prompt continuing from cached pages take the paged path. The step's logits equal,
+    bit for bit, those of every prefill row read back from its pages."""
+    from cotserve.worker.model_runner import ModelRunner
+
+    engine = make_engine(demo, block_size=4)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    shared = encode(demo, "12+34=46.") * 2  # two full pages, cached once its first request has computed them
+    engine.submit("decoding", shared, params, lambda out: None)
+    engine._drain_inbox(block=False)
+    for _ in range(3):
+        engine.step()
+    prompts = {"a": encode(demo, "1+2=3."), "b": encode(demo, "4+5=9."), "c": encode(demo, "7+1=8."),
+               "d": encode(demo, "11+22=33. 4+4=8."), "cached": shared + encode(demo, "5+5=")}
+    assert len(prompts["a"]) == len(prompts["b"]) == len(prompts["c"]) != len(prompts["d"])
+    for rid, ids in prompts.items():
+        engine.submit(rid, ids, params, lambda out: None)
+    engine._drain_inbox(block=False)
+    batch = engine.scheduler.schedule()
+    runner = engine.runner
+    inputs = runner.prepare_inputs(batch)
+    n, m = len(prompts["a"]), len(prompts["d"])
+    assert sorted((q, idx.numel()) for q, idx in inputs.paged.whole_rows) == sorted([(n, 3 * n), (m, m)])
+    assert any(ctx > qlen for _, qlen, _, ctx in inputs.paged.prefill_rows)  # the cached prompt's rest
+    assert inputs.paged.decode_token_idx.numel() == 1
+    together = runner.execute(batch)
+    prepare = ModelRunner.prepare_inputs
+
+    def paged_only(self, b):
+        prepared = prepare(self, b)
+        prepared.paged.whole_rows = []
+        return prepared
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", paged_only)
+    assert torch.equal(runner.execute(batch), together)
