@@ -31,12 +31,13 @@ def to_client_chunk(chunk: worker_pb2.GenerateResponse) -> gateway_pb2.GenerateS
 
 class AttemptObserver:
     """One attempt of one request at one worker, from the moment it is sent (`start` is the request's arrival at the
-    gateway, monotonic seconds)."""
+    gateway, monotonic seconds; `held_s` how long of it the SLO predictor's BATCH hold kept the request before it
+    was routed)."""
 
     def __init__(self, metrics: GatewayMetrics, slo: SloLink | None, span: Span, model: str, sla: SlaClass,
-                 worker: WorkerHandle, start: float, prompt_bytes: int, max_new_tokens: int) -> None:
+                 worker: WorkerHandle, start: float, prompt_bytes: int, max_new_tokens: int, held_s: float = 0.0) -> None:
         self.m, self.slo, self.span = metrics, slo, span
-        self.model, self.sla, self.worker, self.start = model, sla, worker, start
+        self.model, self.sla, self.worker, self.start, self.held_s = model, sla, worker, start, held_s
         self.prompt_bytes, self.max_new_tokens = prompt_bytes, max_new_tokens
         self.ttft_h, self.itl_h = metrics.ttft.labels(model, sla.name), metrics.itl.labels(model, sla.name)
         self.queued_at_arrival = queued(worker)
@@ -128,9 +129,10 @@ class AttemptObserver:
         out.timing.kv_used_fraction_at_admission = chunk.timing.kv_used_fraction_at_admission
         n_out = usage.completion_tokens
         tpot_ms = (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else None
-        if self.slo is not None:
+        if self.slo is not None:  # the latency model learns what a worker choice changes: the hold came before it
             self.slo.finished(self.model, self.worker.address, self.sla, self.sent_unix_ms, self.prompt_bytes,
-                              usage.prompt_tokens, self.max_new_tokens, n_out, (first_at - start) * 1000, tpot_ms or 0.0,
+                              usage.prompt_tokens, self.max_new_tokens, n_out, (first_at - start - self.held_s) * 1000,
+                              tpot_ms or 0.0,
                               self.in_flight_at_start, self.queued_at_arrival, self.waiting_ahead_at_start,
                               self.prefill_ahead_at_start)
         self.span.set_attributes({

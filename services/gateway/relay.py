@@ -256,6 +256,7 @@ class Relay:
                       call: Call) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """Admission, the worker stream with its one retry (only before the first token), each chunk relayed."""
         span = self._annotate(model, wreq)
+        held_ms = 0.0
         if self.slo is not None and sla == SlaClass.BATCH:
             held_ms, why = await self.slo.hold_batch(model, call.time_remaining())
             if why is not None:
@@ -268,7 +269,8 @@ class Relay:
         while True:
             worker = await self._pick(model, sla, tried, prompt_bytes, max_new, call, span)
             tried.add(worker)
-            observer = AttemptObserver(self.metrics, self.slo, span, model, sla, worker, start, prompt_bytes, max_new)
+            observer = AttemptObserver(self.metrics, self.slo, span, model, sla, worker, start, prompt_bytes, max_new,
+                                       held_ms / 1000)
             observer.sent(await self._admit(worker, sla, call))
             try:
                 async with aclosing(self._attempt(worker, wreq, observer, call)) as relay:

@@ -92,8 +92,16 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
                     await asyncio.sleep(0.02)
                 assert (await client.generate("1+2=", max_new_tokens=8, sla="interactive")).text  # urgent work still goes
                 assert not held.done()
-                assert (await held).text and time.monotonic() - t >= 2.5  # it went after --slo-max-hold-ms (3 s)
+                held_out = await held
+                assert held_out.text and time.monotonic() - t >= 2.5  # it went after --slo-max-hold-ms (3 s)
                 assert gateway.slo.held == 0
+                assert held_out.timing.ttft_ms >= 2500  # the client's TTFT counts the hold
+                await asyncio.sleep(2.5)  # its observation is reported with the next window
+                async with grpc.aio.insecure_channel(slo.server.address) as ch:
+                    exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000))
+                batch_obs = [r for r in exported.requests if r.worker == worker.server.address and r.sla_class == B]
+                # the latency model's TTFT starts when the hold ended: what a choice of worker can change
+                assert len(batch_obs) == 2 and all(0 < r.ttft_ms < 1000 for r in batch_obs), batch_obs
                 stop.set()
                 await task
         finally:

@@ -220,7 +220,9 @@ class RequestObservation(_message.Message):
     completion_tokens: _builtins.int
     """Tokens generated."""
     ttft_ms: _builtins.float
-    """Time to first token, from arrival at the gateway."""
+    """Time to first token, from arrival at the gateway, less the time the SLO predictor's BATCH hold kept it there
+    before it was routed (what the latency model predicts is what a choice of worker changes).
+    """
     tpot_ms: _builtins.float
     """Time per output token after the first (0 for one-token completions)."""
     in_flight_at_start: _builtins.int
