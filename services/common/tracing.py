@@ -1,9 +1,9 @@
 """OpenTelemetry for every service: one TracerProvider, gRPC server and client instrumentation.
 
 Spans are exported over OTLP/gRPC when `OTEL_EXPORTER_OTLP_ENDPOINT` (or the traces-specific
-variable) is set; otherwise a service runs without instrumentation (nothing would receive its spans). `OTEL_SERVICE_NAME` overrides the service name. The
-W3C trace context travels in gRPC metadata, so a gateway request and its worker stream share
-one trace.
+variable) is set; otherwise a service runs without instrumentation (nothing would receive its spans).
+`OTEL_SERVICE_NAME` overrides the service name. The W3C trace context travels in gRPC metadata, so a
+gateway request and its worker stream share one trace.
 """
 
 from __future__ import annotations

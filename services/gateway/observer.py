@@ -35,7 +35,8 @@ class AttemptObserver:
     was routed)."""
 
     def __init__(self, metrics: GatewayMetrics, slo: SloLink | None, span: Span, model: str, sla: SlaClass,
-                 worker: WorkerHandle, start: float, prompt_bytes: int, max_new_tokens: int, held_s: float = 0.0) -> None:
+                 worker: WorkerHandle, start: float, prompt_bytes: int, max_new_tokens: int,
+                 held_s: float = 0.0) -> None:
         self.m, self.slo, self.span = metrics, slo, span
         self.model, self.sla, self.worker, self.start, self.held_s = model, sla, worker, start, held_s
         self.prompt_bytes, self.max_new_tokens = prompt_bytes, max_new_tokens

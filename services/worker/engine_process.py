@@ -12,9 +12,10 @@ dataclasses (`AddRequest`, `AbortRequest`, `SetPolicy`, `TakeExpertLoad`, `Shutd
 `StepOutputs` message per loop pass that produced anything: every output of that pass (all running
 sequences' new tokens, finish reasons, timings) and the stats snapshot. A pass's message is a few
 hundred bytes to a few KB; pickling plus the pipe round trip measured 30-60 µs for 32 outputs on this
-machine when it was first written and 100-106 µs on a slower day (163-173 µs the same hour while `RequestOutput` was a
-frozen dataclass, whose `__init__` the unpickling runs; `python -m cotserve.worker.engine_process --measure`), against
-3-6 ms per engine step on the demo model, so a pipe is not what limits us and needs nothing beyond the standard library. (ZMQ and
+machine when it was first written and 100-106 µs on a slower day (163-173 µs the same hour while
+`RequestOutput` was a frozen dataclass, whose `__init__` the unpickling runs; `python -m
+cotserve.worker.engine_process --measure`), against 3-6 ms per engine step on the demo model, so a pipe
+is not what limits us and needs nothing beyond the standard library. (ZMQ and
 shared-memory rings would matter at GPU step times well under a millisecond; the message types stay.)
 
 Lifecycle: the child is a fresh interpreter (`python -m cotserve.worker.engine_process`, the pipes'

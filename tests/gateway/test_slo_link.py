@@ -98,7 +98,8 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
                 assert held_out.timing.ttft_ms >= 2500  # the client's TTFT counts the hold
                 await asyncio.sleep(2.5)  # its observation is reported with the next window
                 async with grpc.aio.insecure_channel(slo.server.address) as ch:
-                    exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000))
+                    since = slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000)
+                    exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(since)
                 batch_obs = [r for r in exported.requests if r.worker == worker.server.address and r.sla_class == B]
                 # the latency model's TTFT starts when the hold ended: what a choice of worker can change
                 assert len(batch_obs) == 2 and all(0 < r.ttft_ms < 1000 for r in batch_obs), batch_obs

@@ -67,7 +67,8 @@ class PagedBatch:
     whole_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, qlen: int, scale: float) -> torch.Tensor:
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, qlen: int,
+            scale: float) -> torch.Tensor:
     """Causal attention of the rows of `qlen` tokens at `idx` (row after row) over their own keys and values, in one
     call: [len(idx), heads, dim]. The mask and kernel are the paged path's (a row's keys up to its own position), so
     each row's result is that path's to the bit; 32 prompts of 64 tokens, one layer: 6.5 -> 1.8 ms."""
