@@ -28,7 +28,7 @@ from cotserve.common.sampling import ReasoningParams
 from cotserve.common.stats import percentile
 from cotserve.worker.block_manager import BlockManager, cache_root
 from cotserve.worker.config import WorkerConfig
-from cotserve.worker.detokenizer import IncrementalDetokenizer
+from cotserve.worker.detokenizer import IncrementalDetokenizer, TokenBytes
 from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.model_runner import ModelRunner
 from cotserve.worker.models.loader import LoadedModel
@@ -257,6 +257,7 @@ class Engine:
         self.config = config
         self.reasoning = reasoning  # the model's reasoning markers; None: budgets are refused upstream
         self._forcing_ids: dict[str, list[int]] = {}
+        self._token_bytes = TokenBytes.of(loaded.tokenizer)  # the detokenizers' per-token bytes, where they stand alone
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.batch_min_share, by_class=config.scheduling == "priority",
@@ -411,7 +412,7 @@ class Engine:
                           arrival_time=head.arrival_time, cache_root=head.cache_root) for i in range(first + 1, first + k)]
         for s in (head, *forks):
             req.samples.append(s)
-            req.detoks.append(IncrementalDetokenizer(self.loaded.tokenizer, s.prompt_ids, s.params.stop))
+            req.detoks.append(IncrementalDetokenizer(self.loaded.tokenizer, s.prompt_ids, s.params.stop, self._token_bytes))
             if self.reasoning is not None:
                 req.trackers.append(ThinkingTracker(self.reasoning, req.reasoning, s.prompt_ids))
         req.forks = forks
