@@ -20,7 +20,9 @@ class TokenBytes:
     neighbours and an incremental UTF-8 decoder streams the text, with no call into the tokenizer per token (the
     general path decodes two windows of ids per token: a third of the engine's per-token output work on the demo
     model). Special tokens give nothing (`skip_special_tokens`); other added tokens give their decoded text.
-    `of(tokenizer)` is None for any other decoder."""
+    Bytes that are not UTF-8 stream as U+FFFD as soon as the decoder knows (the windowed path held them until its
+    window ended cleanly); valid text streams delta for delta as the windowed path does. `of(tokenizer)` is None for
+    any other decoder."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
