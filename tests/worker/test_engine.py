@@ -237,7 +237,7 @@ def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkey
 
     engine = make_engine(demo, block_size=4)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    shared = encode(demo, "12+34=46.") * 2  # two full pages, cached once its first request has computed them
+    shared = encode(demo, "12+34=46.") * 2  # full pages of 4, cached once its first request has computed them
     engine.submit("decoding", shared, params, lambda out: None)
     engine._drain_inbox(block=False)
     for _ in range(3):

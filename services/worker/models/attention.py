@@ -71,7 +71,8 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor
             scale: float) -> torch.Tensor:
     """Causal attention of the rows of `qlen` tokens at `idx` (row after row) over their own keys and values, in one
     call: [len(idx), heads, dim]. The mask and kernel are the paged path's (a row's keys up to its own position), so
-    each row's result is that path's to the bit; 32 prompts of 64 tokens, one layer: 6.5 -> 1.8 ms."""
+    each row's result is that path's (to the bit on the CPU, tested); 32 prompts of 64 tokens, one layer: 6.5 ->
+    1.8 ms."""
     rows, heads, dim = idx.numel() // qlen, q.shape[1], q.shape[2]
 
     def split(x: torch.Tensor) -> torch.Tensor:  # [rows, heads, qlen, dim]
