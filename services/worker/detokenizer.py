@@ -40,8 +40,8 @@ class TokenBytes:
             added, piece = self._added.get(token_id), self.tokenizer.id_to_token(token_id)
             if (added is not None and added.special) or piece is None:  # skipped, as decode skips unknown ids
                 raw = b""
-            elif added is None and all(c in self._chars for c in piece):
-                raw = bytes(self._chars[c] for c in piece)
+            elif added is None and (piece_raw := _piece_bytes(self._chars, piece)) is not None:
+                raw = piece_raw
             else:
                 raw = self.tokenizer.decode([token_id], skip_special_tokens=True).encode()
             self._cache[token_id] = raw
@@ -119,6 +119,12 @@ def _byte_level_decoder() -> dict[str, int]:
     return chars
 
 
+def _piece_bytes(chars: dict[str, int], piece: str) -> bytes | None:
+    """A byte-level BPE vocabulary piece's bytes (`chars`: `_byte_level_decoder()`), or None when a character of it
+    is not in the byte alphabet (an added token's own text, say)."""
+    return bytes(chars[c] for c in piece) if all(c in chars for c in piece) else None
+
+
 class TokenTexts:
     """Each vocabulary entry's text and bytes on its own (what logprobs report per token), decoded once per id.
     A byte-level BPE token's bytes are exact even when it holds part of a character; other tokenizers' are the
@@ -137,8 +143,8 @@ class TokenTexts:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
             raw = text.encode()
             piece = self.tokenizer.id_to_token(token_id)
-            if self._byte_level is not None and piece is not None and piece not in self._special \
-                    and all(c in self._byte_level for c in piece):
-                raw = bytes(self._byte_level[c] for c in piece)
+            if self._byte_level is not None and piece is not None and piece not in self._special:
+                piece_raw = _piece_bytes(self._byte_level, piece)
+                raw = raw if piece_raw is None else piece_raw
             hit = self._cache[token_id] = (text, raw)
         return hit
