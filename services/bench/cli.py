@@ -303,16 +303,16 @@ def bench_telemetry(
 @bench_app.command("slo")
 def bench_slo(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder for the worker (default: the bundled demo model)."),
-    quick: bool = typer.Option(False, "--quick", help="A short run (5-6 minutes a seed on 2 cores): 100 s recorded in 30 s cycles, 30 s replays, "
+    quick: bool = typer.Option(False, "--quick", help="A short run (under 3 minutes a seed on 2 cores): 100 s recorded in 25 s cycles, 20 s replays, "
                                "admission off and proportional only (the full mode: 600 s, 120 s, 30 s cycles, off twice and both rules)."),
     seeds: int = typer.Option(1, min=1, max=20, help="Independent runs (seeds SEED, SEED+2, ...): figures get 95% intervals "
                               "over them and violation onsets are pooled."),
     duration_s: Optional[float] = typer.Option(None, min=10, help="Seconds of time-varying load to record and learn from "
                                                "(70% train, 30% held out); default 600, 100 with --quick."),
     replay_s: Optional[float] = typer.Option(None, min=5, help="Seconds of bursty load replayed under each BATCH admission "
-                                             "rule; default 120, 30 with --quick."),
+                                             "rule; default 120, 20 with --quick."),
     cycle_s: Optional[float] = typer.Option(None, min=6, help="Seconds of one load cycle (steady third, ramp third, burst, "
-                                            "drain); default 30."),
+                                            "drain); default 30, 25 with --quick."),
     seed: int = typer.Option(0, help="Seed of the first run's arrivals."),
 ) -> None:
     """The SLO predictor on a real stack: forecast quality against a queue-depth baseline, then misses with and without acting on it."""

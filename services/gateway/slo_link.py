@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import defaultdict, deque
@@ -81,6 +82,9 @@ class SloLinkConfig:
     throttle_from: float = 0.5    # forecast / threshold where holding starts (1: all BATCH above the threshold, none below)
     max_hold_ms: int = 30_000     # a held BATCH request goes after this long whatever the forecast (BATCH's TTFT target)
     max_held: int = 1024          # BATCH requests held at once; more are turned away (RESOURCE_EXHAUSTED, retry-after-ms)
+    urgent_idle_s: float = 2.0    # no REALTIME or INTERACTIVE request of the model in flight or started for this long:
+    # nothing to protect, so nothing is held, whatever the forecast (its features look back a minute, so it stays high
+    # for a while after a burst of urgent traffic has gone)
     credentials: Any = None  # grpc.ChannelCredentials for an SLO predictor that speaks TLS (None: plaintext)
 
 
@@ -106,6 +110,7 @@ class SloLink:
         self._last_warning = 0.0
         self._rng = random.Random()
         self.held = 0  # BATCH requests held now (hold_batch)
+        self.urgent: dict[str, list[float]] = {}  # model -> [REALTIME + INTERACTIVE in flight, when one last started or ended]
         self._refreshed = asyncio.Event()  # set, then replaced, at every forecast refresh: held requests draw again
 
     # -- recording (called by the servicer) ----------------------------------------------
@@ -113,6 +118,9 @@ class SloLink:
     def arrival(self, model: str, worker: str, sla: SlaClass) -> None:
         self.acc[(model, worker, sla)].arrivals += 1
         self.in_flight[(model, worker, sla)] += 1
+        if sla != SlaClass.BATCH:
+            u = self.urgent.setdefault(model, [0, 0.0])
+            u[0], u[1] = u[0] + 1, time.monotonic()
 
     def first_token(self, model: str, worker: str, sla: SlaClass, ttft_ms: float) -> None:
         a = self.acc[(model, worker, sla)]
@@ -126,6 +134,15 @@ class SloLink:
 
     def done(self, model: str, worker: str, sla: SlaClass) -> None:
         self.in_flight[(model, worker, sla)] -= 1
+        if sla != SlaClass.BATCH:
+            u = self.urgent[model]
+            u[0], u[1] = u[0] - 1, time.monotonic()
+
+    def urgent_idle(self, model: str) -> bool:
+        """No REALTIME or INTERACTIVE request of `model` in flight here, nor one started or ended in the last
+        `urgent_idle_s`."""
+        n, last = self.urgent.get(model, (0, -math.inf))
+        return n == 0 and time.monotonic() - last >= self.cfg.urgent_idle_s
 
     def tokens_per_byte_of(self, model: str) -> float:
         """Prompt tokens per prompt byte of `model`, as its finished requests have shown (a moving average)."""
@@ -292,7 +309,8 @@ class SloLink:
         """Hold a BATCH request here while the forecast says defer, rather than turn it away: drawn against the deferred
         share now and again at every forecast refresh, so as the risk falls the held requests go in a trickle (a share
         s holds each one another second with probability s), not in one wave, and no client retries cost anything.
-        It goes anyway after `max_hold_ms`, or a second before its deadline. Returns (ms held, why; None when it was
+        It goes anyway after `max_hold_ms`, or a second before its deadline, or once the model's urgent classes are idle
+        (`urgent_idle`: holding would protect nothing, and a forecast stays high for a while after a burst). Returns (ms held, why; None when it was
         not held). Raises ResourceExhausted (retry-after-ms, +-50%) when `max_held` requests already wait."""
         start = time.monotonic()
         limit = self.cfg.max_hold_ms / 1000
@@ -302,7 +320,7 @@ class SloLink:
         while True:
             share, p, threshold = self.defer_share(model)
             waited = time.monotonic() - start
-            if share <= 0 or self._rng.random() >= share or waited >= limit:
+            if share <= 0 or self._rng.random() >= share or waited >= limit or self.urgent_idle(model):
                 return waited * 1000, why
             if why is None:
                 if self.held >= self.cfg.max_held:

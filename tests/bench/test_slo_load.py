@@ -19,7 +19,8 @@ def test_a_cycle_is_steady_then_a_ramp_then_a_burst_or_surge_then_a_drain_at_any
     assert at(0.1) == (30.0, 10.0, False)                                   # steady
     assert at(0.5) == pytest.approx((55.0, 20.0, False))                    # half way up the ramp
     assert at(0.7) == (90.0, 30.0, False)                                   # burst: 0.9 + 2 x 0.3 = 1.5 x capacity
-    assert at(0.7, cycle=2) == (40.0, 30.0, True)                           # every third cycle: long prompts instead
+    assert at(0.7, cycle=1) == (40.0, 30.0, True)                           # every third cycle: long prompts instead
+    assert at(0.7, cycle=4) == (40.0, 30.0, True) and not at(0.7, cycle=2)[2]  # the second of three: in a training stretch
     assert at(0.9) == (10.0, 5.0, False)                                    # drain
     if cycle_s == 60.0:  # the 60 s cycle keeps its old boundaries: 20 s, 40 s, 48 s
         assert rates(19.9, cap)[0] == 30.0 and rates(47.9, cap)[0] == 90.0 and rates(48.1, cap)[0] == 10.0

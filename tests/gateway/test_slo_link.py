@@ -85,14 +85,23 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
                 while gateway.slo.defer_share("cotserve-demo")[0] < 1:
                     assert time.monotonic() < deadline, f"the forecast never passed the threshold: {gateway.slo.forecasts}"
                     await asyncio.sleep(0.2)
+                urgent_done = asyncio.Event()
+
+                async def urgent_traffic():  # urgent work in flight: the hold protects something (`urgent_idle`)
+                    while not urgent_done.is_set():
+                        assert (await client.generate("1+2=", max_new_tokens=8, sla="interactive")).text  # it still goes
+                        await asyncio.sleep(0.2)
+
+                urgent = asyncio.create_task(urgent_traffic())
+                await asyncio.sleep(0.05)
                 t = time.monotonic()
                 held = asyncio.create_task(client.generate("1+2=", max_new_tokens=8, sla="batch"))
                 while gateway.slo.held == 0:  # held in the gateway, not turned away
                     assert not held.done(), held.result()
                     await asyncio.sleep(0.02)
-                assert (await client.generate("1+2=", max_new_tokens=8, sla="interactive")).text  # urgent work still goes
-                assert not held.done()
                 held_out = await held
+                urgent_done.set()
+                await urgent
                 assert held_out.text and time.monotonic() - t >= 2.5  # it went after --slo-max-hold-ms (3 s)
                 assert gateway.slo.held == 0
                 assert held_out.timing.ttft_ms >= 2500  # the client's TTFT counts the hold
@@ -258,6 +267,7 @@ def test_held_batch_goes_in_a_trickle_as_the_forecast_falls_and_a_full_hold_turn
         link = SloLink(SloLinkConfig("127.0.0.1:1", retry_after_ms=10_000, throttle_from=0.5, max_held=200),
                        SimpleNamespace(workers=[]))
         link._rng.seed(7)
+        link.arrival("m", "w", SlaClass.INTERACTIVE)  # urgent work in flight: there is something to protect
         link.forecasts["m"] = (0.9, 0.7, time.monotonic())  # over the threshold: every BATCH request held
         tasks = [asyncio.create_task(link.hold_batch("m", None)) for _ in range(200)]
         await asyncio.sleep(0.05)
@@ -280,8 +290,25 @@ def test_held_batch_goes_in_a_trickle_as_the_forecast_falls_and_a_full_hold_turn
         link.forecasts["m"] = (0.9, 0.7, time.monotonic())
         ms, why = await link.hold_batch("m", 1.2)  # a deadline 1.2 s away: it goes a second before it
         assert why is not None and 150 <= ms <= 1000
+        held = [asyncio.create_task(link.hold_batch("m", None)) for _ in range(20)]
+        await asyncio.sleep(0.05)
+        assert link.held == 20
+        link.cfg.urgent_idle_s = 0.2
+        link.done("m", "w", SlaClass.INTERACTIVE)  # the last urgent request ends: the forecast alone holds nothing
+        link.refreshed()
+        await asyncio.sleep(0.05)
+        assert link.held == 20  # not idle for urgent_idle_s yet
+        await asyncio.sleep(0.2)
+        link.refreshed()  # the next refresh (the forecast still 0.9) lets them all go
+        assert all(0.2 <= ms / 1000 < 0.5 and why is not None for ms, why in await asyncio.gather(*held))
+        assert link.held == 0 and (await link.hold_batch("m", None))[1] is None
+        link.arrival("m", "w", SlaClass.REALTIME)  # and a new urgent request makes the forecast count again
+        held = asyncio.create_task(link.hold_batch("m", None))
+        await asyncio.sleep(0.05)
+        assert link.held == 1 and not held.done()
         link.cfg.admission = False
-        assert (await link.hold_batch("m", None))[1] is None
+        link.refreshed()
+        assert (await held)[1] is not None and (await link.hold_batch("m", None))[1] is None
         await link.stop()
 
     asyncio.run(main())
