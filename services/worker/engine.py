@@ -85,9 +85,10 @@ class RequestOutput:
     is set on each sample's last token; `is_last` on the request's last output, which carries the
     usage (the prompt once, completion tokens summed over the samples) and the timing.
 
-    Not frozen, but never changed once made (`dataclasses.replace` makes another): one is made per token in the
-    engine and again in the worker front (unpickled), and a frozen dataclass's `__init__` (a `object.__setattr__`
-    per field) took 3.3 us to this one's 0.45."""
+    Not frozen, but never changed once a sink has it (`dataclasses.replace` makes another; the front's `FrontText`
+    fills in the text of one it has just unpickled, before its sink sees it): one is made per token in the engine
+    and again in the worker front (unpickled), and a frozen dataclass's `__init__` (a `object.__setattr__` per
+    field) took 3.3 us to this one's 0.45."""
 
     request_id: str
     token_id: int
@@ -179,7 +180,7 @@ class _Request:
 
     sink: Sink
     samples: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
+    detoks: list[IncrementalDetokenizer | None]  # None per sample when the caller detokenizes (`needs_engine_text`)
     forks: list[Sequence] = field(default_factory=list)  # samples not yet forked from samples[0]
     trackers: list[ThinkingTracker] = field(default_factory=list)  # per sample, for a reasoning model
     reasoning: ReasoningParams = ReasoningParams()
@@ -189,6 +190,7 @@ class _Request:
     num_unfinished: int = 1
     num_events_sent: int = 0
     first_sent: bool = False
+    detokenize: bool = True
 
     def new_events(self) -> tuple[tuple[str, int], ...]:
         """The request's trace events (those of samples[0]) since the previous call."""
@@ -204,6 +206,7 @@ class _Add:
     sink: Sink
     cache_salt: str
     budget: ReasoningParams
+    detokenize: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -249,6 +252,15 @@ def check_submit(config: EngineConfig, has_reasoning: bool, prompt_len: int, par
     if budget.is_set and not has_reasoning:
         raise ValueError("reasoning: this model has no reasoning markers (start the worker with "
                          "--reasoning-start and --reasoning-end)")
+
+
+def needs_engine_text(params: SamplingParams, budget: ReasoningParams) -> bool:
+    """Whether the engine must detokenize this request as it runs: stop strings end a sample on its text, a vote
+    counts answers, and a budget or early exit by reasoning steps counts the step delimiter in the text. Any other
+    request's text (and reasoning/answer split) can be made by the caller from the token ids (`FrontText`)."""
+    ee = budget.early_exit
+    return bool(params.stop) or budget.self_consistency is not None or budget.max_thinking_steps is not None or (
+        ee is not None and ee.probe_every_steps is not None)
 
 
 class Engine:
@@ -303,16 +315,19 @@ class Engine:
     # ---- thread-safe API -------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "",
-               budget: ReasoningParams = ReasoningParams()) -> None:
+               budget: ReasoningParams = ReasoningParams(), detokenize: bool = True) -> None:
         """Queue a validated request of `params.n` samples. `cache_salt` separates prefix-cache
         users: blocks cached under one salt are never found under another. Raises ValueError when
         it can never fit the KV pool or the batch, or when `budget` is set for a model without
-        reasoning markers."""
+        reasoning markers. `detokenize=False` (only where `needs_engine_text` is False): outputs carry no text
+        and no reasoning/answer split; the caller makes them from the token ids (`FrontText`)."""
         check_submit(self.config, self.reasoning is not None, len(prompt_ids), params, budget)
+        if not detokenize and needs_engine_text(params, budget):
+            raise ValueError("detokenize=False: this request's stop strings or reasoning controls need its text here")
         vote = budget.self_consistency
         group = vote.min_samples if vote is not None else params.n
         seq = Sequence(request_id, list(prompt_ids), params, sla_class, group_size=group)
-        self._inbox.put(_Add(seq, sink, cache_salt, budget))
+        self._inbox.put(_Add(seq, sink, cache_salt, budget, detokenize))
 
     def set_routing_policy(self, policy: RoutingPolicy) -> None:
         """Queue a routing policy; the engine thread applies it to all layers together between two
@@ -363,7 +378,7 @@ class Engine:
             return
         while True:
             if isinstance(cmd, _Add):
-                self._add(cmd.seq, cmd.sink, cmd.cache_salt, cmd.budget)
+                self._add(cmd.seq, cmd.sink, cmd.cache_salt, cmd.budget, cmd.detokenize)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id)
             elif isinstance(cmd, _Policy):
@@ -388,13 +403,14 @@ class Engine:
         for listener in tuple(self.policy_listeners):  # a snapshot: listeners may be added meanwhile
             listener(policy.version)
 
-    def _add(self, seq: Sequence, sink: Sink, cache_salt: str = "", budget: ReasoningParams = ReasoningParams()) -> None:
+    def _add(self, seq: Sequence, sink: Sink, cache_salt: str = "", budget: ReasoningParams = ReasoningParams(),
+             detokenize: bool = True) -> None:
         if seq.request_id in self._requests:
             sink(RequestOutput(seq.request_id, 0, "", None, error=f"request_id {seq.request_id!r} is already running"))
             return
         seq.cache_root = cache_root(self._cache_identity, self.policy_version, cache_salt)
         vote = VoteState(budget.self_consistency) if budget.self_consistency is not None else None
-        req = _Request(sink, [], [], reasoning=budget, vote=vote, num_unfinished=0)
+        req = _Request(sink, [], [], reasoning=budget, vote=vote, num_unfinished=0, detokenize=detokenize)
         self._requests[seq.request_id] = req
         self._start_samples(req, seq, seq.group_size)
 
@@ -412,7 +428,8 @@ class Engine:
                           arrival_time=head.arrival_time, cache_root=head.cache_root) for i in range(first + 1, first + k)]
         for s in (head, *forks):
             req.samples.append(s)
-            req.detoks.append(IncrementalDetokenizer(self.loaded.tokenizer, s.prompt_ids, s.params.stop, self._token_bytes))
+            req.detoks.append(IncrementalDetokenizer(self.loaded.tokenizer, s.prompt_ids, s.params.stop, self._token_bytes)
+                              if req.detokenize else None)
             if self.reasoning is not None:
                 req.trackers.append(ThinkingTracker(self.reasoning, req.reasoning, s.prompt_ids))
         req.forks = forks
@@ -638,6 +655,8 @@ class Engine:
         tracker = req.trackers[seq.index] if req.trackers else None
         if self.scheduler.is_stop_token(seq, token):
             finish, text = "stop", ""
+        elif detok is None:  # the caller makes the text
+            text = ""
         else:
             text = detok.add_token(token)
             if detok.stopped_by_string:
@@ -652,14 +671,15 @@ class Engine:
             req.sink(RequestOutput(seq.request_id, token, text, logprob, timing=first, events=req.new_events(), index=seq.index,
                                    part=part, top_logprobs=top))
             return False
-        text += detok.flush()
+        if detok is not None:
+            text += detok.flush()
         self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED if finish == "stop" else SequenceStatus.FINISHED_LENGTH)
         self.sampler.forget(seq.seq_id)
         self._drop_probes(req, seq)
         seq.finish_time = now
         req.num_unfinished -= 1
         reasoning_text = answer_text = None
-        if tracker is not None:
+        if tracker is not None and detok is not None:
             reasoning_text, answer_text = tracker.fmt.split(detok.text, tracker.thinking_at_start)
         outs = [RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish, timing=first,
                               events=req.new_events(), index=seq.index, part=part, reasoning_text=reasoning_text,

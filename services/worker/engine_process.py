@@ -47,7 +47,8 @@ from typing import Any, Callable
 from cotserve.common.heap import freeze_startup_heap
 from cotserve.common.lifetime import follow_parent
 from cotserve.common.sampling import ReasoningParams
-from cotserve.worker.engine import EngineConfig, EngineStats, RequestOutput, Sink, check_submit
+from cotserve.worker.detokenizer import IncrementalDetokenizer, TokenBytes
+from cotserve.worker.engine import NO_TOKEN, EngineConfig, EngineStats, RequestOutput, Sink, check_submit, needs_engine_text
 from cotserve.worker.sequence import SamplingParams, SlaClass
 
 log = logging.getLogger("cotserve.worker.engine")
@@ -62,6 +63,7 @@ class AddRequest:
     sla_class: SlaClass
     cache_salt: str
     budget: ReasoningParams
+    detokenize: bool = True  # False: the front makes the text (`FrontText`)
 
 
 @dataclass(slots=True, frozen=True)
@@ -166,7 +168,8 @@ def _apply(engine: Any, cmd: object, sink: Sink, send: Callable[[object], None])
     """One command from the front; False when it says to stop."""
     if isinstance(cmd, AddRequest):
         try:
-            engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt, cmd.budget)
+            engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt, cmd.budget,
+                          cmd.detokenize)
         except ValueError as exc:  # the front checked already; should it still happen: report, do not die
             send(StepOutputs([RequestOutput(cmd.request_id, 0, "", None, error=str(exc))], engine.stats()))
     elif isinstance(cmd, AbortRequest):
@@ -236,6 +239,40 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
 
 
 # ---- the front --------------------------------------------------------------------------------
+class FrontText:
+    """The text of a request the engine runs without detokenizing (`needs_engine_text` False: no stop strings, no
+    vote, no budget or early exit by reasoning steps), made here in the front as the engine would have made it: the
+    same incremental detokenizer per sample, a stop token's text dropped, what was held back added to each sample's
+    last output, and, for a reasoning model, that output's reasoning/answer split. It fills in the outputs the
+    front has just unpickled, before the request's sink sees them. Moving this out of the engine process takes the
+    per-token detokenization (and the reasoning tracker's step-delimiter search) off the process that runs the
+    model, as vLLM's API process detokenizes for its engine core."""
+
+    __slots__ = ("sink", "tokenizer", "token_bytes", "prompt_ids", "stop_ids", "fmt", "thinking_at_start", "detoks")
+
+    def __init__(self, sink: Sink, tokenizer: Any, token_bytes: TokenBytes | None, prompt_ids: list[int],
+                 params: SamplingParams, eos_token_ids: frozenset[int], fmt: Any) -> None:
+        self.sink, self.tokenizer, self.token_bytes, self.prompt_ids = sink, tokenizer, token_bytes, prompt_ids
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.fmt = fmt  # the model's ReasoningFormat, or None
+        n = len(fmt.start_ids) if fmt is not None else 0
+        self.thinking_at_start = n > 0 and tuple(prompt_ids[-n:]) == fmt.start_ids  # as ThinkingTracker decides
+        self.detoks: dict[int, IncrementalDetokenizer] = {}
+
+    def __call__(self, out: RequestOutput) -> None:
+        if out.error is None:
+            detok = self.detoks.get(out.index)
+            if detok is None:
+                detok = self.detoks[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, (), self.token_bytes)
+            if out.token_id != NO_TOKEN and out.token_id not in self.stop_ids:
+                out.text = detok.add_token(out.token_id)
+            if out.finish_reason is not None:
+                out.text += detok.flush()
+                if self.fmt is not None:
+                    out.reasoning_text, out.answer_text = self.fmt.split(detok.text, self.thinking_at_start)
+        self.sink(out)
+
+
 class EngineDied(RuntimeError):
     """The engine process is gone; the message says how."""
 
@@ -268,6 +305,7 @@ class EngineProcess:
     _commands: Any = None
     _outputs: Any = None
     _reader: threading.Thread | None = None
+    _token_bytes: tuple[TokenBytes | None] | None = None  # FrontText's per-token bytes, made on first use
 
     def start(self, timeout_s: float = 600.0) -> None:
         commands, child_commands = socket.socketpair()
@@ -320,9 +358,15 @@ class EngineProcess:
             raise EngineDied(self.dead)
         assert self.config is not None, "start() first"
         check_submit(self.config, self.reasoning is not None, len(prompt_ids), params, budget)
+        detokenize = self.loaded is None or needs_engine_text(params, budget)
+        if not detokenize:
+            if self._token_bytes is None:
+                self._token_bytes = (TokenBytes.of(self.loaded.tokenizer),)
+            sink = FrontText(sink, self.loaded.tokenizer, self._token_bytes[0], prompt_ids, params,
+                             self.loaded.eos_token_ids, self.reasoning)
         with self._lock:
             self._sinks[request_id] = sink
-        self._send(AddRequest(request_id, list(prompt_ids), params, sla_class, cache_salt, budget))
+        self._send(AddRequest(request_id, list(prompt_ids), params, sla_class, cache_salt, budget, detokenize))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
