@@ -215,6 +215,12 @@ class _Abort:
 
 
 @dataclass(slots=True, frozen=True)
+class _StopSample:
+    request_id: str
+    index: int
+
+
+@dataclass(slots=True, frozen=True)
 class _Policy:
     policy: RoutingPolicy
 
@@ -224,7 +230,7 @@ class _TakeLoad:
     callback: Callable[[dict[int, list[int]]], None]
 
 
-_Command = _Add | _Abort | _Policy | _TakeLoad | None  # None only wakes the loop (stop)
+_Command = _Add | _Abort | _StopSample | _Policy | _TakeLoad | None  # None only wakes the loop (stop)
 
 
 def kv_spec_of(config: EngineConfig, loaded: LoadedModel) -> KvCacheSpec:
@@ -255,11 +261,12 @@ def check_submit(config: EngineConfig, has_reasoning: bool, prompt_len: int, par
 
 
 def needs_engine_text(params: SamplingParams, budget: ReasoningParams) -> bool:
-    """Whether the engine must detokenize this request as it runs: stop strings end a sample on its text, a vote
-    counts answers, and a budget or early exit by reasoning steps counts the step delimiter in the text. Any other
-    request's text (and reasoning/answer split) can be made by the caller from the token ids (`FrontText`)."""
+    """Whether the engine must detokenize this request as it runs: a vote counts answers (and must see a sample
+    end on its stop string at once), and a budget or early exit by reasoning steps counts the step delimiter in the
+    text. Any other request's text, reasoning/answer split and stop strings can be handled by the caller from the
+    token ids (`FrontText`, with `stop_sample`)."""
     ee = budget.early_exit
-    return bool(params.stop) or budget.self_consistency is not None or budget.max_thinking_steps is not None or (
+    return budget.self_consistency is not None or budget.max_thinking_steps is not None or (
         ee is not None and ee.probe_every_steps is not None)
 
 
@@ -320,10 +327,11 @@ class Engine:
         users: blocks cached under one salt are never found under another. Raises ValueError when
         it can never fit the KV pool or the batch, or when `budget` is set for a model without
         reasoning markers. `detokenize=False` (only where `needs_engine_text` is False): outputs carry no text
-        and no reasoning/answer split; the caller makes them from the token ids (`FrontText`)."""
+        and no reasoning/answer split, and a stop string does not end a sample here: the caller makes the text from
+        the token ids and ends a sample on its stop string with `stop_sample` (`FrontText`)."""
         check_submit(self.config, self.reasoning is not None, len(prompt_ids), params, budget)
         if not detokenize and needs_engine_text(params, budget):
-            raise ValueError("detokenize=False: this request's stop strings or reasoning controls need its text here")
+            raise ValueError("detokenize=False: this request's reasoning controls need its text here")
         vote = budget.self_consistency
         group = vote.min_samples if vote is not None else params.n
         seq = Sequence(request_id, list(prompt_ids), params, sla_class, group_size=group)
@@ -341,6 +349,12 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed before the next step."""
         self._inbox.put(_Abort(request_id))
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """End sample `index` of a request as stopped ("stop") before the next step: its caller found a stop string
+        in the text it makes (`FrontText`). Its last output carries no token; tokens the engine generated after the
+        stop string, before this arrived, count in the usage (the caller drops them and their count)."""
+        self._inbox.put(_StopSample(request_id, index))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -381,6 +395,8 @@ class Engine:
                 self._add(cmd.seq, cmd.sink, cmd.cache_salt, cmd.budget, cmd.detokenize)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id)
+            elif isinstance(cmd, _StopSample):
+                self._stop_sample(cmd.request_id, cmd.index)
             elif isinstance(cmd, _Policy):
                 self._apply_policy(cmd.policy)
             elif isinstance(cmd, _TakeLoad):
@@ -673,23 +689,30 @@ class Engine:
             return False
         if detok is not None:
             text += detok.flush()
-        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED if finish == "stop" else SequenceStatus.FINISHED_LENGTH)
+        reasoning_text = answer_text = None
+        if tracker is not None and detok is not None:
+            reasoning_text, answer_text = tracker.fmt.split(detok.text, tracker.thinking_at_start)
+        self._finish_sample(req, seq, RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish, timing=first,
+                                                    events=req.new_events(), index=seq.index, part=part,
+                                                    reasoning_text=reasoning_text, answer_text=answer_text, top_logprobs=top),
+                            now)
+        return True
+
+    def _finish_sample(self, req: _Request, seq: Sequence, out: RequestOutput, now: float) -> None:
+        """End sample `seq` with its last output `out` (finish_reason "stop" or "length"): its blocks freed, a vote's
+        ballot counted, and on the request's last sample the usage and timing added and the request retired."""
+        self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED if out.finish_reason == "stop" else SequenceStatus.FINISHED_LENGTH)
         self.sampler.forget(seq.seq_id)
         self._drop_probes(req, seq)
         seq.finish_time = now
         req.num_unfinished -= 1
-        reasoning_text = answer_text = None
-        if tracker is not None and detok is not None:
-            reasoning_text, answer_text = tracker.fmt.split(detok.text, tracker.thinking_at_start)
-        outs = [RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish, timing=first,
-                              events=req.new_events(), index=seq.index, part=part, reasoning_text=reasoning_text,
-                              answer_text=answer_text, top_logprobs=top)]
+        outs = [out]
         if req.vote is not None:
-            outs += self._vote(req, Ballot(answer_text or "", confidence(seq.output_logprobs)))
+            outs += self._vote(req, Ballot(out.answer_text or "", confidence(seq.output_logprobs)))
         if req.num_unfinished:
-            for out in outs:
-                req.sink(out)
-            return True
+            for o in outs:
+                req.sink(o)
+            return
         del self._requests[seq.request_id]
         self._finished_total += 1
         head = req.samples[0]
@@ -702,9 +725,17 @@ class Engine:
             cached_prompt_tokens=head.num_cached_tokens, is_last=True, reasoning_tokens=reasoning_tokens,
             probe_tokens=req.num_probe_tokens, early_exits=sum(t.exited_early for t in req.trackers),
             vote=self._vote_result(req) if req.vote is not None else None)
-        for out in outs:
-            req.sink(out)
-        return True
+        for o in outs:
+            req.sink(o)
+
+    def _stop_sample(self, request_id: str, index: int) -> None:
+        """End sample `index` as stopped, its caller having found a stop string in its text (`stop_sample`); nothing
+        when the request or the sample has ended already. Its last output carries no token."""
+        req = self._requests.get(request_id)
+        if req is None or index >= len(req.samples) or req.samples[index].is_finished:
+            return
+        out = RequestOutput(request_id, NO_TOKEN, "", None, finish_reason="stop", events=req.new_events(), index=index)
+        self._finish_sample(req, req.samples[index], out, time.monotonic())
 
     # ---- adaptive self-consistency -----------------------------------------------------------
     def _vote(self, req: _Request, ballot: Ballot) -> list[RequestOutput]:

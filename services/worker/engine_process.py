@@ -5,10 +5,12 @@ tokenization and tracing, so every token's Python work on the serving side stole
 model's step (and the other way round). The child process owns the model, the KV cache (it is sized
 there) and the scheduler, and runs the engine's loop: drain commands → step → send what that pass
 produced. The front (`EngineProcess`, in the gRPC process) has the engine's API (`submit`, `abort`,
-`stats`, MoE policy and load), tokenizes, streams and converts.
+`stats`, MoE policy and load), tokenizes, streams and converts; it detokenizes and applies stop strings for
+every request whose text the engine itself does not read (`FrontText`; votes and step-counted reasoning controls
+keep both in the engine).
 
 IPC: two socket pairs wrapped in `multiprocessing.connection.Connection` (length-prefixed pickles). Commands in are typed
-dataclasses (`AddRequest`, `AbortRequest`, `SetPolicy`, `TakeExpertLoad`, `Shutdown`); out goes one
+dataclasses (`AddRequest`, `AbortRequest`, `StopSample`, `SetPolicy`, `TakeExpertLoad`, `Shutdown`); out goes one
 `StepOutputs` message per loop pass that produced anything: every output of that pass (all running
 sequences' new tokens, finish reasons, timings) and the stats snapshot. A pass's message is a few
 hundred bytes to a few KB; pickling plus the pipe round trip measured 30-60 µs for 32 outputs on this
@@ -49,6 +51,7 @@ from cotserve.common.lifetime import follow_parent
 from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.detokenizer import IncrementalDetokenizer, TokenBytes
 from cotserve.worker.engine import NO_TOKEN, EngineConfig, EngineStats, RequestOutput, Sink, check_submit, needs_engine_text
+from cotserve.worker.reasoning import Part
 from cotserve.worker.sequence import SamplingParams, SlaClass
 
 log = logging.getLogger("cotserve.worker.engine")
@@ -69,6 +72,12 @@ class AddRequest:
 @dataclass(slots=True, frozen=True)
 class AbortRequest:
     request_id: str
+
+
+@dataclass(slots=True, frozen=True)
+class StopSample:
+    request_id: str
+    index: int  # the sample the front found a stop string in (`FrontText`)
 
 
 @dataclass(slots=True, frozen=True)
@@ -174,6 +183,8 @@ def _apply(engine: Any, cmd: object, sink: Sink, send: Callable[[object], None])
             send(StepOutputs([RequestOutput(cmd.request_id, 0, "", None, error=str(exc))], engine.stats()))
     elif isinstance(cmd, AbortRequest):
         engine.abort(cmd.request_id)
+    elif isinstance(cmd, StopSample):
+        engine.stop_sample(cmd.request_id, cmd.index)
     elif isinstance(cmd, SetPolicy):
         engine.set_routing_policy(cmd.policy)
     elif isinstance(cmd, TakeExpertLoad):
@@ -240,37 +251,95 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
 
 # ---- the front --------------------------------------------------------------------------------
 class FrontText:
-    """The text of a request the engine runs without detokenizing (`needs_engine_text` False: no stop strings, no
-    vote, no budget or early exit by reasoning steps), made here in the front as the engine would have made it: the
-    same incremental detokenizer per sample, a stop token's text dropped, what was held back added to each sample's
-    last output, and, for a reasoning model, that output's reasoning/answer split. It fills in the outputs the
-    front has just unpickled, before the request's sink sees them. Moving this out of the engine process takes the
-    per-token detokenization (and the reasoning tracker's step-delimiter search) off the process that runs the
-    model, as vLLM's API process detokenizes for its engine core."""
+    """The text of a request the engine runs without detokenizing (`needs_engine_text` False: no vote, no budget or
+    early exit by reasoning steps), made here in the front as the engine would have made it: the same incremental
+    detokenizer per sample, a stop token's text dropped, what was held back added to each sample's last output,
+    and, for a reasoning model, that output's reasoning/answer split. It fills in the outputs the front has just
+    unpickled, before the request's sink sees them. Moving this out of the engine process takes the per-token
+    detokenization (and the reasoning tracker's step-delimiter search) off the process that runs the model, as
+    vLLM's API process detokenizes for its engine core.
 
-    __slots__ = ("sink", "tokenizer", "token_bytes", "prompt_ids", "stop_ids", "fmt", "thinking_at_start", "detoks")
+    Stop strings are found here too: the output whose text completes one goes out with the text up to it, and
+    `stop_sample(index)` tells the engine to end that sample. Until it has, the engine may generate a token or two
+    more (vLLM's output processor does the same): they are dropped, the engine's last output of the sample goes out
+    as a tokenless "stop", and the request's usage leaves them out (completion and reasoning tokens)."""
+
+    __slots__ = ("sink", "tokenizer", "token_bytes", "prompt_ids", "stop", "stop_ids", "fmt", "thinking_at_start",
+                 "detoks", "stop_sample", "dropped")
 
     def __init__(self, sink: Sink, tokenizer: Any, token_bytes: TokenBytes | None, prompt_ids: list[int],
-                 params: SamplingParams, eos_token_ids: frozenset[int], fmt: Any) -> None:
+                 params: SamplingParams, eos_token_ids: frozenset[int], fmt: Any,
+                 stop_sample: Callable[[int], None] | None = None) -> None:
+        if params.stop and stop_sample is None:
+            raise ValueError("FrontText: stop strings need stop_sample, to end a sample in the engine")
         self.sink, self.tokenizer, self.token_bytes, self.prompt_ids = sink, tokenizer, token_bytes, prompt_ids
+        self.stop, self.stop_sample = params.stop, stop_sample
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
         self.fmt = fmt  # the model's ReasoningFormat, or None
         n = len(fmt.start_ids) if fmt is not None else 0
         self.thinking_at_start = n > 0 and tuple(prompt_ids[-n:]) == fmt.start_ids  # as ThinkingTracker decides
         self.detoks: dict[int, IncrementalDetokenizer] = {}
+        self.dropped: dict[int, _Dropped] = {}  # samples ended here on a stop string: what the engine sent after it
 
     def __call__(self, out: RequestOutput) -> None:
         if out.error is None:
-            detok = self.detoks.get(out.index)
-            if detok is None:
-                detok = self.detoks[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, (), self.token_bytes)
-            if out.token_id != NO_TOKEN and out.token_id not in self.stop_ids:
-                out.text = detok.add_token(out.token_id)
-            if out.finish_reason is not None:
-                out.text += detok.flush()
-                if self.fmt is not None:
-                    out.reasoning_text, out.answer_text = self.fmt.split(detok.text, self.thinking_at_start)
+            dropped = self.dropped.get(out.index)
+            if dropped is None:
+                self._text(out)
+            elif dropped.take(out):
+                self._split(out)
+            else:
+                return
+            if out.is_last and self.dropped:
+                out.completion_tokens -= sum(d.tokens for d in self.dropped.values())
+                out.reasoning_tokens -= sum(d.reasoning_tokens for d in self.dropped.values())
         self.sink(out)
+
+    def _text(self, out: RequestOutput) -> None:
+        detok = self.detoks.get(out.index)
+        if detok is None:
+            detok = self.detoks[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.stop,
+                                                                    self.token_bytes)
+        if out.token_id != NO_TOKEN and out.token_id not in self.stop_ids:
+            out.text = detok.add_token(out.token_id)  # up to a stop string, all of it: nothing is held back then
+            if detok.stopped_by_string:
+                if out.finish_reason is None:  # the engine runs on until told: its last output will end the sample
+                    self.dropped[out.index] = _Dropped()
+                    self.stop_sample(out.index)
+                    return
+                out.finish_reason = "stop"  # as the engine ends a sample on a stop string, even at its length
+        if out.finish_reason is not None:
+            out.text += detok.flush()
+            self._split(out)
+
+    def _split(self, out: RequestOutput) -> None:
+        """A sample's last output: its reasoning/answer split, for a reasoning model."""
+        if self.fmt is not None:
+            out.reasoning_text, out.answer_text = self.fmt.split(self.detoks[out.index].text, self.thinking_at_start)
+
+
+class _Dropped:
+    """What the engine sent of a sample after the front ended it on a stop string."""
+
+    __slots__ = ("tokens", "reasoning_tokens", "events", "ended")
+
+    def __init__(self) -> None:
+        self.tokens = self.reasoning_tokens = 0
+        self.events: tuple[tuple[str, int], ...] = ()
+        self.ended = False
+
+    def take(self, out: RequestOutput) -> bool:
+        """Count `out`'s token as dropped; True for the sample's last output from the engine, made a tokenless
+        "stop" (its trace events joined by the dropped outputs'), which still goes out: it may carry the usage."""
+        if out.token_id != NO_TOKEN:
+            self.tokens += 1
+            self.reasoning_tokens += out.part == Part.REASONING
+        self.events += out.events
+        if out.finish_reason is None:
+            return False
+        out.token_id, out.text, out.logprob, out.top_logprobs, out.finish_reason = NO_TOKEN, "", None, None, "stop"
+        out.events, self.events = self.events, ()
+        return True
 
 
 class EngineDied(RuntimeError):
@@ -363,7 +432,7 @@ class EngineProcess:
             if self._token_bytes is None:
                 self._token_bytes = (TokenBytes.of(self.loaded.tokenizer),)
             sink = FrontText(sink, self.loaded.tokenizer, self._token_bytes[0], prompt_ids, params,
-                             self.loaded.eos_token_ids, self.reasoning)
+                             self.loaded.eos_token_ids, self.reasoning, lambda index: self._stop_sample(request_id, index))
         with self._lock:
             self._sinks[request_id] = sink
         self._send(AddRequest(request_id, list(prompt_ids), params, sla_class, cache_salt, budget, detokenize))
@@ -373,6 +442,13 @@ class EngineProcess:
             self._sinks.pop(request_id, None)
         if self.dead is None:
             self._send(AbortRequest(request_id))
+
+    def _stop_sample(self, request_id: str, index: int) -> None:
+        """FrontText found a stop string (on the reader thread): the engine ends the sample before its next step."""
+        try:
+            self._send(StopSample(request_id, index))
+        except EngineDied:
+            pass  # the reader is about to report the death to every request in flight
 
     def stats(self) -> EngineStats:
         return self._stats

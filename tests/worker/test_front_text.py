@@ -30,22 +30,49 @@ def _fields(out: RequestOutput) -> tuple:
             out.answer_text, out.is_last, out.completion_tokens)
 
 
-def _run(demo, fmt, requests, detokenize: bool, front: bool) -> list[tuple]:
-    """Every output of `requests` ((prompt ids, params, budget)) on a fresh in-process engine, in order."""
+def _run(demo, fmt, requests, detokenize: bool, front: bool, fronts: list | None = None) -> list[RequestOutput]:
+    """Every output of `requests` ((prompt ids, params, budget)) on a fresh in-process engine, in order. A front's
+    stop_sample reaches the engine a step late, as one through the engine process's pipe can."""
     engine = Engine(demo, EngineConfig(num_blocks=256, block_size=16, max_num_seqs=32, max_num_batched_tokens=512,
                                        max_model_len=demo.config.max_context), fmt)
     outs: list[RequestOutput] = []
     token_bytes = TokenBytes.of(demo.tokenizer)
+    late: list[tuple[str, int]] = []
     for i, (ids, params, budget) in enumerate(requests):
         sink = outs.append
         if front:
-            sink = FrontText(sink, demo.tokenizer, token_bytes, ids, params, demo.eos_token_ids, fmt)
+            sink = FrontText(sink, demo.tokenizer, token_bytes, ids, params, demo.eos_token_ids, fmt,
+                             lambda index, rid=f"r{i}": late.append((rid, index)))
+            if fronts is not None:
+                fronts.append(sink)
         engine.submit(f"r{i}", ids, params, sink, budget=budget, detokenize=detokenize)
     engine._drain_inbox(block=False)
-    while engine.scheduler.has_work():
+    arriving: list[tuple[str, int]] = []
+    while engine.scheduler.has_work() or arriving:
         engine.step()
+        for rid, index in arriving:  # the stop strings found in the step before this one's outputs
+            engine.stop_sample(rid, index)
+        arriving, late[:] = late[:], []
         engine._drain_inbox(block=False)
-    return [_fields(o) for o in outs]
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "a finished request leaked KV blocks"
+    return outs
+
+
+def _samples(outs: list[RequestOutput]) -> dict:
+    """Each request's samples as a client assembles them (token ids, text, finish, split), and its usage."""
+    got: dict = {}
+    for o in outs:
+        sample = got.setdefault((o.request_id, o.index), {"ids": [], "text": "", "finish": None, "split": None})
+        assert sample["finish"] is None, f"an output after the sample's last: {o}"
+        if o.token_id >= 0:
+            sample["ids"].append(o.token_id)
+        sample["text"] += o.text
+        if o.finish_reason is not None:
+            sample["finish"], sample["split"] = o.finish_reason, (o.reasoning_text, o.answer_text)
+        if o.is_last:
+            got[o.request_id] = (o.prompt_tokens, o.completion_tokens, o.reasoning_tokens)
+    return got
 
 
 def test_the_fronts_text_is_the_engines_to_the_field(demo):
@@ -63,54 +90,92 @@ def test_the_fronts_text_is_the_engines_to_the_field(demo):
         (prompts[2] + list(fmt.start_ids), SamplingParams(max_new_tokens=48), no_budget),  # the prompt opens the thinking
     ]
     assert not any(needs_engine_text(p, b) for _, p, b in requests)
-    engine_made = _run(demo, fmt, requests, detokenize=True, front=False)
-    front_made = _run(demo, fmt, requests, detokenize=False, front=True)
+    engine_made = [_fields(o) for o in _run(demo, fmt, requests, detokenize=True, front=False)]
+    front_made = [_fields(o) for o in _run(demo, fmt, requests, detokenize=False, front=True)]
     assert front_made == engine_made
     assert sum(1 for o in engine_made if o[3]) > 50 and any(o[6] for o in engine_made)  # text and reasoning splits
     # without FrontText the engine's outputs carry no text at all: the front really makes it
-    bare = _run(demo, fmt, requests, detokenize=False, front=False)
+    bare = [_fields(o) for o in _run(demo, fmt, requests, detokenize=False, front=False)]
     assert [o[:3] for o in bare] == [o[:3] for o in engine_made]
     assert all(o[3] == "" and o[6] is None and o[7] is None for o in bare)
+
+
+def test_stop_strings_found_in_the_front_end_samples_as_the_engine_ends_them(demo):
+    """The engine runs a step past a stop string the front found (its stop_sample lands before the next): the extra
+    tokens never reach the client, the sample ends "stop" with the text up to the stop string, and the usage counts
+    what the engine would have counted had it found the string itself."""
+    fmt = ReasoningFormat.for_tokenizer(demo.tokenizer)
+    prompts = [demo.tokenizer.encode(p.prompt).ids for p in problems(13, 4)]
+    requests = [
+        (prompts[0], SamplingParams(max_new_tokens=48, stop=("=",)), ReasoningParams()),  # inside the reasoning
+        (prompts[1], SamplingParams(max_new_tokens=48, stop=(".", "never")), ReasoningParams()),
+        (prompts[2], SamplingParams(max_new_tokens=40, temperature=1.0, seed=3, n=3, stop=("+",)), ReasoningParams()),
+        (prompts[3], SamplingParams(max_new_tokens=48, stop=("never in the answer",)), ReasoningParams()),  # no hit
+        (prompts[3], SamplingParams(max_new_tokens=48, stop=("</think>",)), ReasoningParams()),  # the answer dropped
+        (prompts[0], SamplingParams(max_new_tokens=48, stop=("=",)), ReasoningParams(max_thinking_tokens=3)),
+    ]
+    engine_made = _samples(_run(demo, fmt, requests, detokenize=True, front=False))
+    fronts: list[FrontText] = []
+    front_outs = _run(demo, fmt, requests, detokenize=False, front=True, fronts=fronts)
+    assert _samples(front_outs) == engine_made
+    dropped = [d for f in fronts for d in f.dropped.values()]
+    assert len(dropped) >= 4 and sum(d.tokens for d in dropped) >= len(dropped)  # the engine ran on past each one
+    assert any(d.reasoning_tokens for d in dropped) and any(d.tokens > d.reasoning_tokens for d in dropped)
+    stopped = [k for k, v in engine_made.items() if isinstance(v, dict) and v["finish"] == "stop" and v["ids"][-1] != 1]
+    assert len(stopped) >= 4  # stop strings, not the eos, ended most samples
+    assert any(o.token_id < 0 and o.finish_reason == "stop" for o in front_outs)  # ended by stop_sample, tokenless
+    assert all(("=" not in v["text"]) for k, v in engine_made.items() if isinstance(v, dict) and k[0] == "r0")
 
 
 def test_requests_whose_text_the_engine_reads_are_detokenized_there(demo):
     plain = SamplingParams()
     assert not needs_engine_text(plain, ReasoningParams(max_thinking_tokens=8))
-    assert needs_engine_text(SamplingParams(stop=("\n",)), ReasoningParams())
+    assert not needs_engine_text(SamplingParams(stop=("\n",)), ReasoningParams())
     assert needs_engine_text(plain, ReasoningParams(max_thinking_steps=2))
     assert needs_engine_text(plain, ReasoningParams(early_exit=EarlyExitParams(probe_every_steps=1)))
     assert needs_engine_text(plain, ReasoningParams(self_consistency=SelfConsistencyParams(max_samples=5)))
     engine = Engine(demo, EngineConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=256,
-                                       max_model_len=demo.config.max_context))
-    with pytest.raises(ValueError, match="stop strings or reasoning controls need its text"):
-        engine.submit("r", [5, 6], SamplingParams(stop=("x",)), lambda out: None, detokenize=False)
+                                       max_model_len=demo.config.max_context), ReasoningFormat.for_tokenizer(demo.tokenizer))
+    with pytest.raises(ValueError, match="reasoning controls need its text"):
+        engine.submit("r", [5, 6], SamplingParams(), lambda out: None, budget=ReasoningParams(max_thinking_steps=1),
+                      detokenize=False)
 
 
-def test_the_engine_process_front_detokenizes_plain_requests_and_leaves_stop_strings_to_the_engine():
+def test_the_engine_process_front_makes_the_text_and_ends_samples_on_stop_strings_through_the_pipe():
     async def main():
-        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4))
+        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=8))
         try:
             ep = worker.engine
             ids = ep.loaded.tokenizer.encode("37+48-12=").ids
-            done = {name: asyncio.Event() for name in ("front", "engine")}
-            texts = {name: "" for name in done}
+            got = {name: [] for name in ("plain", "stopped", "vote")}
+            done = {name: asyncio.Event() for name in got}
             loop = asyncio.get_running_loop()
 
             def sink(name):
                 def take(out: RequestOutput) -> None:
-                    texts[name] += out.text
+                    got[name].append(out)
                     if out.is_last or out.error:
                         loop.call_soon_threadsafe(done[name].set)
                 return take
 
-            ep.submit("front", ids, SamplingParams(max_new_tokens=24), sink("front"))
-            ep.submit("engine", ids, SamplingParams(max_new_tokens=24, stop=("never in the answer",)), sink("engine"))
-            kinds = {rid: type(ep._sinks.get(rid)).__name__ for rid in done}
+            ep.submit("plain", ids, SamplingParams(max_new_tokens=24), sink("plain"))
+            ep.submit("stopped", ids, SamplingParams(max_new_tokens=24, stop=("=",)), sink("stopped"))
+            ep.submit("vote", ids, SamplingParams(max_new_tokens=24, temperature=0.7, seed=1), sink("vote"),
+                      budget=ReasoningParams(self_consistency=SelfConsistencyParams(max_samples=2, min_samples=2)))
+            kinds = {rid: type(ep._sinks.get(rid)).__name__ for rid in got}
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in done.values())), 60)
-            return kinds, texts
+            return kinds, got
         finally:
             await worker.stop()
 
-    kinds, texts = asyncio.run(main())
-    assert kinds == {"front": "FrontText", "engine": "function"}
-    assert texts["front"] == texts["engine"] and "=" in texts["front"]
+    kinds, got = asyncio.run(main())
+    assert kinds == {"plain": "FrontText", "stopped": "FrontText", "vote": "function"}  # a vote reads text: the engine's
+    plain = "".join(o.text for o in got["plain"])
+    stopped = "".join(o.text for o in got["stopped"])
+    assert "=" in plain and stopped == plain[: plain.index("=")]
+    last = got["stopped"][-1]
+    assert last.finish_reason == "stop" and last.is_last and all(o.error is None for o in got["stopped"])
+    tokens = [o.token_id for o in got["stopped"] if o.token_id >= 0]
+    assert tokens == [o.token_id for o in got["plain"]][: len(tokens)]
+    assert last.completion_tokens == len(tokens)  # the tokens the engine ran on past the stop string not counted
+    assert "".join(o.text for o in got["vote"] if o.index == 0)
