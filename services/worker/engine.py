@@ -801,10 +801,12 @@ class Engine:
         span = max(1e-3, now - self._tokens[0][0]) if len(self._tokens) > 1 else 1.0
         steps = sorted(self._step_ms)  # once for both percentiles
         bm = self.block_manager
-        running = {s.request_id for s in self.scheduler.running if not s.is_probe}
+        sched = self.scheduler
+        running = {s.request_id for s in sched.running if not s.is_probe}  # the batch, not the queue: no O(waiting) work
+        waiting = sched.waiting_requests
         self._stats = EngineStats(
             num_running_requests=len(running),
-            num_waiting_requests=len({s.request_id for s in self.scheduler.waiting if not s.is_probe} - running),
+            num_waiting_requests=len(waiting) - sum(r in waiting for r in running),
             step_latency_counts=tuple(self._step_counts), step_latency_sum_s=self._step_sum_s,
             num_running_seqs=len(self.scheduler.running),
             num_waiting_seqs=len(self.scheduler.waiting),
@@ -818,7 +820,7 @@ class Engine:
             num_requests_finished_total=self._finished_total,
             num_generated_tokens_total=self._generated_total,
             moe_policy_version=self.policy_version,
-            num_waiting_urgent_seqs=sum(1 for s in self.scheduler.waiting if s.sla_class != SlaClass.BATCH),
+            num_waiting_urgent_seqs=sched.num_waiting_urgent,
             prefix_cache_queried_tokens=bm.num_queried_tokens, prefix_cache_hit_tokens=bm.num_hit_tokens,
             prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=bm.num_evictions,
             num_prompt_tokens_computed_total=self._prompt_tokens_computed, kv_blocks_used_peak=self._kv_blocks_peak,

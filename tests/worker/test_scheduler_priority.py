@@ -250,3 +250,49 @@ def test_batch_waiting_past_a_blocked_admission_still_sits_out_a_step_of_urgent_
     assert [(x.seq, x.num_tokens) for x in batch.items] == [(i1, 4)]
     assert s.batch_yielded and s.num_batch_yields_total == 1
     assert list(s.waiting) == [i2, b]
+
+
+def _brute_force(s: Scheduler) -> tuple:
+    """What the scheduler's running counts of its waiting queue stand for, recomputed from the queue itself."""
+    w = list(s.waiting)
+    running_ids = {q.request_id for q in s.running}
+    return (w == sorted(w, key=s.key), [sum(q.sla_class == c for q in w) for c in SlaClass],
+            sum(q.sla_class != B and q.num_computed_tokens < len(q) - 1 for q in w),
+            {r: sum(q.request_id == r for q in w) for r in {q.request_id for q in w}},
+            len({q.request_id for q in w} - running_ids))
+
+
+def test_the_waiting_queue_stays_in_order_and_its_counts_stay_true_through_admission_preemption_and_aborts():
+    """The queue is kept sorted and counted as it changes (no step sorts or scans it): after every step of a random
+    mix of arrivals of every class, short and long prompts, preemptions (a small pool), finishes and aborts, it is
+    in priority order and every count equals the one recomputed from it."""
+    import random
+
+    rng = random.Random(11)
+    s = make(num_blocks=24, block_size=4, max_num_seqs=6, budget=16)
+    live: list[Sequence] = []
+    preempted = longest = 0
+    for step in range(400):
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            q = seq(rng.choice((R, I, B, B)), prompt_len=rng.choice((1, 3, 9, 17)), max_new_tokens=rng.randint(1, 12),
+                    name=f"req-{rng.randint(0, 30)}")  # names repeat: several sequences of one request id
+            s.add(q)
+            live.append(q)
+        batch = s.schedule()
+        preempted += len(batch.preempted)
+        run_step(s, batch)
+        for q in [x.seq for x in batch.items]:
+            if q.status == SequenceStatus.RUNNING and len(q.output_ids) >= q.params.max_new_tokens:
+                s.finish(q, SequenceStatus.FINISHED_LENGTH)
+        if live and rng.random() < 0.1:
+            s.abort(rng.choice(live))  # waiting, running or finished already
+        live = [q for q in live if not q.is_finished]
+        in_order, by_class, urgent_prompts, requests, waiting_requests = _brute_force(s)
+        assert in_order, step
+        assert s.waiting_by_class == by_class and s._waiting_urgent_prompts == urgent_prompts, step
+        assert s.waiting_requests == requests and s.num_waiting_urgent == by_class[R] + by_class[I], step
+        assert len(s.waiting_requests) - sum(r in s.waiting_requests for r in {q.request_id for q in s.running}) \
+            == waiting_requests
+        assert_no_leak(s)
+        longest = max(longest, len(s.waiting))
+    assert preempted > 10 and longest >= 10  # the mix did preempt, and queued
