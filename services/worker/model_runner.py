@@ -10,7 +10,7 @@ import torch
 from cotserve.kernels.dispatch import kernels_for
 from cotserve.kernels.kv_fp8 import FP8
 from cotserve.worker.kv_spec import FP8_SCALE_DTYPE, KvCacheSpec
-from cotserve.worker.models.attention import PagedAttention, PagedBatch
+from cotserve.worker.models.attention import PagedAttention, PagedBatch, PrefillGroup
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.scheduler import ScheduledBatch
 
@@ -78,12 +78,17 @@ class ModelRunner:
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
         dev = self.device
         whole: dict[int, list[int]] = {}  # prompts computed whole in this step (no cached prefix), by length
-        for start, n, _, ctx in prefill_rows:
+        same: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # every prefill row, by (length, context)
+        for start, n, table, ctx in prefill_rows:
             if ctx == n:
                 whole.setdefault(n, []).append(start)
+            same.setdefault((n, ctx), []).append((start, table))
 
         def as_long(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=dev)
+
+        groups = [PrefillGroup(n, as_long([s + i for s, _ in rows for i in range(n)]), torch.cat([t for _, t in rows]),
+                               as_long([ctx] * len(rows)), as_long([n] * len(rows))) for (n, ctx), rows in same.items()]
 
         paged = PagedBatch(
             slot_mapping=as_long(slots),
@@ -93,6 +98,7 @@ class ModelRunner:
             prefill_rows=prefill_rows,
             fresh_page=torch.tensor(fresh, dtype=torch.bool, device=dev),
             whole_rows=[(n, as_long([s + i for s in starts for i in range(n)])) for n, starts in whole.items()],
+            prefill_groups=groups,
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -227,6 +228,55 @@ def test_the_engine_takes_its_settings_from_the_worker_config(demo):
     assert (got.block_size, got.max_num_seqs, got.scheduling, got.kv_cache_dtype, got.kv_skip_layers,
             got.enable_prefix_caching, got.max_model_len) == (32, 5, "fifo", "fp8_e4m3", (0,), False, 64)
     assert got.num_blocks >= 1
+
+
+def _one_row_groups(prepared):
+    """The step's prefill groups split into groups of one row each (what attending row by row computed)."""
+    from cotserve.worker.models.attention import PrefillGroup
+
+    singles = []
+    for g in prepared.paged.prefill_groups:
+        for r in range(g.block_tables.shape[0]):
+            idx = g.token_idx[r * g.query_len:(r + 1) * g.query_len]
+            singles.append(PrefillGroup(g.query_len, idx, g.block_tables[r:r + 1], g.context_lens[r:r + 1],
+                                        g.query_lens[r:r + 1]))
+    prepared.paged.prefill_groups = singles
+    return prepared
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_prompts_continuing_from_cached_pages_attend_together_to_the_bit_of_one_row_at_a_time(demo, monkeypatch,
+                                                                                             kv_cache_dtype):
+    """Prefill rows of the same length over the same context (prompts that share a cached prefix and are as long as
+    each other) attend in one call per (length, context) group; the step's logits equal, bit for bit, those of
+    every row attended on its own. With an FP8 cache, whole prompts take this path too."""
+    from cotserve.worker.model_runner import ModelRunner
+    from cotserve.worker.sizing import engine_config
+    from cotserve.worker.config import WorkerConfig
+
+    cfg = engine_config(WorkerConfig(model=DEMO_MODEL, max_num_seqs=16, kv_cache_dtype=kv_cache_dtype), demo)
+    engine = Engine(demo, dataclasses.replace(cfg, block_size=4, max_num_batched_tokens=512))
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    shared = encode(demo, "12+34=46.") * 2
+    engine.submit("first", shared, params, lambda out: None)  # computes the shared pages
+    engine._drain_inbox(block=False)
+    for _ in range(2):
+        engine.step()
+    prompts = {"a": shared + encode(demo, "5+5="), "b": shared + encode(demo, "6+1="), "c": shared + encode(demo, "2+3="),
+               "d": shared + encode(demo, "21+13=34. 8+8="), "e": encode(demo, "1+2=3."), "f": encode(demo, "4+5=9.")}
+    assert len(prompts["a"]) == len(prompts["b"]) == len(prompts["c"]) != len(prompts["d"])
+    for rid, ids in prompts.items():
+        engine.submit(rid, ids, params, lambda out: None)
+    engine._drain_inbox(block=False)
+    batch = engine.scheduler.schedule()
+    runner = engine.runner
+    inputs = runner.prepare_inputs(batch)
+    sizes = sorted(g.block_tables.shape[0] for g in inputs.paged.prefill_groups)
+    assert sizes == [1, 2, 3], sizes  # a, b, c together; d alone; e and f (whole prompts of one length) together
+    together = runner.execute(batch)
+    prepare = ModelRunner.prepare_inputs
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", lambda self, b: _one_row_groups(prepare(self, b)))
+    assert torch.equal(runner.execute(batch), together)
 
 
 def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkeypatch):

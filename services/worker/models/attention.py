@@ -52,8 +52,8 @@ class DenseCausalAttention:
 class PagedBatch:
     """Where each scheduled sequence's tokens sit in the flat batch and in the cache.
 
-    Decode rows (one query each) are attended together; each prefill chunk attends on its own,
-    which bounds the padded score tensor by one chunk rather than the whole batch.
+    Decode rows (one query each) are attended together; prefill chunks attend together only with chunks of the same
+    query and context lengths (`prefill_groups`), so no row is padded and the score tensor is bounded by its group.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -65,6 +65,21 @@ class PagedBatch:
     # the prefill rows whose context is all in this step (context_len == query_len: a prompt with no cached prefix),
     # grouped by length: (query_len, their tokens' indices in the flat batch, row after row)
     whole_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # every prefill row grouped by (query_len, context_len): one paged attention call a group, not one a row
+    prefill_groups: list[PrefillGroup] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PrefillGroup:
+    """Prefill rows of one query length and one context length (prompts of a length continuing from cached pages of
+    a length, as a shared system prompt's): attended in one call. Each row's result is what it gets alone (the same
+    shapes and mask per row; the batch dimension only runs them side by side: to the bit on the CPU, tested)."""
+
+    query_len: int
+    token_idx: torch.Tensor  # [rows * query_len] int64: their tokens in the flat batch, row after row
+    block_tables: torch.Tensor  # [rows, blocks] int64
+    context_lens: torch.Tensor  # [rows] int64, all the group's context length
+    query_lens: torch.Tensor  # [rows] int64, all query_len
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, qlen: int,
@@ -108,17 +123,17 @@ class PagedAttention:
         if together:
             for qlen, idx in b.whole_rows:
                 out.index_copy_(0, idx, _causal(q, k, v, idx, qlen, self.scale))
-        for start, qlen, table, ctx in b.prefill_rows:
-            if together and ctx == qlen:
-                continue
-            dev = q.device
-            ctx_t, qlen_t = torch.tensor([ctx], device=dev), torch.tensor([qlen], device=dev)
-            query = q[start : start + qlen].unsqueeze(0)
+        for g in b.prefill_groups:
+            rows, qlen = g.block_tables.shape[0], g.query_len
+            if together and int(g.context_lens[0]) == qlen:
+                continue  # whole prompts: attended above
+            query = q.index_select(0, g.token_idx).view(rows, qlen, *q.shape[1:])
             if c.k_scale is not None:
-                res = self.kernels.paged_attention_fp8(query, c.k, c.v, c.k_scale, c.v_scale, table, ctx_t, qlen_t, self.scale)
+                res = self.kernels.paged_attention_fp8(query, c.k, c.v, c.k_scale, c.v_scale, g.block_tables,
+                                                       g.context_lens, g.query_lens, self.scale)
             else:
-                res = self.kernels.paged_attention(query, c.k, c.v, table, ctx_t, qlen_t, self.scale)
-            out[start : start + qlen] = res[0]
+                res = self.kernels.paged_attention(query, c.k, c.v, g.block_tables, g.context_lens, g.query_lens, self.scale)
+            out.index_copy_(0, g.token_idx, res.reshape(-1, *q.shape[1:]))
         return out
 
     def _decode(self, layer: int, dq: torch.Tensor) -> torch.Tensor:
