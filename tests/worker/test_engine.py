@@ -249,7 +249,8 @@ def test_prompts_continuing_from_cached_pages_attend_together_to_the_bit_of_one_
                                                                                              kv_cache_dtype):
     """Prefill rows of the same length over the same context (prompts that share a cached prefix and are as long as
     each other) attend in one call per (length, context) group; the step's logits equal, bit for bit, those of
-    every row attended on its own. With an FP8 cache, whole prompts take this path too."""
+    every row attended on its own. With an FP8 cache (whose rows are attended one by one), whole prompts take this
+    path too."""
     from cotserve.worker.model_runner import ModelRunner
     from cotserve.worker.sizing import engine_config
     from cotserve.worker.config import WorkerConfig
