@@ -310,8 +310,9 @@ class SloLink:
         share now and again at every forecast refresh, so as the risk falls the held requests go in a trickle (a share
         s holds each one another second with probability s), not in one wave, and no client retries cost anything.
         It goes anyway after `max_hold_ms`, or a second before its deadline, or once the model's urgent classes are idle
-        (`urgent_idle`: holding would protect nothing, and a forecast stays high for a while after a burst). Returns (ms held, why; None when it was
-        not held). Raises ResourceExhausted (retry-after-ms, +-50%) when `max_held` requests already wait."""
+        (`urgent_idle`: holding would protect nothing, and a forecast stays high for a while after a burst). Returns
+        (ms held, why; None when it was not held). Raises ResourceExhausted (retry-after-ms, +-50%) when `max_held`
+        requests already wait."""
         start = time.monotonic()
         limit = self.cfg.max_hold_ms / 1000
         if time_remaining_s is not None:

@@ -321,12 +321,11 @@ class FrontText:
 class _Dropped:
     """What the engine sent of a sample after the front ended it on a stop string."""
 
-    __slots__ = ("tokens", "reasoning_tokens", "events", "ended")
+    __slots__ = ("tokens", "reasoning_tokens", "events")
 
     def __init__(self) -> None:
         self.tokens = self.reasoning_tokens = 0
         self.events: tuple[tuple[str, int], ...] = ()
-        self.ended = False
 
     def take(self, out: RequestOutput) -> bool:
         """Count `out`'s token as dropped; True for the sample's last output from the engine, made a tokenless

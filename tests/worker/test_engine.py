@@ -230,6 +230,17 @@ def test_the_engine_takes_its_settings_from_the_worker_config(demo):
     assert got.num_blocks >= 1
 
 
+def _step_of(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams):
+    """Submit `prompts` (a, b and c of one length, d of another, and more) and plan the step that computes them:
+    (runner, batch, prepared inputs)."""
+    assert len(prompts["a"]) == len(prompts["b"]) == len(prompts["c"]) != len(prompts["d"])
+    for rid, ids in prompts.items():
+        engine.submit(rid, ids, params, lambda out: None)
+    engine._drain_inbox(block=False)
+    batch = engine.scheduler.schedule()
+    return engine.runner, batch, engine.runner.prepare_inputs(batch)
+
+
 def _one_row_groups(prepared):
     """The step's prefill groups split into groups of one row each (what attending row by row computed)."""
     from cotserve.worker.models.attention import PrefillGroup
@@ -265,13 +276,7 @@ def test_prompts_continuing_from_cached_pages_attend_together_to_the_bit_of_one_
         engine.step()
     prompts = {"a": shared + encode(demo, "5+5="), "b": shared + encode(demo, "6+1="), "c": shared + encode(demo, "2+3="),
                "d": shared + encode(demo, "21+13=34. 8+8="), "e": encode(demo, "1+2=3."), "f": encode(demo, "4+5=9.")}
-    assert len(prompts["a"]) == len(prompts["b"]) == len(prompts["c"]) != len(prompts["d"])
-    for rid, ids in prompts.items():
-        engine.submit(rid, ids, params, lambda out: None)
-    engine._drain_inbox(block=False)
-    batch = engine.scheduler.schedule()
-    runner = engine.runner
-    inputs = runner.prepare_inputs(batch)
+    runner, batch, inputs = _step_of(engine, prompts, params)
     sizes = sorted(g.block_tables.shape[0] for g in inputs.paged.prefill_groups)
     assert sizes == [1, 2, 3], sizes  # a, b, c together; d alone; e and f (whole prompts of one length) together
     together = runner.execute(batch)
@@ -295,13 +300,7 @@ def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkey
         engine.step()
     prompts = {"a": encode(demo, "1+2=3."), "b": encode(demo, "4+5=9."), "c": encode(demo, "7+1=8."),
                "d": encode(demo, "11+22=33. 4+4=8."), "cached": shared + encode(demo, "5+5=")}
-    assert len(prompts["a"]) == len(prompts["b"]) == len(prompts["c"]) != len(prompts["d"])
-    for rid, ids in prompts.items():
-        engine.submit(rid, ids, params, lambda out: None)
-    engine._drain_inbox(block=False)
-    batch = engine.scheduler.schedule()
-    runner = engine.runner
-    inputs = runner.prepare_inputs(batch)
+    runner, batch, inputs = _step_of(engine, prompts, params)
     n, m = len(prompts["a"]), len(prompts["d"])
     assert sorted((q, idx.numel()) for q, idx in inputs.paged.whole_rows) == sorted([(n, 3 * n), (m, m)])
     assert any(ctx > qlen for _, qlen, _, ctx in inputs.paged.prefill_rows)  # the cached prompt's rest
