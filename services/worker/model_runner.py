@@ -49,7 +49,7 @@ class ModelRunner:
         decode_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_ctx: list[int] = []
-        prefill_rows: list[tuple[int, int, torch.Tensor, int]] = []
+        prefill: dict[tuple[int, int], list[tuple[int, list[int]]]] = {}  # (length, context) -> (offset, table) a row
         sample_rows: list[int] = []
         bs = self.block_size
         for item in batch.items:
@@ -70,34 +70,26 @@ class ModelRunner:
                 positions.extend(range(start, start + n))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
                 fresh.extend(p % bs == 0 for p in range(start, start + n))
-                t = torch.tensor([table[: (ctx + bs - 1) // bs]], dtype=torch.int64, device=self.device)
-                prefill_rows.append((offset, n, t, ctx))
+                prefill.setdefault((n, ctx), []).append((offset, table[: (ctx + bs - 1) // bs]))
             if item.samples:
                 sample_rows.append(offset + n - 1)
         width = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in decode_tables]
         dev = self.device
-        whole: dict[int, list[int]] = {}  # prompts computed whole in this step (no cached prefix), by length
-        same: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}  # every prefill row, by (length, context)
-        for start, n, table, ctx in prefill_rows:
-            if ctx == n:
-                whole.setdefault(n, []).append(start)
-            same.setdefault((n, ctx), []).append((start, table))
 
         def as_long(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=dev)
 
-        groups = [PrefillGroup(n, as_long([s + i for s, _ in rows for i in range(n)]), torch.cat([t for _, t in rows]),
-                               as_long([ctx] * len(rows)), as_long([n] * len(rows))) for (n, ctx), rows in same.items()]
+        # a group's rows have one context length, so their tables one width
+        groups = [PrefillGroup(n, ctx, as_long([s + i for s, _ in rows for i in range(n)]), as_long([t for _, t in rows]),
+                               as_long([ctx] * len(rows)), as_long([n] * len(rows))) for (n, ctx), rows in prefill.items()]
 
         paged = PagedBatch(
             slot_mapping=as_long(slots),
             decode_token_idx=as_long(decode_idx),
             decode_block_tables=as_long(padded).view(len(padded), width),
             decode_context_lens=as_long(decode_ctx),
-            prefill_rows=prefill_rows,
             fresh_page=torch.tensor(fresh, dtype=torch.bool, device=dev),
-            whole_rows=[(n, as_long([s + i for s in starts for i in range(n)])) for n, starts in whole.items()],
             prefill_groups=groups,
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))

@@ -249,7 +249,7 @@ def _one_row_groups(prepared):
     for g in prepared.paged.prefill_groups:
         for r in range(g.block_tables.shape[0]):
             idx = g.token_idx[r * g.query_len:(r + 1) * g.query_len]
-            singles.append(PrefillGroup(g.query_len, idx, g.block_tables[r:r + 1], g.context_lens[r:r + 1],
+            singles.append(PrefillGroup(g.query_len, g.context_len, idx, g.block_tables[r:r + 1], g.context_lens[r:r + 1],
                                         g.query_lens[r:r + 1]))
     prepared.paged.prefill_groups = singles
     return prepared
@@ -290,6 +290,7 @@ def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkey
     beside them a decode row and a prompt continuing from cached pages take the paged path. The step's logits equal,
     bit for bit, those of every prefill row read back from its pages."""
     from cotserve.worker.model_runner import ModelRunner
+    from cotserve.worker.models.attention import PagedAttention
 
     engine = make_engine(demo, block_size=4)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -302,16 +303,12 @@ def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkey
                "d": encode(demo, "11+22=33. 4+4=8."), "cached": shared + encode(demo, "5+5=")}
     runner, batch, inputs = _step_of(engine, prompts, params)
     n, m = len(prompts["a"]), len(prompts["d"])
-    assert sorted((q, idx.numel()) for q, idx in inputs.paged.whole_rows) == sorted([(n, 3 * n), (m, m)])
-    assert any(ctx > qlen for _, qlen, _, ctx in inputs.paged.prefill_rows)  # the cached prompt's rest
+    groups = inputs.paged.prefill_groups
+    assert sorted((g.query_len, g.token_idx.numel()) for g in groups if g.whole) == sorted([(n, 3 * n), (m, m)])
+    assert any(g.context_len > g.query_len for g in groups)  # the cached prompt's rest
     assert inputs.paged.decode_token_idx.numel() == 1
     together = runner.execute(batch)
-    prepare = ModelRunner.prepare_inputs
-
-    def paged_only(self, b):
-        prepared = prepare(self, b)
-        prepared.paged.whole_rows = []
-        return prepared
-
-    monkeypatch.setattr(ModelRunner, "prepare_inputs", paged_only)
+    prepare = ModelRunner.prepare_inputs  # the reference: every prefill row read back from its pages on its own
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", lambda self, b: _one_row_groups(prepare(self, b)))
+    monkeypatch.setattr(PagedAttention, "_whole_from_step", staticmethod(lambda cache, k: False))
     assert torch.equal(runner.execute(batch), together)

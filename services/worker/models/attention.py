@@ -54,18 +54,16 @@ class PagedBatch:
 
     Decode rows (one query each) are attended together; prefill chunks attend together only with chunks of the same
     query and context lengths (`prefill_groups`), so no row is padded and the score tensor is bounded by its group.
+    A group whose context is its query (prompts with no cached prefix, computed whole in this step) is a group of
+    whole prompts of one length.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     decode_token_idx: torch.Tensor  # [num_decode] int64 into the flat batch
     decode_block_tables: torch.Tensor  # [num_decode, max_blocks] int64
     decode_context_lens: torch.Tensor  # [num_decode] int64
-    prefill_rows: list[tuple[int, int, torch.Tensor, int]]  # (start, query_len, block_table [1, n], context_len)
     fresh_page: torch.Tensor | None = None  # [num_tokens] bool: the token is its page's first (resets page bounds)
-    # the prefill rows whose context is all in this step (context_len == query_len: a prompt with no cached prefix),
-    # grouped by length: (query_len, their tokens' indices in the flat batch, row after row)
-    whole_rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-    # every prefill row grouped by (query_len, context_len): one paged attention call a group, not one a row
+    # every prefill row grouped by (query_len, context_len): one attention call a group, not one a row
     prefill_groups: list[PrefillGroup] = field(default_factory=list)
 
 
@@ -76,10 +74,16 @@ class PrefillGroup:
     shapes and mask per row; the batch dimension only runs them side by side: to the bit on the CPU, tested)."""
 
     query_len: int
+    context_len: int
     token_idx: torch.Tensor  # [rows * query_len] int64: their tokens in the flat batch, row after row
     block_tables: torch.Tensor  # [rows, blocks] int64
-    context_lens: torch.Tensor  # [rows] int64, all the group's context length
+    context_lens: torch.Tensor  # [rows] int64, all context_len
     query_lens: torch.Tensor  # [rows] int64, all query_len
+
+    @property
+    def whole(self) -> bool:
+        """Prompts computed whole in this step: their context is all in the step's own keys and values."""
+        return self.context_len == self.query_len
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, qlen: int,
@@ -112,21 +116,17 @@ class PagedAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, c = self.batch, self.caches[layer]
         self.kernels.write_kv(k, v, c.k, c.v, b.slot_mapping, c.k_scale, c.v_scale, c.k_min, c.k_max, b.fresh_page)
-        if not b.prefill_rows:  # every token a decode row, in order: no gather and scatter around the kernel
+        if not b.prefill_groups:  # every token a decode row, in order: no gather and scatter around the kernel
             return self._decode(layer, q)
         out = torch.empty_like(q)
         if b.decode_token_idx.numel():
             out.index_copy_(0, b.decode_token_idx, self._decode(layer, q.index_select(0, b.decode_token_idx)))
-        # A whole prompt's keys and values are this step's own k and v (the cache holds them unchanged when it keeps
-        # the model's dtype): same-length prompts attend together, without reading their pages back.
-        together = bool(b.whole_rows) and c.k_scale is None and c.k.dtype == k.dtype  # (it holds every such row)
-        if together:
-            for qlen, idx in b.whole_rows:
-                out.index_copy_(0, idx, _causal(q, k, v, idx, qlen, self.scale))
+        together = self._whole_from_step(c, k)
         for g in b.prefill_groups:
             rows, qlen = g.block_tables.shape[0], g.query_len
-            if together and int(g.context_lens[0]) == qlen:
-                continue  # whole prompts: attended above
+            if together and g.whole:
+                out.index_copy_(0, g.token_idx, _causal(q, k, v, g.token_idx, qlen, self.scale))
+                continue
             query = q.index_select(0, g.token_idx).view(rows, qlen, *q.shape[1:])
             if c.k_scale is None:
                 res = self.kernels.paged_attention(query, c.k, c.v, g.block_tables, g.context_lens, g.query_lens, self.scale)
@@ -137,6 +137,12 @@ class PagedAttention:
                     g.query_lens[r:r + 1], self.scale) for r in range(rows)])
             out.index_copy_(0, g.token_idx, res.reshape(-1, *q.shape[1:]))
         return out
+
+    @staticmethod
+    def _whole_from_step(cache: LayerCache, k: torch.Tensor) -> bool:
+        """Whether whole prompts attend over the step's own keys and values instead of reading their pages back: the
+        cache holds them unchanged when it keeps the model's dtype."""
+        return cache.k_scale is None and cache.k.dtype == k.dtype
 
     def _decode(self, layer: int, dq: torch.Tensor) -> torch.Tensor:
         """Decode attention for the batch's decode rows `dq` [num_decode, heads, dim], over all their pages or, in a
