@@ -52,6 +52,7 @@ from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.detokenizer import IncrementalDetokenizer, TokenBytes
 from cotserve.worker.engine import NO_TOKEN, EngineConfig, EngineStats, RequestOutput, Sink, check_submit, needs_engine_text
 from cotserve.worker.reasoning import Part
+from cotserve.worker.scheduler import is_stop_token
 from cotserve.worker.sequence import SamplingParams, SlaClass
 
 log = logging.getLogger("cotserve.worker.engine")
@@ -264,8 +265,8 @@ class FrontText:
     more (vLLM's output processor does the same): they are dropped, the engine's last output of the sample goes out
     as a tokenless "stop", and the request's usage leaves them out (completion and reasoning tokens)."""
 
-    __slots__ = ("sink", "tokenizer", "token_bytes", "prompt_ids", "stop", "stop_ids", "fmt", "thinking_at_start",
-                 "detoks", "stop_sample", "dropped")
+    __slots__ = ("sink", "tokenizer", "token_bytes", "prompt_ids", "params", "eos_token_ids", "fmt",
+                 "thinking_at_start", "detoks", "stop_sample", "dropped")
 
     def __init__(self, sink: Sink, tokenizer: Any, token_bytes: TokenBytes | None, prompt_ids: list[int],
                  params: SamplingParams, eos_token_ids: frozenset[int], fmt: Any,
@@ -273,11 +274,9 @@ class FrontText:
         if params.stop and stop_sample is None:
             raise ValueError("FrontText: stop strings need stop_sample, to end a sample in the engine")
         self.sink, self.tokenizer, self.token_bytes, self.prompt_ids = sink, tokenizer, token_bytes, prompt_ids
-        self.stop, self.stop_sample = params.stop, stop_sample
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_token_ids)
+        self.params, self.eos_token_ids, self.stop_sample = params, eos_token_ids, stop_sample
         self.fmt = fmt  # the model's ReasoningFormat, or None
-        n = len(fmt.start_ids) if fmt is not None else 0
-        self.thinking_at_start = n > 0 and tuple(prompt_ids[-n:]) == fmt.start_ids  # as ThinkingTracker decides
+        self.thinking_at_start = fmt is not None and fmt.opens_thinking(prompt_ids)
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self.dropped: dict[int, _Dropped] = {}  # samples ended here on a stop string: what the engine sent after it
 
@@ -298,9 +297,9 @@ class FrontText:
     def _text(self, out: RequestOutput) -> None:
         detok = self.detoks.get(out.index)
         if detok is None:
-            detok = self.detoks[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.stop,
+            detok = self.detoks[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params.stop,
                                                                     self.token_bytes)
-        if out.token_id != NO_TOKEN and out.token_id not in self.stop_ids:
+        if out.token_id != NO_TOKEN and not is_stop_token(self.params, self.eos_token_ids, out.token_id):
             out.text = detok.add_token(out.token_id)  # up to a stop string, all of it: nothing is held back then
             if detok.stopped_by_string:
                 if out.finish_reason is None:  # the engine runs on until told: its last output will end the sample

@@ -68,6 +68,12 @@ class ReasoningFormat:
         return cls(start, end, tuple(tokenizer.encode(start, add_special_tokens=False).ids),
                    tuple(tokenizer.encode(end, add_special_tokens=False).ids), step, pattern)
 
+    def opens_thinking(self, prompt_ids: list[int]) -> bool:
+        """The prompt ends with the start marker (the chat template opened the thinking): its output starts inside
+        the reasoning."""
+        n = len(self.start_ids)
+        return n > 0 and tuple(prompt_ids[-n:]) == self.start_ids
+
     def split(self, text: str, thinking_at_start: bool = False) -> tuple[str, str]:
         """A sample's whole output text as (reasoning, answer): the reasoning between the markers
         (stripped; up to the end of the text when thinking never ended) and the answer after the
@@ -99,8 +105,7 @@ class ThinkingTracker:
     def __init__(self, fmt: ReasoningFormat, options: ReasoningParams, prompt_ids: list[int]) -> None:
         self.fmt = fmt
         self.options = options
-        n = len(fmt.start_ids)
-        self.thinking_at_start = n > 0 and tuple(prompt_ids[-n:]) == fmt.start_ids  # the template opened it
+        self.thinking_at_start = fmt.opens_thinking(prompt_ids)
         self.is_thinking = self.thinking_at_start
         self.has_thought = self.thinking_at_start
         self.num_reasoning_tokens = 0  # markers included

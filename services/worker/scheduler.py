@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from cotserve.worker.block_manager import NO_HIT, BlockManager, CacheHit
-from cotserve.worker.sequence import Sequence, SequenceStatus, SlaClass
+from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
 
 
 @dataclass(slots=True)
@@ -43,6 +43,12 @@ class ScheduledBatch:
 
     def __bool__(self) -> bool:
         return bool(self.items)
+
+
+def is_stop_token(params: SamplingParams, eos_token_ids: frozenset[int], token: int) -> bool:
+    """`token` ends a sequence of `params`: one of its stop_token_ids, or end of sequence unless it ignores that (the
+    scheduler's rule, and the worker front's when it makes the text)."""
+    return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
 
 
 def priority(seq: Sequence) -> tuple[int, float, int]:
@@ -286,9 +292,7 @@ class Scheduler:
         return None
 
     def is_stop_token(self, seq: Sequence, token: int) -> bool:
-        """`token` ends `seq`: one of its stop_token_ids, or end of sequence unless it ignores that."""
-        p = seq.params
-        return token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        return is_stop_token(seq.params, self.eos_token_ids, token)
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """`children` (samples of `parent`'s prompt) join the running batch sharing `parent`'s
