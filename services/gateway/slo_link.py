@@ -110,7 +110,7 @@ class SloLink:
         self._last_warning = 0.0
         self._rng = random.Random()
         self.held = 0  # BATCH requests held now (hold_batch)
-        self.urgent: dict[str, list[float]] = {}  # model -> [REALTIME + INTERACTIVE in flight, when one last started or ended]
+        self.urgent_seen: dict[str, float] = {}  # model -> when a REALTIME or INTERACTIVE request of it last started or ended
         self._refreshed = asyncio.Event()  # set, then replaced, at every forecast refresh: held requests draw again
 
     # -- recording (called by the servicer) ----------------------------------------------
@@ -119,8 +119,7 @@ class SloLink:
         self.acc[(model, worker, sla)].arrivals += 1
         self.in_flight[(model, worker, sla)] += 1
         if sla != SlaClass.BATCH:
-            u = self.urgent.setdefault(model, [0, 0.0])
-            u[0], u[1] = u[0] + 1, time.monotonic()
+            self.urgent_seen[model] = time.monotonic()
 
     def first_token(self, model: str, worker: str, sla: SlaClass, ttft_ms: float) -> None:
         a = self.acc[(model, worker, sla)]
@@ -135,14 +134,14 @@ class SloLink:
     def done(self, model: str, worker: str, sla: SlaClass) -> None:
         self.in_flight[(model, worker, sla)] -= 1
         if sla != SlaClass.BATCH:
-            u = self.urgent[model]
-            u[0], u[1] = u[0] - 1, time.monotonic()
+            self.urgent_seen[model] = time.monotonic()
 
     def urgent_idle(self, model: str) -> bool:
         """No REALTIME or INTERACTIVE request of `model` in flight here, nor one started or ended in the last
         `urgent_idle_s`."""
-        n, last = self.urgent.get(model, (0, -math.inf))
-        return n == 0 and time.monotonic() - last >= self.cfg.urgent_idle_s
+        if any(n for (m, _, sla), n in self.in_flight.items() if m == model and sla != SlaClass.BATCH):
+            return False
+        return time.monotonic() - self.urgent_seen.get(model, -math.inf) >= self.cfg.urgent_idle_s
 
     def tokens_per_byte_of(self, model: str) -> float:
         """Prompt tokens per prompt byte of `model`, as its finished requests have shown (a moving average)."""
