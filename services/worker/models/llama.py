@@ -49,14 +49,30 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Non-interleaved (rotate-half) RoPE, applied per token from its absolute position."""
+    """Non-interleaved (rotate-half) RoPE, applied per token from its absolute position.
 
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+    With `max_positions`, cos and sin come from a table of every position below it, made once per dtype on first
+    use (as vLLM's cos_sin_cache): a step then gathers its tokens' rows instead of computing a cos and a sin of
+    every position again (on the demo model at batch 32, 6% of the engine's step went to MKL's threaded cos and
+    sin). The table holds what the computation gives, element for element (tested to the bit); without
+    `max_positions` (training, which runs on any position) each call computes them."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int | None = None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        self.max_positions = max_positions
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [num_tokens, head_dim] for each token's position."""
+        if self.max_positions is None:
+            return self._computed(positions, dtype)
+        table = self._tables.get(dtype)
+        if table is None or table[0].device != positions.device:
+            table = self._tables[dtype] = self._computed(torch.arange(self.max_positions, device=positions.device), dtype)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
+
+    def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [num_tokens, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

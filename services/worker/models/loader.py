@@ -191,7 +191,8 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim).to(device)  # float32 inv_freq, on device
+    # float32 inv_freq, on device; served positions read from a table (they stay below the longest context served)
+    model.model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_context).to(device)
     for block in model.moe_blocks():  # plain-tensor state made on the meta device: make it real
         block.load = torch.zeros(block.num_experts, dtype=torch.int64)
     model.eval().requires_grad_(False)
