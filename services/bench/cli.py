@@ -304,7 +304,7 @@ def bench_telemetry(
 def bench_slo(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder for the worker (default: the bundled demo model)."),
     quick: bool = typer.Option(False, "--quick", help="A short run (under 3 minutes a seed on 2 cores): 100 s recorded in 25 s cycles, 20 s replays, "
-                               "admission off and proportional only (the full mode: 600 s, 120 s, 30 s cycles, off twice and both rules)."),
+                               "admission off and proportional only (the full mode: 600 s, 120 s, 30 s cycles, off twice and every rule)."),
     seeds: int = typer.Option(1, min=1, max=20, help="Independent runs (seeds SEED, SEED+2, ...): figures get 95% intervals "
                               "over them and violation onsets are pooled."),
     duration_s: Optional[float] = typer.Option(None, min=10, help="Seconds of time-varying load to record and learn from "
@@ -314,16 +314,26 @@ def bench_slo(
     cycle_s: Optional[float] = typer.Option(None, min=6, help="Seconds of one load cycle (steady third, ramp third, burst, "
                                             "drain); default 30, 25 with --quick."),
     seed: int = typer.Option(0, help="Seed of the first run's arrivals."),
+    variants: Optional[str] = typer.Option(None, help="Comma-separated BATCH rules to replay, off among them: off, off again, "
+                                           "all-or-nothing, proportional, pause (running BATCH paused on the worker); "
+                                           "default all of them, off and proportional with --quick."),
 ) -> None:
     """The SLO predictor on a real stack: forecast quality against a queue-depth baseline, then misses with and without acting on it."""
     import dataclasses
 
-    from cotserve.bench.slo import FULL, QUICK, run
+    from cotserve.bench.slo import ADMISSION_VARIANTS, FULL, QUICK, run
     from cotserve.bench.slo_report import print_report
 
     base = QUICK if quick else FULL
+    chosen = base.variants
+    if variants is not None:
+        chosen = tuple(dict.fromkeys(v.strip() for v in variants.split(",") if v.strip()))
+        unknown = [v for v in chosen if v not in ADMISSION_VARIANTS]
+        if unknown or "off" not in chosen:
+            raise typer.BadParameter(f"{variants!r}: give off and any of {', '.join(ADMISSION_VARIANTS)}",
+                                     param_hint="--variants")
     mode = dataclasses.replace(base, duration_s=duration_s or base.duration_s, replay_s=replay_s or base.replay_s,
-                               cycle_s=cycle_s or base.cycle_s)
+                               cycle_s=cycle_s or base.cycle_s, variants=chosen)
     console = wide_console()
     outs = []
     for n in range(seeds):

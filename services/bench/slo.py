@@ -11,9 +11,9 @@
    the TTFT/TPOT prediction MAPE; and judges the forecast by blocked cross-validation over the whole recording
    (`slo.model.evaluate_folds`: each fifth held out in turn), which holds out every violation onset once.
 4. Replays the same bursty load (the next seed) against the trained predictor under each admission variant
-   (`ADMISSION_VARIANTS`: off, off again for the run-to-run gap, all-or-nothing, proportional), and reports
+   (`ADMISSION_VARIANTS`: off, off again for the run-to-run gap, all-or-nothing, proportional, pause), and reports
    INTERACTIVE's target-miss rate and p99 TTFT, the output tokens served and BATCH's TTFT (the gateway holds
-   BATCH; one it turns away, when its hold is full, is retried after its `retry-after-ms` with jitter, as a client
+   BATCH arrivals, or pauses running BATCH on the worker; one it turns away, when its hold is full, is retried after its `retry-after-ms` with jitter, as a client
    would, until 60 s after the load ends).
 5. Does all of it for several seeds (`--seeds`): the figures come with 95% intervals over seeds, and violation
    onsets, the forecast's unit, are pooled over seeds with a Wilson interval on the share foreseen.
@@ -194,10 +194,17 @@ async def _prompts(address: str) -> tuple[list[str], list[str]]:
 
 
 FOLDS = 5  # blocked cross-validation of the recording: every stretch held out once (`slo.model.evaluate_folds`)
-ADMISSION_VARIANTS = {"off": None, "off again": None, "all-or-nothing": 1.0, "proportional": 0.5}
-"""The replays' BATCH admission: none; none again (the same replay twice: the run-to-run gap that any rule's
-difference from off is to be read against); all BATCH held while the forecast is over the threshold; held in
-proportion from half the threshold (`--slo-throttle-from 0.5`, the default)."""
+_OFF = ("--no-slo-admission",)
+ADMISSION_VARIANTS: dict[str, tuple[str, ...]] = {
+    "off": _OFF, "off again": _OFF,
+    "all-or-nothing": ("--slo-admission", "--slo-throttle-from", "1.0"),
+    "proportional": ("--slo-admission", "--slo-throttle-from", "0.5"),
+    "pause": (*_OFF, "--slo-pause-batch"),
+}
+"""The replays' BATCH rules, as the gateway's flags: none; none again (the same replay twice: the run-to-run gap that
+any rule's difference from off is to be read against); all BATCH arrivals held while the forecast is over the
+threshold; held in proportion from half the threshold (`--slo-throttle-from 0.5`, the default); running BATCH paused on
+the worker while the forecast is over the threshold, arrivals let in (`--slo-pause-batch`)."""
 NOISE_VARIANT = "off again"
 
 
@@ -241,15 +248,14 @@ def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
 
     slo_child = lambda: predictor_child(slo_addr, state)  # noqa: E731
 
-    def gateway_child(throttle_from: float | None) -> Child:
+    def gateway_child(rule: tuple[str, ...]) -> Child:
         addr = f"127.0.0.1:{free_port()}"
-        admission = ["--no-slo-admission"] if throttle_from is None else ["--slo-admission", "--slo-throttle-from", str(throttle_from)]
         return Child("gateway", addr, python_cli("serve", "gateway", "--port", addr.rsplit(":", 1)[1], "--worker", worker_addr,
-                                                 "--slo", slo_addr, "--no-slo-routing", *admission), grpc_ready(addr))
+                                                 "--slo", slo_addr, "--no-slo-routing", *rule), grpc_ready(addr))
 
     out: dict = {"seed": seed, "replays": {}}
     with running([worker]):
-        with running([slo_child(), gateway_child(None)]) as (_, gw):
+        with running([slo_child(), gateway_child(_OFF)]) as (_, gw):
             short, long = run_loop(_prompts(gw.address))
             cap = run_loop(capacity(gw.address, short, mode.capacity_s))
             out["capacity_rps"] = cap

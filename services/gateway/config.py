@@ -92,6 +92,13 @@ class GatewayConfig(TlsSettings):
     """Longest a BATCH request is held on the forecast; then it goes whatever the forecast says."""
     slo_max_held: int = 1024
     """BATCH requests held at once; more are turned away (RESOURCE_EXHAUSTED with retry-after-ms)."""
+    slo_pause_batch: bool = False
+    """While an urgent class's forecast is at or over the threshold (and urgent requests are in flight), pause the
+    model's running BATCH work on its workers (PauseBatch: BATCH sits out every engine step that has urgent work),
+    a few seconds at a time, renewed at each forecast refresh."""
+    slo_max_pause_ms: int = 5_000
+    """Longest BATCH stays paused in one go; then it runs for at least half as long before it may be paused again
+    (so that BATCH streams keep moving through a long urgent burst)."""
     prefix_cache_scope: str = "tenant"
     """Who shares workers' prefix-cache blocks: tenant (only requests of the same tenant: a shared cache would
     leak one tenant's prompts to another through timing) or global (every request)."""
@@ -163,6 +170,7 @@ class GatewayConfig(TlsSettings):
             (self.poll_interval_s > 0, f"poll_interval_s: {self.poll_interval_s}, must be > 0"),
             (self.slo_retry_after_ms >= 1, f"slo_retry_after_ms: {self.slo_retry_after_ms}, must be >= 1"),
             (0 < self.slo_throttle_from <= 1, f"slo_throttle_from: {self.slo_throttle_from}, allowed (0, 1]"),
+            (1_000 <= self.slo_max_pause_ms <= 60_000, f"slo_max_pause_ms: {self.slo_max_pause_ms}, allowed 1000..60000"),
             (self.slo_max_hold_ms >= 0, f"slo_max_hold_ms: {self.slo_max_hold_ms}, must be >= 0"),
             (self.slo_max_held >= 0, f"slo_max_held: {self.slo_max_held}, must be >= 0"),
             (self.prefix_cache_scope in PREFIX_CACHE_SCOPES,

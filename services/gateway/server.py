@@ -165,8 +165,8 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
         slo = SloLink(SloLinkConfig(cfg.slo_address, admission=cfg.slo_admission, routing=cfg.slo_routing,
                                     predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms,
                                     throttle_from=cfg.slo_throttle_from, max_hold_ms=cfg.slo_max_hold_ms,
-                                    max_held=cfg.slo_max_held,
-                                    credentials=upstream), pool)
+                                    max_held=cfg.slo_max_held, pause_batch=cfg.slo_pause_batch,
+                                    max_pause_ms=cfg.slo_max_pause_ms, credentials=upstream), pool)
     relay = Relay(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope,
                   cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.worker_wait_s)
     servicer = GatewayServicer(relay)

@@ -33,6 +33,7 @@ from cotserve.common.stats import percentile
 from cotserve.common.v1 import common_pb2
 from cotserve.common.windows import worker_total
 from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
+from cotserve.worker.v1 import worker_pb2
 
 log = logging.getLogger("cotserve.gateway")
 
@@ -85,6 +86,8 @@ class SloLinkConfig:
     urgent_idle_s: float = 2.0    # no REALTIME or INTERACTIVE request of the model in flight or started for this long:
     # nothing to protect, so nothing is held, whatever the forecast (its features look back a minute, so it stays high
     # for a while after a burst of urgent traffic has gone)
+    pause_batch: bool = False     # pause the model's running BATCH on its workers while the forecast is over the threshold
+    max_pause_ms: int = 5_000     # longest pause in one go; then at least half as long unpaused
     credentials: Any = None  # grpc.ChannelCredentials for an SLO predictor that speaks TLS (None: plaintext)
 
 
@@ -112,6 +115,10 @@ class SloLink:
         self.held = 0  # BATCH requests held now (hold_batch)
         self.urgent_seen: dict[str, float] = {}  # model -> when a REALTIME or INTERACTIVE request of it last started or ended
         self._refreshed = asyncio.Event()  # set, then replaced, at every forecast refresh: held requests draw again
+        self.pausing_since: dict[str, float] = {}  # model -> when its BATCH pause began (steer_pauses)
+        self.pause_rest_until: dict[str, float] = {}  # model -> no pause before this (after one of max_pause_ms)
+        self.pauses_asked = 0  # PauseBatch calls that started or renewed a pause and succeeded
+        self.pause_failures = 0
 
     # -- recording (called by the servicer) ----------------------------------------------
 
@@ -259,6 +266,8 @@ class SloLink:
                     self.forecasts.pop(model, None)
                     self._warn(f"SLO predictor {self.cfg.address}: Forecast failed: {err.code().name}")
             self.refreshed()
+            if self.cfg.pause_batch:
+                await self.steer_pauses()
 
     async def _fetch_model_forever(self) -> None:
         while True:
@@ -303,6 +312,44 @@ class SloLink:
             return 0.0, 0.0, 1.0
         p, threshold, _ = f
         return deferred_share(p, threshold, self.cfg.throttle_from), p, threshold
+
+    def pause_wanted(self, model: str, now: float) -> bool:
+        """Whether `model`'s BATCH should be paused now: a fresh forecast at or over the threshold, urgent requests
+        not idle, and not resting after a pause of `max_pause_ms` (which then ends for half as long)."""
+        f = self.forecasts.get(model)
+        want = (f is not None and now - f[2] <= 5 * self.cfg.forecast_interval_s and f[0] >= f[1]
+                and not self.urgent_idle(model) and now >= self.pause_rest_until.get(model, 0.0))
+        since = self.pausing_since.get(model)
+        if want and since is not None and now - since >= self.cfg.max_pause_ms / 1000:
+            self.pause_rest_until[model] = now + self.cfg.max_pause_ms / 2000
+            return False
+        return want
+
+    async def steer_pauses(self) -> None:
+        """After each forecast refresh: pause (or keep paused) the running BATCH work of each model whose urgent
+        classes are forecast to miss, on every healthy worker of it, for a lease of three refresh intervals (a
+        gateway that stops asking, or dies, leaves no worker paused for long); end a pause as soon as it is no longer
+        wanted. Acting on running BATCH, not only on BATCH arrivals (`hold_batch`): requests already decoding keep the
+        engine's steps long through a burst however few new ones are let in."""
+        now = time.monotonic()
+        lease_ms = round(min(3 * self.cfg.forecast_interval_s, 60.0) * 1000)
+        for model, workers in self.pool.models().items():
+            if self.pause_wanted(model, now):
+                self.pausing_since.setdefault(model, now)
+                await self._pause(model, workers, lease_ms)
+            elif self.pausing_since.pop(model, None) is not None:
+                await self._pause(model, workers, 0)
+
+    async def _pause(self, model: str, workers: list, duration_ms: int) -> None:
+        async def one(w) -> None:
+            try:
+                await w.stub.PauseBatch(worker_pb2.PauseBatchRequest(duration_ms=duration_ms), timeout=0.5)
+                self.pauses_asked += duration_ms > 0
+            except grpc.aio.AioRpcError as err:
+                self.pause_failures += 1
+                self._warn(f"worker {w.address} ({model}): PauseBatch failed: {err.code().name} {err.details()}")
+
+        await asyncio.gather(*(one(w) for w in workers if w.healthy))
 
     async def hold_batch(self, model: str, time_remaining_s: float | None) -> tuple[float, str | None]:
         """Hold a BATCH request here while the forecast says defer, rather than turn it away: drawn against the deferred

@@ -37,7 +37,7 @@ from cotserve.worker.reasoning import (
     Ballot, ReasoningFormat, ThinkingTracker, VoteEntry, VoteState, confidence, mean_probability, tally,
 )
 from cotserve.worker.sampler import SampleResult, Sampler
-from cotserve.worker.scheduler import ScheduledBatch, Scheduler
+from cotserve.worker.scheduler import ScheduledBatch, Scheduler, check_batch_pause
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,7 @@ class EngineStats:
     generated_tokens_per_s: float = 0.0
     num_preemptions_total: int = 0
     num_batch_yields_total: int = 0  # steps BATCH sat out for an urgent prompt
+    num_batch_paused_steps_total: int = 0  # steps BATCH sat out while paused (`pause_batch`)
     num_requests_finished_total: int = 0
     num_waiting_urgent_seqs: int = 0
     num_generated_tokens_total: int = 0
@@ -221,6 +222,11 @@ class _StopSample:
 
 
 @dataclass(slots=True, frozen=True)
+class _PauseBatch:
+    seconds: float
+
+
+@dataclass(slots=True, frozen=True)
 class _Policy:
     policy: RoutingPolicy
 
@@ -230,7 +236,7 @@ class _TakeLoad:
     callback: Callable[[dict[int, list[int]]], None]
 
 
-_Command = _Add | _Abort | _StopSample | _Policy | _TakeLoad | None  # None only wakes the loop (stop)
+_Command = _Add | _Abort | _StopSample | _PauseBatch | _Policy | _TakeLoad | None  # None only wakes the loop (stop)
 
 
 def kv_spec_of(config: EngineConfig, loaded: LoadedModel) -> KvCacheSpec:
@@ -356,6 +362,12 @@ class Engine:
         stop string, before this arrived, count in the usage (the caller drops them and their count)."""
         self._inbox.put(_StopSample(request_id, index))
 
+    def pause_batch(self, seconds: float) -> None:
+        """Pause BATCH for `seconds` from the next step (`Scheduler.pause_batch`: it sits out every step with
+        urgent work; 0 ends a pause). Raises ValueError, naming the allowed range, before anything is queued."""
+        check_batch_pause(seconds)
+        self._inbox.put(_PauseBatch(seconds))
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -397,6 +409,8 @@ class Engine:
                 self._abort(cmd.request_id)
             elif isinstance(cmd, _StopSample):
                 self._stop_sample(cmd.request_id, cmd.index)
+            elif isinstance(cmd, _PauseBatch):
+                self.scheduler.pause_batch(cmd.seconds)
             elif isinstance(cmd, _Policy):
                 self._apply_policy(cmd.policy)
             elif isinstance(cmd, _TakeLoad):
@@ -817,6 +831,7 @@ class Engine:
             generated_tokens_per_s=self._tokens_in_window / span if self._tokens else 0.0,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             num_batch_yields_total=self.scheduler.num_batch_yields_total,
+            num_batch_paused_steps_total=self.scheduler.num_batch_paused_steps_total,
             num_requests_finished_total=self._finished_total,
             num_generated_tokens_total=self._generated_total,
             moe_policy_version=self.policy_version,

@@ -5,12 +5,12 @@ tokenization and tracing, so every token's Python work on the serving side stole
 model's step (and the other way round). The child process owns the model, the KV cache (it is sized
 there) and the scheduler, and runs the engine's loop: drain commands → step → send what that pass
 produced. The front (`EngineProcess`, in the gRPC process) has the engine's API (`submit`, `abort`,
-`stats`, MoE policy and load), tokenizes, streams and converts; it detokenizes and applies stop strings for
+`stats`, `pause_batch`, MoE policy and load), tokenizes, streams and converts; it detokenizes and applies stop strings for
 every request whose text the engine itself does not read (`FrontText`; votes and step-counted reasoning controls
 keep both in the engine).
 
 IPC: two socket pairs wrapped in `multiprocessing.connection.Connection` (length-prefixed pickles). Commands in are typed
-dataclasses (`AddRequest`, `AbortRequest`, `StopSample`, `SetPolicy`, `TakeExpertLoad`, `Shutdown`); out goes one
+dataclasses (`AddRequest`, `AbortRequest`, `StopSample`, `PauseBatch`, `SetPolicy`, `TakeExpertLoad`, `Shutdown`); out goes one
 `StepOutputs` message per loop pass that produced anything: every output of that pass (all running
 sequences' new tokens, finish reasons, timings) and the stats snapshot. A pass's message is a few
 hundred bytes to a few KB; pickling plus the pipe round trip measured 30-60 µs for 32 outputs on this
@@ -52,7 +52,7 @@ from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.detokenizer import IncrementalDetokenizer, TokenBytes
 from cotserve.worker.engine import NO_TOKEN, EngineConfig, EngineStats, RequestOutput, Sink, check_submit, needs_engine_text
 from cotserve.worker.reasoning import Part
-from cotserve.worker.scheduler import is_stop_token
+from cotserve.worker.scheduler import check_batch_pause, is_stop_token
 from cotserve.worker.sequence import SamplingParams, SlaClass
 
 log = logging.getLogger("cotserve.worker.engine")
@@ -79,6 +79,11 @@ class AbortRequest:
 class StopSample:
     request_id: str
     index: int  # the sample the front found a stop string in (`FrontText`)
+
+
+@dataclass(slots=True, frozen=True)
+class PauseBatch:
+    seconds: float  # checked by the front (`scheduler.check_batch_pause`)
 
 
 @dataclass(slots=True, frozen=True)
@@ -186,6 +191,8 @@ def _apply(engine: Any, cmd: object, sink: Sink, send: Callable[[object], None])
         engine.abort(cmd.request_id)
     elif isinstance(cmd, StopSample):
         engine.stop_sample(cmd.request_id, cmd.index)
+    elif isinstance(cmd, PauseBatch):
+        engine.pause_batch(cmd.seconds)
     elif isinstance(cmd, SetPolicy):
         engine.set_routing_policy(cmd.policy)
     elif isinstance(cmd, TakeExpertLoad):
@@ -450,6 +457,10 @@ class EngineProcess:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    def pause_batch(self, seconds: float) -> None:
+        check_batch_pause(seconds)
+        self._send(PauseBatch(seconds))
 
     def set_routing_policy(self, policy: Any) -> None:
         self._send(SetPolicy(policy))

@@ -79,6 +79,8 @@ def worker_registry(stats: Callable[[], EngineStats], model: str, total_blocks: 
             counter("cotserve_worker_preemptions", "Preemptions since start.", s.num_preemptions_total),
             counter("cotserve_worker_batch_yields", "Steps BATCH work sat out so that a REALTIME/INTERACTIVE prompt "
                     "ran alone.", s.num_batch_yields_total),
+            counter("cotserve_worker_batch_paused_steps", "Steps BATCH work sat out while paused (PauseBatch, asked by a "
+                    "gateway whose SLO predictor forecasts an urgent-class miss).", s.num_batch_paused_steps_total),
             counter("cotserve_worker_requests_finished", "Requests finished (any way) since start.", s.num_requests_finished_total),
             counter("cotserve_worker_prefix_cache_queried_tokens", "Tokens looked up in the prefix cache at admission.", s.prefix_cache_queried_tokens),
             counter("cotserve_worker_prefix_cache_hit_tokens", "Tokens found in the prefix cache at admission.", s.prefix_cache_hit_tokens),

@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from cotserve.worker.block_manager import NO_HIT, BlockManager, CacheHit
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
+
+MAX_BATCH_PAUSE_S = 60.0
+"""The longest one `pause_batch` may ask for: a pause is a lease its asker renews while it lasts, so that BATCH goes on
+by itself when the asker (a gateway) stops asking or is gone."""
+
+
+def check_batch_pause(seconds: float) -> None:
+    """ValueError naming the allowed range unless 0 <= `seconds` <= MAX_BATCH_PAUSE_S."""
+    if not 0.0 <= seconds <= MAX_BATCH_PAUSE_S:  # NaN fails both comparisons
+        raise ValueError(f"pause_batch: {seconds} s, allowed 0..{MAX_BATCH_PAUSE_S:g}")
 
 
 @dataclass(slots=True)
@@ -90,6 +101,12 @@ class Scheduler:
       preemption) runs no BATCH work at all (`batch_yields_to_urgent_prompts`): the urgent request's first
       token then waits on a step of urgent work only, not on every BATCH decode besides. BATCH yields at most
       every other step, so a stream of urgent arrivals cannot starve it.
+    - While BATCH is paused (`pause_batch`: a gateway whose SLO predictor forecasts an urgent-class miss asks for it,
+      for a few seconds at a time), no step that has urgent work runs BATCH work: running BATCH sequences keep
+      their seats and pages but sit out, and go on in the steps with no urgent work. Unlike yielding, this holds
+      for every step of the pause, not every other one; and the steps BATCH runs alone during a pause take at most
+      `max_batch_tokens_when_urgent` of its tokens, as when urgent work is present: BATCH arrivals that piled up
+      would otherwise be prefilled together in the first gap, a long step for the next urgent arrival to wait on.
 
     Only the engine thread calls it. Every path that ends a sequence (`finish`, `abort`) frees
     its blocks, so no block outlives its sequence.
@@ -113,6 +130,8 @@ class Scheduler:
         self.batch_yields_to_urgent_prompts = batch_yields_to_urgent_prompts and by_class
         self.batch_yielded = False  # the last step ran no BATCH work because of an urgent prompt
         self.num_batch_yields_total = 0
+        self.batch_paused_until = 0.0  # time.monotonic() until which BATCH sits out every step with urgent work
+        self.num_batch_paused_steps_total = 0
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: list[Sequence] = []  # in `key` order, always (`_enqueue`, `_dequeue`): read it, never change it
@@ -178,12 +197,21 @@ class Scheduler:
         return self.batch_yields_to_urgent_prompts and not self.batch_yielded and (self._waiting_urgent_prompts > 0 or any(
             s.sla_class != SlaClass.BATCH and s.num_computed_tokens < len(s) - 1 for s in self.running))
 
+    def pause_batch(self, seconds: float) -> None:
+        """Pause BATCH for `seconds` from now (see the class's rules); 0 ends a pause now. A later call replaces the
+        pause in force, so a caller keeps BATCH paused by asking again before its pause ends."""
+        check_batch_pause(seconds)
+        self.batch_paused_until = time.monotonic() + seconds if seconds > 0 else 0.0
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        may_yield = self._may_yield()
+        urgent = self.by_class and (self.num_waiting_urgent or any(s.sla_class != SlaClass.BATCH for s in self.running))
+        pause = self.by_class and self.batch_paused_until > 0.0 and time.monotonic() < self.batch_paused_until
+        paused = bool(urgent) and pause
+        may_yield = paused or self._may_yield()
         reserve = 0 if may_yield else self._batch_reserve()  # a step BATCH sits out keeps no share for it
         batch_cap = self.max_num_batched_tokens
-        if self.by_class and (self.num_waiting_urgent or any(s.sla_class != SlaClass.BATCH for s in self.running)):
+        if urgent or pause:  # paused, BATCH alone keeps its steps short too: an urgent arrival waits on the one running
             batch_cap = max(reserve, self.max_batch_tokens_when_urgent)
         used_urgent = used_batch = 0
         scheduled: set[int] = set()
@@ -192,6 +220,8 @@ class Scheduler:
             if seq.status == SequenceStatus.PREEMPTED and seq in batch.preempted:
                 continue  # preempted a moment ago in this very step
             is_batch = seq.sla_class == SlaClass.BATCH
+            if is_batch and paused:
+                break  # every urgent sequence came first (priority order): BATCH sits every paused step out
             if is_batch and urgent_prompt and may_yield:
                 yielded = True  # every urgent sequence came first (priority order): BATCH sits this step out
                 break
@@ -231,6 +261,10 @@ class Scheduler:
         else:  # no BATCH sequence was reached: one still waiting past a blocked admission sits this step out as well
             yielded = admission_blocked and urgent_prompt and may_yield and self.waiting_by_class[SlaClass.BATCH] > sum(
                 s.sla_class == SlaClass.BATCH for s in batch.preempted)  # those wait too (this step skips them)
+        if paused:  # a pause is not a yield: the every-other-step rule counts only yields
+            yielded = False
+            self.num_batch_paused_steps_total += bool(self.waiting_by_class[SlaClass.BATCH]) or any(
+                s.sla_class == SlaClass.BATCH for s in self.running)
         self.batch_yielded = yielded
         self.num_batch_yields_total += yielded
         if batch.items:  # an empty batch runs nothing: planned copies wait for the next one

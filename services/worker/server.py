@@ -34,6 +34,7 @@ from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
+from cotserve.worker.scheduler import MAX_BATCH_PAUSE_S
 from cotserve.worker.convert import check_text_length, generate_from_pb, max_token_chars, output_to_pb
 from cotserve.worker.detokenizer import TokenTexts
 from cotserve.worker.utilization import UtilizationProbe
@@ -315,8 +316,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             reasoning_tokens_total=s.num_reasoning_tokens_total, probe_tokens_total=s.num_probe_tokens_total,
             early_exits_total=s.num_early_exits_total, thinking_tokens_saved_total=s.num_thinking_tokens_saved_total,
             vote_samples_used_total=s.num_vote_samples_used_total, vote_samples_saved_total=s.num_vote_samples_saved_total,
-            kernels_ready=s.kernels_ready,
+            kernels_ready=s.kernels_ready, batch_paused_steps_total=s.num_batch_paused_steps_total,
         )
+
+    async def PauseBatch(self, request: worker_pb2.PauseBatchRequest, context: grpc.aio.ServicerContext) -> worker_pb2.PauseBatchResponse:
+        if request.duration_ms > MAX_BATCH_PAUSE_S * 1000:
+            raise InvalidArgument(f"duration_ms: {request.duration_ms}, allowed 0..{MAX_BATCH_PAUSE_S * 1000:.0f}")
+        try:
+            self.engine.pause_batch(request.duration_ms / 1000)
+        except EngineDied as exc:
+            raise Unavailable(str(exc)) from None
+        return worker_pb2.PauseBatchResponse()
 
     async def Tokenize(self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext) -> worker_pb2.TokenizeResponse:
         tokenizer = self.loaded.tokenizer

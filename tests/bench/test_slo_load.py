@@ -112,7 +112,8 @@ def test_a_rule_is_judged_worse_beyond_noise_only_by_more_than_off_differed_from
 
     def replays(off, again, rule):
         return {"off": _replay(off[0], 100, 50.0, 1000, off[1]), "off again": _replay(again[0], 100, 50.0, 1000, again[1]),
-                "all-or-nothing": _replay(rule[0], 100, 50.0, 1000, rule[1]), "proportional": _replay(rule[0], 100, 50.0, 1000, rule[1])}
+                "all-or-nothing": _replay(rule[0], 100, 50.0, 1000, rule[1]), "proportional": _replay(rule[0], 100, 50.0, 1000, rule[1]),
+                "pause": _replay(rule[0], 100, 50.0, 1000, rule[1])}
 
     runs = [
         _run(0, replays((10, 1900), (14, 1950), (12, 1940))),  # worse than off, but less than off differed from itself
@@ -143,3 +144,15 @@ def test_report_without_a_trained_seed_says_why_and_fails():
            "replays": {}}
     assert not print_report([run], QUICK, console)
     assert "could not train: no violation in the training stretch" in console.export_text()
+
+
+@pytest.mark.parametrize("given", ["pause", "off,nudge"])
+def test_bench_slo_refuses_variants_without_off_or_unknown_naming_the_allowed_ones(given):
+    from typer.testing import CliRunner
+
+    from cotserve.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "slo", "--variants", given])
+    assert result.exit_code == 2
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "give off and any of off, off again, all-or-nothing, proportional, pause" in text

@@ -342,3 +342,61 @@ def test_each_request_reports_its_place_in_the_prefill_line_and_the_line_empties
             await slo.stop()
 
     asyncio.run(main())
+
+
+def test_a_forecast_miss_pauses_running_batch_on_the_models_workers_for_a_renewed_lease_and_no_longer():
+    """`steer_pauses` after each refresh, against a real worker over gRPC: paused while the forecast is over the
+    threshold and urgent work is in flight, for a lease of three refresh intervals renewed each time; ended at once
+    when the forecast falls or urgent traffic goes idle; after max_pause_ms, half as long unpaused; a worker that
+    cannot be reached is counted and warned about, nothing raised."""
+    async def main():
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
+        sched = worker.engine.scheduler
+        dead_addr = f"127.0.0.1:{free_port()}"
+        async with grpc.aio.insecure_channel(worker.server.address) as ch, grpc.aio.insecure_channel(dead_addr) as dead_ch:
+            from cotserve.worker.v1 import worker_pb2_grpc
+            live = SimpleNamespace(address=worker.server.address, healthy=True, stub=worker_pb2_grpc.WorkerServiceStub(ch))
+            dead = SimpleNamespace(address=dead_addr, healthy=True, stub=worker_pb2_grpc.WorkerServiceStub(dead_ch))
+            down = SimpleNamespace(address="127.0.0.1:2", healthy=False, stub=None)  # not asked at all
+            link = SloLink(SloLinkConfig("127.0.0.1:1", pause_batch=True, max_pause_ms=2000, forecast_interval_s=1.0),
+                           SimpleNamespace(models=lambda: {"m": [live, dead, down]}))
+
+            async def settled() -> float:  # the engine thread applies the pause between steps
+                await asyncio.sleep(0.1)
+                return sched.batch_paused_until - time.monotonic()
+
+            link.arrival("m", live.address, SlaClass.INTERACTIVE)
+            link.forecasts["m"] = (0.6, 0.7, time.monotonic())  # under the threshold: no pause
+            await link.steer_pauses()
+            assert await settled() < 0 and link.pauses_asked == 0 and link.pause_failures == 0
+            link.forecasts["m"] = (0.8, 0.7, time.monotonic())
+            await link.steer_pauses()
+            assert 2.7 < await settled() <= 3.0  # a 3 s lease
+            assert link.pauses_asked == 1 and link.pause_failures == 1  # the dead worker: counted, not raised
+            await asyncio.sleep(0.5)
+            await link.steer_pauses()  # renewed: 3 s from now again
+            assert 2.7 < await settled() <= 3.0 and link.pauses_asked == 2
+            link.forecasts["m"] = (0.5, 0.7, time.monotonic())  # the risk passed: ended now, not at the lease's end
+            await link.steer_pauses()
+            assert sched.batch_paused_until == 0.0 or await settled() < 0
+            assert "m" not in link.pausing_since
+            link.forecasts["m"] = (0.9, 0.7, time.monotonic())
+            await link.steer_pauses()
+            assert await settled() > 2
+            link.pausing_since["m"] -= 2.0  # paused max_pause_ms (2 s) already: it ends and rests 1 s
+            await link.steer_pauses()
+            assert await settled() < 0 and link.pause_rest_until["m"] > time.monotonic() + 0.5
+            await link.steer_pauses()
+            assert await settled() < 0  # still resting
+            link.pause_rest_until["m"] = 0.0
+            link.cfg.urgent_idle_s = 0.0
+            link.done("m", live.address, SlaClass.INTERACTIVE)  # nothing urgent in flight: nothing to protect
+            await link.steer_pauses()
+            assert await settled() < 0
+            link.arrival("m", live.address, SlaClass.REALTIME)
+            await link.steer_pauses()
+            assert await settled() > 2
+        await link.stop()
+        await worker.stop()
+
+    asyncio.run(main())

@@ -296,3 +296,66 @@ def test_the_waiting_queue_stays_in_order_and_its_counts_stay_true_through_admis
         assert_no_leak(s)
         longest = max(longest, len(s.waiting))
     assert preempted > 10 and longest >= 10  # the mix did preempt, and queued
+
+
+def test_paused_batch_sits_out_every_step_with_urgent_work_keeps_its_pages_and_runs_capped_without_it():
+    s = make(num_blocks=256, block_size=4, max_num_seqs=16, budget=64)
+    s.max_batch_tokens_when_urgent = 16
+    flood = [seq(B, 4, max_new_tokens=50) for _ in range(4)]
+    for q in flood:
+        s.add(q)
+    run_step(s, s.schedule())
+    urgent = seq(I, 5, max_new_tokens=20)
+    s.add(urgent)
+    s.pause_batch(30.0)
+    pages = {q.seq_id: list(q.block_table) for q in flood}
+    for _ in range(5):  # the prompt, then decodes: not one step with BATCH in it (yielding would let every other in)
+        batch = s.schedule()
+        assert [x.seq for x in batch.items] == [urgent]
+        run_step(s, batch)
+    assert all(q.status == SequenceStatus.RUNNING and q in s.running for q in flood)
+    assert {q.seq_id: list(q.block_table) for q in flood} == pages  # seats and pages kept
+    assert s.num_batch_paused_steps_total == 5 and s.num_batch_yields_total == 0
+    s.abort(urgent)
+    piled = [seq(B, 40) for _ in range(4)]  # BATCH arrivals during the pause: 160 prompt tokens
+    for q in piled:
+        s.add(q)
+    batch = s.schedule()  # no urgent work: BATCH goes on though the pause lasts, within the urgent-time cap
+    assert set(flood) <= {x.seq for x in batch.items}
+    assert sum(x.num_tokens for x in batch.items) == 16  # 4 decodes + 12 prompt tokens: not the budget's 64
+    run_step(s, batch)
+    urgent2 = seq(I, 5, max_new_tokens=20)
+    s.add(urgent2)
+    batch = s.schedule()
+    assert [x.seq for x in batch.items] == [urgent2]  # its prompt, BATCH paused
+    run_step(s, batch)
+    s.pause_batch(0)  # ended: urgent2 decodes and, no urgent prompt to yield to, every BATCH decodes beside it
+    batch = s.schedule()
+    assert set(flood) | {urgent2} <= {x.seq for x in batch.items}
+    run_step(s, batch)
+    assert_no_leak(s)
+
+
+@pytest.mark.parametrize("seconds", [-1.0, 61.0, float("nan")])
+def test_a_pause_out_of_range_is_refused_naming_the_range(seconds):
+    s = make()
+    with pytest.raises(ValueError, match=r"pause_batch: .* allowed 0\.\.60"):
+        s.pause_batch(seconds)
+    assert s.batch_paused_until == 0.0
+
+
+def test_a_pause_ends_by_itself(monkeypatch):
+    import cotserve.worker.scheduler as sched
+    now = [1000.0]
+    monkeypatch.setattr(sched.time, "monotonic", lambda: now[0])
+    s = make(num_blocks=256, max_num_seqs=16, budget=64, yields=False)
+    b = seq(B, 4)
+    s.add(b)
+    run_step(s, s.schedule())
+    i = seq(I, 5, max_new_tokens=20)
+    s.add(i)
+    s.pause_batch(2.0)
+    run_step(s, s.schedule())
+    assert b not in [x.seq for x in s.schedule().items]
+    now[0] += 2.01  # the lease ran out and nobody renewed it
+    assert b in [x.seq for x in s.schedule().items]

@@ -140,6 +140,30 @@ def test_concurrent_streams_and_stats(stub, demo_worker):
     assert stats.utilization_is_cpu and 0 <= stats.utilization <= 1 and stats.memory_used_bytes > 50_000_000  # torch alone
 
 
+def test_paused_batch_sits_out_while_interactive_runs_and_loses_nothing(stub, demo_worker):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.PauseBatch(worker_pb2.PauseBatchRequest(duration_ms=60_001))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "duration_ms: 60001, allowed 0..60000" in err.value.details()
+    before = stub.Stats(worker_pb2.StatsRequest()).batch_paused_steps_total
+    batch = stub.Generate(worker_pb2.GenerateRequest(prompt_text="1+2=", sla_class=common_pb2.SLA_CLASS_BATCH,
+                                                     sampling=common_pb2.SamplingParams(max_new_tokens=240, ignore_eos=True)))
+    first = next(batch)  # BATCH running
+    try:
+        stub.PauseBatch(worker_pb2.PauseBatchRequest(duration_ms=30_000))
+        urgent = list(stub.Generate(worker_pb2.GenerateRequest(
+            prompt_text="3+4=", sla_class=common_pb2.SLA_CLASS_INTERACTIVE,
+            sampling=common_pb2.SamplingParams(max_new_tokens=60, ignore_eos=True))))
+        paused_steps = stub.Stats(worker_pb2.StatsRequest()).batch_paused_steps_total - before
+    finally:
+        stub.PauseBatch(worker_pb2.PauseBatchRequest(duration_ms=0))  # the session's worker: leave it unpaused
+    rest = list(batch)
+    assert sum(len(c.token_ids) for c in urgent) == 60
+    assert paused_steps >= 55  # every INTERACTIVE step but its first few (the pause lands within a step) ran alone
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 240  # BATCH went on afterwards, nothing lost
+    assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    wait_worker_idle(demo_worker)
+
+
 def test_utilization_probe_reads_this_process_cpu_share():
     import time
 

@@ -365,6 +365,7 @@ class StatsResponse(_message.Message):
     VOTE_SAMPLES_USED_TOTAL_FIELD_NUMBER: _builtins.int
     VOTE_SAMPLES_SAVED_TOTAL_FIELD_NUMBER: _builtins.int
     KERNELS_READY_FIELD_NUMBER: _builtins.int
+    BATCH_PAUSED_STEPS_TOTAL_FIELD_NUMBER: _builtins.int
     num_running_seqs: _builtins.int
     """Sequences in the running batch."""
     num_waiting_seqs: _builtins.int
@@ -427,6 +428,8 @@ class StatsResponse(_message.Message):
     """The engine's CPU kernels are compiled: false for a few seconds after start while they compile on a helper
     thread (steps run the eager references meanwhile, slower); always true on a GPU.
     """
+    batch_paused_steps_total: _builtins.int
+    """Engine steps in which BATCH work sat out because BATCH was paused (PauseBatch), since start."""
     def __init__(
         self,
         *,
@@ -459,10 +462,11 @@ class StatsResponse(_message.Message):
         vote_samples_used_total: _builtins.int = ...,
         vote_samples_saved_total: _builtins.int = ...,
         kernels_ready: _builtins.bool = ...,
+        batch_paused_steps_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["early_exits_total", b"early_exits_total", "generated_tokens_per_s", b"generated_tokens_per_s", "kernels_ready", b"kernels_ready", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_blocks_used_peak", b"kv_blocks_used_peak", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_evictions_total", b"prefix_cache_evictions_total", "prefix_cache_hit_tokens_total", b"prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total", b"prefix_cache_queried_tokens_total", "probe_tokens_total", b"probe_tokens_total", "prompt_tokens_computed_total", b"prompt_tokens_computed_total", "reasoning_tokens_total", b"reasoning_tokens_total", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "thinking_tokens_saved_total", b"thinking_tokens_saved_total", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "vote_samples_saved_total", b"vote_samples_saved_total", "vote_samples_used_total", b"vote_samples_used_total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_paused_steps_total", b"batch_paused_steps_total", "early_exits_total", b"early_exits_total", "generated_tokens_per_s", b"generated_tokens_per_s", "kernels_ready", b"kernels_ready", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_used", b"kv_blocks_used", "kv_blocks_used_peak", b"kv_blocks_used_peak", "kv_bytes_total", b"kv_bytes_total", "kv_bytes_used", b"kv_bytes_used", "memory_used_bytes", b"memory_used_bytes", "moe_policy_version", b"moe_policy_version", "num_preemptions_total", b"num_preemptions_total", "num_requests_finished_total", b"num_requests_finished_total", "num_running_seqs", b"num_running_seqs", "num_waiting_seqs", b"num_waiting_seqs", "num_waiting_urgent_seqs", b"num_waiting_urgent_seqs", "prefix_cache_blocks", b"prefix_cache_blocks", "prefix_cache_evictions_total", b"prefix_cache_evictions_total", "prefix_cache_hit_tokens_total", b"prefix_cache_hit_tokens_total", "prefix_cache_queried_tokens_total", b"prefix_cache_queried_tokens_total", "probe_tokens_total", b"probe_tokens_total", "prompt_tokens_computed_total", b"prompt_tokens_computed_total", "reasoning_tokens_total", b"reasoning_tokens_total", "step_latency_p50_ms", b"step_latency_p50_ms", "step_latency_p95_ms", b"step_latency_p95_ms", "thinking_tokens_saved_total", b"thinking_tokens_saved_total", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "vote_samples_saved_total", b"vote_samples_saved_total", "vote_samples_used_total", b"vote_samples_used_total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -523,3 +527,42 @@ class TokenizeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
+
+@_typing.final
+class PauseBatchRequest(_message.Message):
+    """How long to pause BATCH work for."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DURATION_MS_FIELD_NUMBER: _builtins.int
+    duration_ms: _builtins.int
+    """Milliseconds from now, 0..60000; 0 ends a pause in force now. Replaces the pause in force."""
+    def __init__(
+        self,
+        *,
+        duration_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_ms", b"duration_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseBatchRequest: _TypeAlias = PauseBatchRequest  # noqa: Y015
+
+@_typing.final
+class PauseBatchResponse(_message.Message):
+    """The pause is in force (or, for 0, ended)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseBatchResponse: _TypeAlias = PauseBatchResponse  # noqa: Y015

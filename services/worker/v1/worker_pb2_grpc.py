@@ -55,6 +55,11 @@ class WorkerServiceStub:
                 request_serializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.PauseBatch = channel.unary_unary(
+                '/cotserve.worker.v1.WorkerService/PauseBatch',
+                request_serializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchRequest.SerializeToString,
+                response_deserializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -89,6 +94,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PauseBatch(self, request, context):
+        """Pauses BATCH work for a while: no engine step that has REALTIME or INTERACTIVE work runs BATCH work (running
+        BATCH requests keep their place and KV pages and go on in steps without urgent work). A gateway asks for it when
+        its SLO predictor forecasts an urgent-class miss, and asks again before the pause ends to keep it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +125,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
                     response_serializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'PauseBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseBatch,
+                    request_deserializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchRequest.FromString,
+                    response_serializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class WorkerService:
             '/cotserve.worker.v1.WorkerService/Tokenize',
             cotserve_dot_worker_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
             cotserve_dot_worker_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cotserve.worker.v1.WorkerService/PauseBatch',
+            cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchRequest.SerializeToString,
+            cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,11 @@ class WorkerServiceStub:
     """Current load: queues, KV blocks, step latency, throughput."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_worker_pb2.TokenizeRequest, _worker_pb2.TokenizeResponse]
     """Turns text into the model's token ids."""
+    PauseBatch: _grpc.UnaryUnaryMultiCallable[_worker_pb2.PauseBatchRequest, _worker_pb2.PauseBatchResponse]
+    """Pauses BATCH work for a while: no engine step that has REALTIME or INTERACTIVE work runs BATCH work (running
+    BATCH requests keep their place and KV pages and go on in steps without urgent work). A gateway asks for it when
+    its SLO predictor forecasts an urgent-class miss, and asks again before the pause ends to keep it.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -55,6 +60,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Current load: queues, KV blocks, step latency, throughput."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_worker_pb2.TokenizeRequest, _worker_pb2.TokenizeResponse]  # type: ignore[assignment]
     """Turns text into the model's token ids."""
+    PauseBatch: _aio.UnaryUnaryMultiCallable[_worker_pb2.PauseBatchRequest, _worker_pb2.PauseBatchResponse]  # type: ignore[assignment]
+    """Pauses BATCH work for a while: no engine step that has REALTIME or INTERACTIVE work runs BATCH work (running
+    BATCH requests keep their place and KV pages and go on in steps without urgent work). A gateway asks for it when
+    its SLO predictor forecasts an urgent-class miss, and asks again before the pause ends to keep it.
+    """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     """Serves one model. Cancelling a Generate stream frees its KV pages at the next engine step."""
@@ -90,5 +100,16 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.TokenizeResponse, _abc.Awaitable[_worker_pb2.TokenizeResponse]]:
         """Turns text into the model's token ids."""
+
+    @_abc_1.abstractmethod
+    def PauseBatch(
+        self,
+        request: _worker_pb2.PauseBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.PauseBatchResponse, _abc.Awaitable[_worker_pb2.PauseBatchResponse]]:
+        """Pauses BATCH work for a while: no engine step that has REALTIME or INTERACTIVE work runs BATCH work (running
+        BATCH requests keep their place and KV pages and go on in steps without urgent work). A gateway asks for it when
+        its SLO predictor forecasts an urgent-class miss, and asks again before the pause ends to keep it.
+        """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
