@@ -203,8 +203,9 @@ class Scheduler:
         check_batch_pause(seconds)
         self.batch_paused_until = time.monotonic() + seconds if seconds > 0 else 0.0
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+    def _step_rules(self) -> tuple[bool, bool, int, int]:
+        """This step's BATCH rules: (paused: BATCH sits it out for the pause, may_yield: or for an urgent prompt,
+        reserve: BATCH's kept tokens, batch_cap: BATCH's most tokens)."""
         urgent = self.by_class and (self.num_waiting_urgent or any(s.sla_class != SlaClass.BATCH for s in self.running))
         pause = self.by_class and self.batch_paused_until > 0.0 and time.monotonic() < self.batch_paused_until
         paused = bool(urgent) and pause
@@ -213,6 +214,11 @@ class Scheduler:
         batch_cap = self.max_num_batched_tokens
         if urgent or pause:  # paused, BATCH alone keeps its steps short too: an urgent arrival waits on the one running
             batch_cap = max(reserve, self.max_batch_tokens_when_urgent)
+        return paused, may_yield, reserve, batch_cap
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        paused, may_yield, reserve, batch_cap = self._step_rules()
         used_urgent = used_batch = 0
         scheduled: set[int] = set()
         admission_blocked = urgent_prompt = yielded = False
