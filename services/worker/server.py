@@ -27,7 +27,7 @@ from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.streams import coalesce
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.config import WorkerConfig
-from cotserve.worker.engine import Engine, RequestOutput
+from cotserve.worker.engine import NO_TOKEN, Engine, RequestOutput
 from cotserve.worker.engine_process import EngineDied, EngineProcess
 from cotserve.worker.sizing import engine_config, resolve_device, set_torch_threads
 from cotserve.worker.metrics import worker_registry
@@ -47,8 +47,48 @@ tokenizer pool, so that one long prompt never delays another request's tokens, S
 Rust tokenizer releases the GIL while it encodes."""
 
 
+class StreamInbox:
+    """One request's engine outputs, on the event loop, and when its `Generate` is woken for them: only once it has
+    something to write. That is `due` tokens pending (what the stream interval still holds back; 1 before the
+    first token), or the request's last output (or error) — not at every engine step while the interval holds
+    tokens back. A held BATCH stream (interval 8) used to wake at every step to convert one token and write
+    nothing: 32 streams, 32 wake-ups and conversions a step in the worker front, whose core the gateway and the
+    clients share."""
+
+    __slots__ = ("items", "tokens", "due", "final", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: list[RequestOutput] = []
+        self.tokens = 0
+        self.due = 1
+        self.final = False  # the request's last output (or an error) is among the items
+        self._waiter: asyncio.Future | None = None
+
+    def _ready(self) -> bool:
+        return self.final or self.tokens >= self.due
+
+    def put(self, out: RequestOutput) -> None:
+        self.items.append(out)
+        self.tokens += out.token_id != NO_TOKEN
+        self.final = self.final or out.is_last or out.error is not None
+        if self._waiter is not None and not self._waiter.done() and self._ready():
+            self._waiter.set_result(None)
+
+    async def take(self, due: int) -> list[RequestOutput]:
+        """Every output pending, once `due` tokens are (or the last output is)."""
+        self.due = due
+        if not self._ready():
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self.items, self.tokens, self.final = self.items, [], 0, False
+        return items
+
+
 class LoopMailbox:
-    """Hands engine outputs to asyncio queues with one loop wake-up per batch, not per token.
+    """Hands engine outputs to the requests' inboxes with one loop wake-up per batch, not per token.
 
     The engine thread calls `put` for each output of a step; the first schedules a flush on the
     loop and the rest ride along, so 32 streams cost one cross-thread wake-up per step.
@@ -57,10 +97,10 @@ class LoopMailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, RequestOutput]] = []
+        self._items: list[tuple[StreamInbox, RequestOutput]] = []
         self._scheduled = False
 
-    def put(self, queue: asyncio.Queue, out: RequestOutput) -> None:
+    def put(self, queue: StreamInbox, out: RequestOutput) -> None:
         with self._lock:
             self._items.append((queue, out))
             if self._scheduled:
@@ -72,7 +112,7 @@ class LoopMailbox:
         with self._lock:
             items, self._items, self._scheduled = self._items, [], False
         for queue, out in items:
-            queue.put_nowait(out)
+            queue.put(out)
 
 
 class _PhaseSpans:
@@ -137,6 +177,10 @@ class _Held:
         self.messages.append(message)
         self.tokens += len(message.token_ids)
 
+    def tokens_due(self) -> int:
+        """Tokens still to come before `take` writes (1 before the first token is written)."""
+        return max(1, self.due - self.tokens) if self.written else 1
+
     def take(self, finished: bool) -> list[worker_pb2.GenerateResponse]:
         """What to write now, merged (common/streams.coalesce): nothing while the interval holds it back."""
         if not (finished or not self.written or self.tokens >= self.due):
@@ -192,7 +236,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def _submit(self, request: worker_pb2.GenerateRequest, request_id: str):
         """Tokenize (off the event loop for a long prompt) and hand the request to the engine; the converted call
-        and the queue its outputs arrive on."""
+        and the inbox its outputs arrive in."""
         args = (request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len,
                 self.engine.reasoning, self._token_chars, self.loaded.chat_template)
         if len(request.prompt_text) + sum(len(m.content) for m in request.messages) <= INLINE_TOKENIZE_CHARS:
@@ -202,7 +246,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if self._mailbox is None:
             self._mailbox = LoopMailbox(asyncio.get_running_loop())
         mailbox = self._mailbox
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outputs = StreamInbox()
 
         def sink(out: RequestOutput) -> None:
             mailbox.put(outputs, out)
@@ -241,9 +285,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             while not finished:
                 # everything the engine produced since the last write: one message per sample and part when this
                 # stream's reader fell behind or the interval held tokens back (common/streams), one per token otherwise
-                pending = [await outputs.get()]
-                while not outputs.empty():
-                    pending.append(outputs.get_nowait())
+                pending = await outputs.take(held.tokens_due())
                 failure: str | None = None
                 for out in pending:
                     phases.record(out)

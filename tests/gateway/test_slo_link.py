@@ -400,3 +400,18 @@ def test_a_forecast_miss_pauses_running_batch_on_the_models_workers_for_a_renewe
         await worker.stop()
 
     asyncio.run(main())
+
+
+def test_the_gateways_pause_flags_reach_its_link_and_a_bad_max_pause_names_the_range():
+    with pytest.raises(ValueError, match=r"slo_max_pause_ms: 500, allowed 1000\.\.60000"):
+        GatewayConfig(workers=["127.0.0.1:1"], slo_max_pause_ms=500).validate()
+
+    async def main():
+        gateway = await start_gateway(GatewayConfig(port=0, workers=["127.0.0.1:1"], slo_address="127.0.0.1:2",
+                                                    slo_pause_batch=True, slo_max_pause_ms=1500))
+        try:
+            assert gateway.slo.cfg.pause_batch and gateway.slo.cfg.max_pause_ms == 1500
+        finally:
+            await gateway.stop()
+
+    asyncio.run(main())
