@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import free_port
 
 
 def children_of(pid: int) -> list[int]:
@@ -24,12 +23,43 @@ def children_of(pid: int) -> list[int]:
     return sorted((int(x) for x in out.split()), key=started)
 
 
+_handed_out: set[int] = set()
+
+
+def fixed_port() -> int:
+    """A free loopback port below the kernel's ephemeral range, for a service that `cotserve up` starts later on it.
+    A port from the ephemeral range (`free_port`) can be taken in the meantime by another of the stack's services
+    binding port 0, or by any outbound connection's source port: CI once saw `up`'s gateway, started last, find its
+    port so taken. Never the same port twice in a session."""
+    import random
+    import socket
+
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low // 2), low - 16)  # (room for a run of ports: free_port_run)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port below {low}")
+
+
 def free_port_run(n: int) -> int:
-    """The first of `n` consecutive free loopback ports (as `up --metrics-port` takes them)."""
+    """The first of `n` consecutive free loopback ports (as `up --metrics-port` takes them), below the ephemeral
+    range (`fixed_port`)."""
     import socket
 
     while True:
-        base = free_port()
+        base = fixed_port()
         socks = []
         try:
             for p in range(base, base + n):
@@ -63,11 +93,11 @@ def check_metrics_and_http_api(metrics_base: int, http_port: int) -> None:
 
 
 def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
-    port = free_port()
+    port = fixed_port()
     log = open(tmp_path / "up.log", "w+")
-    telemetry_port, http_port, metrics_base = free_port(), free_port(), free_port_run(6)
+    telemetry_port, http_port, metrics_base = fixed_port(), fixed_port(), free_port_run(6)
     proc = subprocess.Popen([sys.executable, "-m", "cotserve.cli", "up", "--port", str(port), "--telemetry-port", str(telemetry_port),
-                             "--telemetry-http-port", str(free_port()), "--http-port", str(http_port),
+                             "--telemetry-http-port", str(fixed_port()), "--http-port", str(http_port),
                              "--metrics-port", str(metrics_base)],
                             stdout=log, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
@@ -141,7 +171,7 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
 
 
 def test_up_exits_nonzero_with_the_service_error_when_a_service_cannot_start(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "cotserve.cli", "up", "--port", str(free_port()), "--model", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "cotserve.cli", "up", "--port", str(fixed_port()), "--model", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "worker exited with code 2" in proc.stderr and "config.json: file not found" in proc.stderr
@@ -206,7 +236,7 @@ def test_up_tls_serves_only_tls_clients_that_trust_its_local_ca(tmp_path):
     import json
     import re
 
-    port, http_port, page_port, tel_port = free_port(), free_port(), free_port(), free_port()
+    port, http_port, page_port, tel_port = fixed_port(), fixed_port(), fixed_port(), fixed_port()
     log = tmp_path / "up.log"
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     env.pop("COTSERVE_TLS_CA", None)

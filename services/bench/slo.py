@@ -13,8 +13,8 @@
 4. Replays the same bursty load (the next seed) against the trained predictor under each admission variant
    (`ADMISSION_VARIANTS`: off, off again for the run-to-run gap, all-or-nothing, proportional, pause), and reports
    INTERACTIVE's target-miss rate and p99 TTFT, the output tokens served and BATCH's TTFT (the gateway holds
-   BATCH arrivals, or pauses running BATCH on the worker; one it turns away, when its hold is full, is retried after its `retry-after-ms` with jitter, as a client
-   would, until 60 s after the load ends).
+   BATCH arrivals, or pauses running BATCH on the worker; a request it turns away, when its hold is full, is
+   retried after its `retry-after-ms` with jitter, as a client would, until 60 s after the load ends).
 5. Does all of it for several seeds (`--seeds`): the figures come with 95% intervals over seeds, and violation
    onsets, the forecast's unit, are pooled over seeds with a Wilson interval on the share foreseen.
 """

@@ -2,6 +2,8 @@
 worker, SLA class) and every finished request, reports them, keeps each model's latest forecast,
 and routes by predicted TTFT: it fetches the predictor's trained trees of TTFT's 90th percentile when they
 change and evaluates them itself for each candidate worker (cotserve.common.latency: no call per request).
+It acts on BATCH as an urgent class's forecast rises: holding BATCH arrivals in the gateway (`hold_batch`)
+and, when configured, pausing the model's running BATCH on its workers (`steer_pauses`, worker PauseBatch).
 
 The predictor is advice, never a dependency: a report that fails is retried with the next one (a
 bounded backlog), a forecast that is missing, stale or untrained sheds nothing, and a predictor
