@@ -307,20 +307,27 @@ class SloLink:
 
     # -- decisions -----------------------------------------------------------------------
 
+    def fresh_forecast(self, model: str, now: float) -> tuple[float, float] | None:
+        """The model's (forecast, threshold), unless there is none or it is stale (five refreshes missed)."""
+        f = self.forecasts.get(model)
+        if f is None or now - f[2] > 5 * self.cfg.forecast_interval_s:
+            return None
+        return f[0], f[1]
+
     def defer_share(self, model: str) -> tuple[float, float, float]:
         """(share of BATCH to defer now, forecast, threshold) from the model's fresh forecast; share 0 without one."""
-        f = self.forecasts.get(model)
-        if not self.cfg.admission or f is None or time.monotonic() - f[2] > 5 * self.cfg.forecast_interval_s:
+        f = self.fresh_forecast(model, time.monotonic()) if self.cfg.admission else None
+        if f is None:
             return 0.0, 0.0, 1.0
-        p, threshold, _ = f
+        p, threshold = f
         return deferred_share(p, threshold, self.cfg.throttle_from), p, threshold
 
     def pause_wanted(self, model: str, now: float) -> bool:
         """Whether `model`'s BATCH should be paused now: a fresh forecast at or over the threshold, urgent requests
         not idle, and not resting after a pause of `max_pause_ms` (which then ends for half as long)."""
-        f = self.forecasts.get(model)
-        want = (f is not None and now - f[2] <= 5 * self.cfg.forecast_interval_s and f[0] >= f[1]
-                and not self.urgent_idle(model) and now >= self.pause_rest_until.get(model, 0.0))
+        f = self.fresh_forecast(model, now)
+        want = (f is not None and f[0] >= f[1] and not self.urgent_idle(model)
+                and now >= self.pause_rest_until.get(model, 0.0))
         since = self.pausing_since.get(model)
         if want and since is not None and now - since >= self.cfg.max_pause_ms / 1000:
             self.pause_rest_until[model] = now + self.cfg.max_pause_ms / 2000

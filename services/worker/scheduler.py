@@ -187,8 +187,12 @@ class Scheduler:
     def num_waiting_urgent(self) -> int:
         return len(self.waiting) - self.waiting_by_class[SlaClass.BATCH]
 
+    def _has_batch_work(self) -> bool:
+        """A BATCH sequence waits or runs."""
+        return bool(self.waiting_by_class[SlaClass.BATCH]) or any(s.sla_class == SlaClass.BATCH for s in self.running)
+
     def _batch_reserve(self) -> int:
-        if not (self.waiting_by_class[SlaClass.BATCH] or any(s.sla_class == SlaClass.BATCH for s in self.running)):
+        if not self._has_batch_work():
             return 0
         return math.ceil(self.batch_min_share * self.max_num_batched_tokens)
 
@@ -269,8 +273,7 @@ class Scheduler:
                 s.sla_class == SlaClass.BATCH for s in batch.preempted)  # those wait too (this step skips them)
         if paused:  # a pause is not a yield: the every-other-step rule counts only yields
             yielded = False
-            self.num_batch_paused_steps_total += bool(self.waiting_by_class[SlaClass.BATCH]) or any(
-                s.sla_class == SlaClass.BATCH for s in self.running)
+            self.num_batch_paused_steps_total += self._has_batch_work()
         self.batch_yielded = yielded
         self.num_batch_yields_total += yielded
         if batch.items:  # an empty batch runs nothing: planned copies wait for the next one
