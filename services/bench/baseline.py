@@ -200,12 +200,13 @@ def engine_child(pid: int) -> int | None:
     return None
 
 
-async def ttft_direct_relay_gateway(gateway: str, relay: str, worker: str, prompt: str,
-                                    rounds: int) -> tuple[list[float], list[float], list[float]]:
+async def ttft_direct_relay_gateway(gateway: str, relay: str, worker: str, prompt: str, rounds: int,
+                                    per_call_gateway: str) -> tuple[list[float], ...]:
     """Time to first token (ms) of one request at a time, interleaved, each path called the same way (a plain
     grpc.aio stub, so that no client library's own work is counted): straight to the worker, through a bare relay
-    (the same call one grpc.aio hop further), and through the gateway (what the gateway adds: auth, validation,
-    admission, routing, tracing, metrics, one more hop)."""
+    (the same call one grpc.aio hop further, a call per request), through the gateway (what the gateway adds: auth,
+    validation, admission, routing, tracing, metrics, one more hop: a stream of its Multiplex call to the worker), and
+    through a gateway that calls the worker per request (`--no-worker-multiplex`)."""
     import grpc
 
     from cotserve.bench.throughput import first_token_ms
@@ -214,15 +215,17 @@ async def ttft_direct_relay_gateway(gateway: str, relay: str, worker: str, promp
     from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
     sampling = common_pb2.SamplingParams(max_new_tokens=1, ignore_eos=True)
-    samples: tuple[list[float], list[float], list[float]] = ([], [], [])
+    samples: tuple[list[float], ...] = ([], [], [], [])
     async with (grpc.aio.insecure_channel(worker) as wch, grpc.aio.insecure_channel(relay) as rch,
-                grpc.aio.insecure_channel(gateway) as gch):
+                grpc.aio.insecure_channel(gateway) as gch, grpc.aio.insecure_channel(per_call_gateway) as pch):
         wstub = worker_pb2_grpc.WorkerServiceStub(wch)
         rstub, gstub = gateway_pb2_grpc.GatewayServiceStub(rch), gateway_pb2_grpc.GatewayServiceStub(gch)
+        pstub = gateway_pb2_grpc.GatewayServiceStub(pch)
         request = gateway_pb2.GenerateStreamRequest(prompt=prompt, sampling=sampling)
         paths = (lambda: first_token_ms(wstub.Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling))),
                  lambda: first_token_ms(rstub.GenerateStream(request)),
-                 lambda: first_token_ms(gstub.GenerateStream(request)))
+                 lambda: first_token_ms(gstub.GenerateStream(request)),
+                 lambda: first_token_ms(pstub.GenerateStream(request)))
         for _ in range(5):  # warm every path (connections, caches)
             for path in paths:
                 await path()
@@ -250,7 +253,7 @@ class GatewayRun:
     interval: int | None
     level: Any
     cpu: dict[str, float]
-    ttft: tuple[list[float], list[float], list[float]] | None
+    ttft: tuple[list[float], ...] | None
     prompt: str
     prompt_ids: list[int]
 
@@ -288,8 +291,9 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
         cpu = {name: v - cpu_before[name] for name, v in cpu_seconds(procs).items()}
         ttft = None
         if children and ttft_rounds > 0:
-            say(f"TTFT: {ttft_rounds} requests one at a time each: worker direct, a bare relay, the gateway ...")
-            ttft = ttft_three_ways(gateway, children[0].address, prompt, ttft_rounds)
+            say(f"TTFT: {ttft_rounds} requests one at a time each: worker direct, a bare relay, the gateway, a gateway "
+                "calling the worker per request ...")
+            ttft = ttft_four_ways(gateway, children[0].address, prompt, ttft_rounds)
     return GatewayRun(interval, level, cpu, ttft, prompt, ids)
 
 
@@ -305,16 +309,19 @@ def service_pids(children: list) -> dict[str, int]:
     return procs
 
 
-def ttft_three_ways(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[list[float], list[float], list[float]]:
-    """TTFT (ms) straight to the worker, through a bare grpc.aio relay (`bench/relay.py`: the hop alone) and
-    through the gateway, one request at a time, interleaved."""
-    from cotserve.common.procs import Child, free_port, grpc_ready, running
+def ttft_four_ways(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[list[float], ...]:
+    """TTFT (ms) straight to the worker, through a bare grpc.aio relay (`bench/relay.py`: the hop alone), through
+    the gateway, and through a second gateway calling the worker per request, one request at a time, interleaved."""
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
-    relay_addr = f"127.0.0.1:{free_port()}"
+    relay_addr, per_call_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     relay = Child("relay", relay_addr, [sys.executable, "-m", "cotserve.bench.relay", relay_addr, worker],
                   grpc_ready(relay_addr))
-    with running([relay]):
-        return run_loop(ttft_direct_relay_gateway(gateway, relay_addr, worker, prompt, rounds))
+    per_call = Child("gateway (a call per request)", per_call_addr,
+                     python_cli("serve", "gateway", "--port", per_call_addr.rpartition(":")[2], "--worker", worker,
+                                "--no-worker-multiplex"), grpc_ready(per_call_addr))
+    with running([relay, per_call]):
+        return run_loop(ttft_direct_relay_gateway(gateway, relay_addr, worker, prompt, rounds, per_call_addr))
 
 
 def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
@@ -335,13 +342,15 @@ def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
         console.print(c)
     ttft = next((r.ttft for r in runs if r.ttft is not None), None)
     if ttft is not None:
-        direct, relay, via = (sorted(x) for x in ttft)
-        p50 = [percentile(x, 50) for x in (direct, relay, via)]
+        direct, relay, via, per_call = (sorted(x) for x in ttft)
+        p50 = [percentile(x, 50) for x in (direct, relay, via, per_call)]
         added = p50[2] - p50[0]
         console.print(f"TTFT p50, one request at a time: worker direct {p50[0]:.2f} ms, via a bare gRPC relay {p50[1]:.2f} ms "
-                      f"(one more hop: +{p50[1] - p50[0]:.2f} ms), via the gateway {p50[2]:.2f} ms: the gateway adds "
-                      f"{added:.2f} ms (goal <= 1 ms: {'met' if added <= 1 else 'NOT met'}), {p50[2] - p50[1]:.2f} ms of it "
-                      f"its own work; p90 {percentile(direct, 90):.2f} / {percentile(relay, 90):.2f} / {percentile(via, 90):.2f} ms",
+                      f"(one more hop, a call per request: +{p50[1] - p50[0]:.2f} ms), via the gateway {p50[2]:.2f} ms: the "
+                      f"gateway adds {added:.2f} ms (goal <= 1 ms: {'met' if added <= 1 else 'NOT met'}), "
+                      f"{p50[2] - p50[1]:.2f} ms over the bare relay; calling the worker per request "
+                      f"(--no-worker-multiplex) it adds {p50[3] - p50[0]:.2f} ms; p90 {percentile(direct, 90):.2f} / "
+                      f"{percentile(relay, 90):.2f} / {percentile(via, 90):.2f} / {percentile(per_call, 90):.2f} ms",
                       soft_wrap=True)
 
 

@@ -32,19 +32,21 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 set explicitly so that every server states it); larger ones are RESOURCE_EXHAUSTED before any work."""
 
 
-def _status(exc: CotserveError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
+def error_status(exc: BaseException) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+    """The status a handler's exception ends its call with: a `CotserveError`'s own code, message and trailers, or
+    INTERNAL for anything else. The exception's text can name internal addresses, paths or data: it goes to the log
+    under an id that the client gets instead, so an operator can find the one from the other."""
+    if isinstance(exc, CotserveError):
+        return exc.code, exc.message, tuple(exc.trailers.items())
+    error_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s: %r", error_id, exc, exc_info=exc)
+    return ("INTERNAL", f"internal error (error id {error_id}; the service's log has the details)",
+            (("error-id", error_id),))
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    if isinstance(exc, CotserveError):
-        await context.abort(_status(exc), exc.message, trailing_metadata=tuple(exc.trailers.items()))
-    # The exception's text can name internal addresses, paths or data: it goes to the log under an id
-    # that the client gets instead, so an operator can find the one from the other.
-    error_id = uuid.uuid4().hex[:16]
-    log.error("internal error %s: %r", error_id, exc, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (error id {error_id}; the service's log has the details)",
-                        trailing_metadata=(("error-id", error_id),))
+    code, message, trailers = error_status(exc)
+    await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), message, trailing_metadata=trailers)
 
 
 _INFRASTRUCTURE = ("/grpc.health", "/grpc.reflection")  # methods the interceptors leave as gRPC made them
@@ -186,6 +188,9 @@ class Server:
             spec.add(self.server)
         self.names = [s.name for s in specs]
         self.tracer_provider = tracer_provider
+        self.on_stop: list[Callable[[], None]] = []
+        """Called as `stop` begins (before gRPC's own drain): what a servicer ends by itself, e.g. long-lived calls
+        that carry many requests and would otherwise hold the drain open for the whole grace period."""
         reflection.enable_server_reflection([*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         credentials = tls.server_credentials() if tls is not None else None
         self.tls = credentials is not None
@@ -222,6 +227,8 @@ class Server:
 
     async def stop(self, grace_s: float) -> None:
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
+        for drain in self.on_stop:
+            drain()
         await self.server.stop(grace_s)
         if self.tracer_provider is not None:
             self.tracer_provider.force_flush(2000)

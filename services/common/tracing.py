@@ -20,11 +20,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 @functools.lru_cache(maxsize=512)
 def _traced(full_method: str) -> bool:
     """Not traced: health checks, reflection, and the gateway's twice-a-second polls of each worker's
-    Stats/Info (they are not requests, and would bury the request traces at the receiver)."""
+    Stats/Info (they are not requests, and would bury the request traces at the receiver); nor a worker's Multiplex
+    call, which lives as long as the gateway's connection: each stream it carries has its own spans
+    (`worker/multiplex.py`, `gateway/multiplex.py`)."""
     service, _, method = full_method.strip("/").rpartition("/")
     if service == "grpc.health.v1.Health" or service.startswith("grpc.reflection"):
         return False
-    return not (service == "cotserve.worker.v1.WorkerService" and method in ("Stats", "Info"))
+    return not (service == "cotserve.worker.v1.WorkerService" and method in ("Stats", "Info", "Multiplex"))
 
 
 def _not_health_or_reflection(details: object) -> bool:

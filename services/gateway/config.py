@@ -110,6 +110,10 @@ class GatewayConfig(TlsSettings):
     token, which the worker reports), so a prompt that cannot fit is refused before any worker tokenizes it."""
     max_prompt_tokens: int = 0
     """Prompt tokens allowed at most (the worker checks after tokenizing); 0: the model's context less one."""
+    worker_multiplex: bool = True
+    """Send each worker every request as a stream of one long-lived Multiplex call (no call set-up per request, one
+    message per engine step for all its streams); off: a Generate call per request. Workers without Multiplex (older
+    builds) are called per request either way."""
     worker_wait_s: float = 10.0
     """Seconds a request waits for a worker of its model to come (back) into rotation, e.g. while one restarts,
     before it fails with UNAVAILABLE (never past its deadline; 0: fail at once)."""

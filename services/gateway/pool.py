@@ -29,6 +29,7 @@ from cotserve.common.errors import NotFound, Unavailable
 from cotserve.common.sampling import SlaClass
 from cotserve.gateway.admission import Admission, AdmissionConfig, WorkerLoad
 from cotserve.gateway.config import split_name
+from cotserve.gateway.multiplex import CallStream, MuxStream, WorkerStreams
 from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS, client_interceptors
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -45,6 +46,11 @@ async def resolve_dns(name: str, port: int) -> list[str]:
     return sorted({f"[{a[4][0]}]:{port}" if a[0] == socket.AF_INET6 else f"{a[4][0]}:{port}" for a in infos})
 
 
+WORKER_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20)]
+"""A worker's messages may be larger than gRPC's 4 MiB default: one Multiplex message carries every stream's chunks
+of a step (more when the gateway fell behind), and the gateway trusts its workers."""
+
+
 @dataclass(slots=True, eq=False)
 class WorkerHandle:
     address: str
@@ -58,6 +64,14 @@ class WorkerHandle:
     prefill_tokens_ahead: int = 0  # their prompt tokens (estimated): prefill work a new request waits behind
     failed_polls: int = 0  # polls in a row that failed
     admission: Admission = field(default_factory=Admission)
+    streams: WorkerStreams | None = None  # its Multiplex call (None: a Generate call per request)
+
+    async def open_stream(self, request: worker_pb2.GenerateRequest, timeout_s: float | None) -> MuxStream | CallStream:
+        """Start `request` on this worker (a stream of its Multiplex call, or a call of its own); read the answer
+        with the stream's `pending()`, and `close()` it however that ends."""
+        if self.streams is None:
+            return CallStream(self.stub, request, timeout_s)
+        return await self.streams.open(request, timeout_s)
 
     @property
     def model(self) -> str | None:
@@ -87,6 +101,8 @@ class WorkerPool:
     resolve: Resolver = resolve_dns
     credentials: Any = None
     """grpc.ChannelCredentials for workers that speak TLS (None: plaintext)."""
+    multiplex: bool = True
+    """Requests go to a worker as streams of one Multiplex call (`gateway/multiplex.py`); False: a Generate call each."""
     workers: list[WorkerHandle] = field(default_factory=list)
     draining: list[WorkerHandle] = field(default_factory=list)
     """Workers gone from DNS whose streams are still running."""
@@ -95,9 +111,11 @@ class WorkerPool:
     _resolved: dict[str, set[str]] = field(default_factory=dict)
 
     def _handle(self, address: str) -> WorkerHandle:
-        channel = aio_channel(address, self.credentials, options=RECONNECT_OPTIONS,
+        channel = aio_channel(address, self.credentials, options=[*RECONNECT_OPTIONS, *WORKER_CHANNEL_OPTIONS],
                               interceptors=client_interceptors(self.tracer_provider))
-        return WorkerHandle(address, channel, worker_pb2_grpc.WorkerServiceStub(channel), admission=Admission(self.admission))
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        streams = WorkerStreams(stub, self.tracer_provider) if self.multiplex else None
+        return WorkerHandle(address, channel, stub, admission=Admission(self.admission), streams=streams)
 
     async def start(self) -> None:
         self.workers.extend(self._handle(a) for a in self.addresses)

@@ -20,7 +20,7 @@ from cotserve.common.sampling import (
     SlaClass, check_self_consistency, max_new_tokens_of, reasoning_from_pb, sampling_from_pb,
     sla_from_pb,
 )
-from cotserve.common.streams import ReadAhead, coalesce
+from cotserve.common.streams import coalesce
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.admission import QueueDeadlineExceeded
 from cotserve.gateway.metrics import GatewayMetrics
@@ -294,11 +294,10 @@ class Relay:
                        call: Call) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """One worker call, relayed: what has arrived since the last write goes out merged; the admission slot is
         given back and the call cancelled (freeing the worker's pages) however it ends."""
-        rpc, reader = None, None
+        stream = None
         try:
-            rpc = worker.stub.Generate(wreq, timeout=call.time_remaining())
-            reader = ReadAhead(rpc)
-            while (pending := await reader.pending()) is not None:
+            stream = await worker.open_stream(wreq, call.time_remaining())
+            while (pending := await stream.pending()) is not None:
                 now = time.monotonic()
                 outs = []
                 for chunk in pending:
@@ -309,7 +308,5 @@ class Relay:
                     yield out
         finally:
             observer.done()
-            if rpc is not None:
-                rpc.cancel()  # the client went away or we failed: free the worker's pages now
-            if reader is not None:
-                reader.close()
+            if stream is not None:
+                stream.close()  # the client went away or we failed: free the worker's pages now

@@ -156,7 +156,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     upstream = cfg.client_credentials(cfg.upstream_tls_ca)
     pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
                       admission=cfg.admission_config, dns=list(cfg.worker_dns), dns_interval_s=cfg.dns_interval_s,
-                      resolve=resolve, credentials=upstream)
+                      resolve=resolve, credentials=upstream, multiplex=cfg.worker_multiplex)
     metrics = GatewayMetrics(pool)
     tenants, quota = tenancy(cfg)
     processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider, upstream)

@@ -32,6 +32,7 @@ from cotserve.worker.engine_process import EngineDied, EngineProcess
 from cotserve.worker.sizing import engine_config, resolve_device, set_torch_threads
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
+from cotserve.worker.multiplex import MultiplexCall
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.scheduler import MAX_BATCH_PAUSE_S
@@ -209,6 +210,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._token_chars = 1  # characters of the longest token, known once the model is loaded
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cotserve-tokenize")
         self._phases = itertools.count() if stream_stagger else None  # _Held's phases, dealt round-robin
+        self._traced = tracer_provider is not None
+        self._mux_calls: set[MultiplexCall] = set()
+        self.draining = False
 
     def attach(self, engine: Engine | EngineProcess, loaded: LoadedModel) -> None:
         """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
@@ -271,7 +275,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         })
         return span
 
-    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    async def Multiplex(self, requests: AsyncIterator[worker_pb2.MultiplexRequest], context: grpc.aio.ServicerContext) -> None:
+        await MultiplexCall(self, context, self.tracer if self._traced else None).serve(requests)
+
+    def drain(self) -> None:
+        """The server is stopping: Multiplex calls refuse new streams (UNAVAILABLE, so the gateway sends them to
+        another worker) and end once the streams they carry have."""
+        self.draining = True
+        for call in list(self._mux_calls):
+            call.drain()
+
+    async def Generate(self, request: worker_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext | None) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """One stream's messages; the request span is the current span (gRPC's, or a Multiplex stream's), and
+        `context` is not used (a Multiplex stream has none)."""
         request_id = request.request_id or uuid.uuid4().hex
         arrival_ns = time.time_ns()  # before submit: the engine process may schedule it before this coroutine goes on
         call, outputs = await self._submit(request, request_id)
@@ -432,6 +449,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     spec = ServiceSpec("cotserve.worker.v1.WorkerService",
                        lambda srv: worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider, tls=cfg)
+    server.on_stop.append(servicer.drain)
     await server.start()
     log.info("worker listening on %s, loading %s", server.address, cfg.model)
     loop = asyncio.get_running_loop()

@@ -566,3 +566,190 @@ class PauseBatchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PauseBatchResponse: _TypeAlias = PauseBatchResponse  # noqa: Y015
+
+@_typing.final
+class MultiplexRequest(_message.Message):
+    """One message of a Multiplex call's caller: a stream opened or cancelled."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def open(self) -> Global___MultiplexOpen: ...
+    @_builtins.property
+    def cancel(self) -> Global___MultiplexCancel: ...
+    def __init__(
+        self,
+        *,
+        open: Global___MultiplexOpen | None = ...,
+        cancel: Global___MultiplexCancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["open", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___MultiplexRequest: _TypeAlias = MultiplexRequest  # noqa: Y015
+
+@_typing.final
+class MultiplexOpen(_message.Message):
+    """A Generate stream opened on a Multiplex call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """The caller's id for the stream, unique among the call's open streams."""
+    timeout_ms: _builtins.int
+    """The stream's deadline, milliseconds from now (0: none): past it the stream ends with DEADLINE_EXCEEDED."""
+    @_builtins.property
+    def request(self) -> Global___GenerateRequest:
+        """What a Generate call would carry."""
+
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (traceparent, tracestate) of the caller's span, as gRPC metadata would carry it."""
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        request: Global___GenerateRequest | None = ...,
+        timeout_ms: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "stream_id", b"stream_id", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexOpen: _TypeAlias = MultiplexOpen  # noqa: Y015
+
+@_typing.final
+class MultiplexCancel(_message.Message):
+    """Ends an open stream as a client's cancel would: the worker aborts the request and sends nothing more for it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stream_id", b"stream_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexCancel: _TypeAlias = MultiplexCancel  # noqa: Y015
+
+@_typing.final
+class MultiplexResponse(_message.Message):
+    """What the worker sends on a Multiplex call: the chunks ready since its last message, of any streams."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultiplexChunk]: ...
+    def __init__(
+        self,
+        *,
+        chunks: _abc.Iterable[Global___MultiplexChunk] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexResponse: _TypeAlias = MultiplexResponse  # noqa: Y015
+
+@_typing.final
+class MultiplexChunk(_message.Message):
+    """A chunk of one stream, or its end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    @_builtins.property
+    def response(self) -> Global___GenerateResponse:
+        """A Generate stream's message; unset on the stream's end."""
+
+    @_builtins.property
+    def end(self) -> Global___MultiplexEnd:
+        """Set on the stream's last message, after its last chunk: how it ended."""
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        response: Global___GenerateResponse | None = ...,
+        end: Global___MultiplexEnd | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "response", b"response", "stream_id", b"stream_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexChunk: _TypeAlias = MultiplexChunk  # noqa: Y015
+
+@_typing.final
+class MultiplexEnd(_message.Message):
+    """How a stream ended: OK, or the status and message a Generate call would have failed with."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """A grpc.StatusCode name: OK, INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ..."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiplexEnd: _TypeAlias = MultiplexEnd  # noqa: Y015

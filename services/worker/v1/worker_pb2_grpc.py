@@ -60,6 +60,11 @@ class WorkerServiceStub:
                 request_serializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchRequest.SerializeToString,
                 response_deserializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchResponse.FromString,
                 _registered_method=True)
+        self.Multiplex = channel.stream_stream(
+                '/cotserve.worker.v1.WorkerService/Multiplex',
+                request_serializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.MultiplexRequest.SerializeToString,
+                response_deserializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.MultiplexResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServiceServicer:
@@ -103,6 +108,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Multiplex(self, request_iterator, context):
+        """Many Generate streams over one long-lived call (what the gateway uses): each opened by a MultiplexRequest with
+        an id the caller picks, its chunks and its end sent back tagged with that id, every chunk ready after an engine
+        step in one MultiplexResponse. Cancelling one stream (or the whole call) frees its KV pages at the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -130,6 +144,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.PauseBatch,
                     request_deserializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchRequest.FromString,
                     response_serializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchResponse.SerializeToString,
+            ),
+            'Multiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.Multiplex,
+                    request_deserializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.MultiplexRequest.FromString,
+                    response_serializer=cotserve_dot_worker_dot_v1_dot_worker__pb2.MultiplexResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +287,33 @@ class WorkerService:
             '/cotserve.worker.v1.WorkerService/PauseBatch',
             cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchRequest.SerializeToString,
             cotserve_dot_worker_dot_v1_dot_worker__pb2.PauseBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Multiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cotserve.worker.v1.WorkerService/Multiplex',
+            cotserve_dot_worker_dot_v1_dot_worker__pb2.MultiplexRequest.SerializeToString,
+            cotserve_dot_worker_dot_v1_dot_worker__pb2.MultiplexResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,11 @@ class WorkerServiceStub:
     BATCH requests keep their place and KV pages and go on in steps without urgent work). A gateway asks for it when
     its SLO predictor forecasts an urgent-class miss, and asks again before the pause ends to keep it.
     """
+    Multiplex: _grpc.StreamStreamMultiCallable[_worker_pb2.MultiplexRequest, _worker_pb2.MultiplexResponse]
+    """Many Generate streams over one long-lived call (what the gateway uses): each opened by a MultiplexRequest with
+    an id the caller picks, its chunks and its end sent back tagged with that id, every chunk ready after an engine
+    step in one MultiplexResponse. Cancelling one stream (or the whole call) frees its KV pages at the next step.
+    """
 
 @_typing.type_check_only
 class WorkerServiceAsyncStub(WorkerServiceStub):
@@ -64,6 +69,11 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     """Pauses BATCH work for a while: no engine step that has REALTIME or INTERACTIVE work runs BATCH work (running
     BATCH requests keep their place and KV pages and go on in steps without urgent work). A gateway asks for it when
     its SLO predictor forecasts an urgent-class miss, and asks again before the pause ends to keep it.
+    """
+    Multiplex: _aio.StreamStreamMultiCallable[_worker_pb2.MultiplexRequest, _worker_pb2.MultiplexResponse]  # type: ignore[assignment]
+    """Many Generate streams over one long-lived call (what the gateway uses): each opened by a MultiplexRequest with
+    an id the caller picks, its chunks and its end sent back tagged with that id, every chunk ready after an engine
+    step in one MultiplexResponse. Cancelling one stream (or the whole call) frees its KV pages at the next step.
     """
 
 class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -110,6 +120,17 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
         """Pauses BATCH work for a while: no engine step that has REALTIME or INTERACTIVE work runs BATCH work (running
         BATCH requests keep their place and KV pages and go on in steps without urgent work). A gateway asks for it when
         its SLO predictor forecasts an urgent-class miss, and asks again before the pause ends to keep it.
+        """
+
+    @_abc_1.abstractmethod
+    def Multiplex(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.MultiplexRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.MultiplexResponse], _abc.AsyncIterator[_worker_pb2.MultiplexResponse]]:
+        """Many Generate streams over one long-lived call (what the gateway uses): each opened by a MultiplexRequest with
+        an id the caller picks, its chunks and its end sent back tagged with that id, every chunk ready after an engine
+        step in one MultiplexResponse. Cancelling one stream (or the whole call) frees its KV pages at the next step.
         """
 
 def add_WorkerServiceServicer_to_server(servicer: WorkerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,230 @@
+"""The gateway's side of a worker's `Multiplex` call (`worker/multiplex.py` has the why and the worker's side): every
+request the gateway sends a worker is a stream on one long-lived call, opened lazily, shared by all of them, and
+opened again after it breaks.
+
+`WorkerStreams.open` returns a `MuxStream`, read as the relay reads a Generate call (`pending()`: what has arrived,
+`close()`: cancel it unless it ended). A stream's failure is the `grpc.aio.AioRpcError` a Generate call would have
+raised (its code and message from the worker's `MultiplexEnd`), so the relay's retry rules do not know the
+difference. The call breaking (the worker died, restarted or stopped) fails every stream on it with UNAVAILABLE. A
+worker that does not have `Multiplex` (an older build, during a rolling upgrade) answers UNIMPLEMENTED: its requests
+then go by a Generate call each, the stream that found out included.
+
+Deadlines: the open carries the request's time left (the worker ends the stream with DEADLINE_EXCEEDED past it),
+and the gateway gives up at the same moment if the worker has not said anything by then. Tracing: each stream gets
+a CLIENT span named as a Generate call's, whose W3C context the open carries to the worker's span."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from typing import Any
+
+import grpc
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from cotserve.common.streams import ReadAhead
+from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+GENERATE_METHOD = "/cotserve.worker.v1.WorkerService/Generate"
+MAX_TIMEOUT_MS = 2**32 - 1
+
+
+def rpc_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+
+
+class CallStream:
+    """A request's own Generate call, read ahead (`common/streams.ReadAhead`): the way without `Multiplex`."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, request: worker_pb2.GenerateRequest,
+                 timeout_s: float | None) -> None:
+        self.rpc = stub.Generate(request, timeout=timeout_s)
+        self.reader = ReadAhead(self.rpc)
+
+    async def pending(self) -> list[worker_pb2.GenerateResponse] | None:
+        return await self.reader.pending()
+
+    def close(self) -> None:
+        self.rpc.cancel()  # the client went away or we failed: free the worker's pages now
+        self.reader.close()
+
+
+class _Link:
+    """One Multiplex call and the streams open on it."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.streams: dict[int, MuxStream] = {}
+        self.write_lock = asyncio.Lock()  # (gRPC takes one write at a time on a call)
+        self.reader: asyncio.Task | None = None
+
+
+class MuxStream:
+    """One request on a worker's Multiplex call."""
+
+    def __init__(self, owner: "WorkerStreams", link: _Link, stream_id: int, request: worker_pb2.GenerateRequest,
+                 timeout_s: float | None, span: trace.Span | None) -> None:
+        self.owner, self.link, self.stream_id, self.request = owner, link, stream_id, request
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.span = span
+        self.items: list[worker_pb2.GenerateResponse] = []
+        self.error: grpc.aio.AioRpcError | None = None
+        self.ended = False
+        self.received = False
+        self.fallback: CallStream | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def put(self, response: worker_pb2.GenerateResponse) -> None:
+        self.items.append(response)
+        self.received = True
+        self._wake()
+
+    def end(self, code: str, message: str) -> None:
+        """The stream's end: OK, or the error `pending` raises once every chunk before it is read."""
+        if self.ended:
+            return
+        self.ended = True
+        if code != "OK":
+            self.error = rpc_error(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), message)
+        self._end_span()
+        self._wake()
+
+    def _end_span(self) -> None:
+        if self.span is not None:
+            if self.error is not None:
+                self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"{self.error.code().name}: {self.error.details()}"))
+            self.span.end()
+            self.span = None
+
+    async def pending(self) -> list[worker_pb2.GenerateResponse] | None:
+        """Everything received since the last call, waiting for at least one; None once the stream has ended."""
+        if self.fallback is not None:
+            return await self.fallback.pending()
+        while not self.items and not self.ended:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+                await asyncio.wait_for(self._waiter, timeout)
+            except TimeoutError:
+                self.error = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                self.close()
+            finally:
+                self._waiter = None
+        if self.items:
+            items, self.items = self.items, []
+            return items
+        if self.error is not None:
+            if self.error.code() == grpc.StatusCode.UNIMPLEMENTED and not self.received and self.owner.unimplemented:
+                timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+                self.fallback = CallStream(self.owner.stub, self.request, timeout)
+                return await self.fallback.pending()
+            raise self.error
+        return None
+
+    def close(self) -> None:
+        """Done with the stream: cancel it on the worker (its pages freed) unless it has ended."""
+        if self.fallback is not None:
+            self.fallback.close()
+        if not self.ended:
+            self.ended = True
+            self._end_span()
+            if self.link.streams.pop(self.stream_id, None) is not None:
+                self.owner.send_later(self.link, worker_pb2.MultiplexRequest(
+                    cancel=worker_pb2.MultiplexCancel(stream_id=self.stream_id)))
+
+
+class WorkerStreams:
+    """Every request this gateway sends one worker, as streams of one Multiplex call."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, tracer_provider: TracerProvider | None = None) -> None:
+        self.stub = stub
+        self.tracer = None if tracer_provider is None else tracer_provider.get_tracer("cotserve.gateway")
+        self.unimplemented = False  # the worker has no Multiplex: a Generate call per request
+        self._link: _Link | None = None
+        self._ids = itertools.count(1)
+        self._sends: set[asyncio.Task] = set()
+
+    async def open(self, request: worker_pb2.GenerateRequest, timeout_s: float | None) -> MuxStream | CallStream:
+        """Start `request` on the worker; read what comes back with the stream's `pending()`."""
+        if self.unimplemented:
+            return CallStream(self.stub, request, timeout_s)
+        link = self._link if self._link is not None else self._connect()
+        sid = next(self._ids)
+        span, carrier = self._span()
+        stream = MuxStream(self, link, sid, request, timeout_s, span)
+        if timeout_s is not None and timeout_s <= 0:
+            stream.end("DEADLINE_EXCEEDED", "Deadline Exceeded")
+            return stream
+        link.streams[sid] = stream
+        timeout_ms = 0 if timeout_s is None else min(MAX_TIMEOUT_MS, max(1, math.ceil(timeout_s * 1000)))
+        await self._send(link, worker_pb2.MultiplexRequest(open=worker_pb2.MultiplexOpen(
+            stream_id=sid, request=request, timeout_ms=timeout_ms, trace_context=carrier)))
+        return stream
+
+    def _span(self) -> tuple[trace.Span | None, dict[str, str]]:
+        """The stream's CLIENT span (a child of the request's current span) and its W3C context to send."""
+        carrier: dict[str, str] = {}
+        if self.tracer is None:
+            return None, carrier
+        span = self.tracer.start_span(GENERATE_METHOD, kind=trace.SpanKind.CLIENT, attributes={
+            "rpc.system": "grpc", "rpc.service": "cotserve.worker.v1.WorkerService", "rpc.method": "Generate"})
+        propagate.inject(carrier, context=trace.set_span_in_context(span))
+        return span, carrier
+
+    def _connect(self) -> _Link:
+        link = self._link = _Link(self.stub.Multiplex())
+        link.reader = asyncio.get_running_loop().create_task(self._read(link))
+        return link
+
+    async def _read(self, link: _Link) -> None:
+        """Hand each chunk to its stream; when the call ends, every stream still on it fails."""
+        code, message = grpc.StatusCode.UNAVAILABLE, "the worker ended its Multiplex call"
+        try:
+            async for response in link.call:
+                for chunk in response.chunks:
+                    stream = link.streams.get(chunk.stream_id)
+                    if stream is None:
+                        continue  # (cancelled here; what the worker sent before the cancel reached it)
+                    if chunk.HasField("end"):
+                        del link.streams[chunk.stream_id]
+                        stream.end(chunk.end.code, chunk.end.message)
+                    else:
+                        stream.put(chunk.response)
+        except grpc.aio.AioRpcError as err:
+            code, message = err.code(), err.details() or err.code().name
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self.unimplemented = True
+        finally:
+            if self._link is link:
+                self._link = None
+            streams, link.streams = link.streams, {}
+            for stream in streams.values():
+                stream.end(code.name, message)
+
+    async def _send(self, link: _Link, message: worker_pb2.MultiplexRequest) -> None:
+        try:
+            async with link.write_lock:
+                await link.call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            # the call has ended (its reader fails the streams it knew); an open that raced it fails here
+            if message.HasField("open") and (stream := link.streams.pop(message.open.stream_id, None)) is not None:
+                details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                stream.end("UNAVAILABLE", f"the worker's Multiplex call ended: {details}")
+
+    def send_later(self, link: _Link, message: worker_pb2.MultiplexRequest) -> None:
+        """`_send` on a task of its own (a cancel, from a stream's synchronous `close`)."""
+        task = asyncio.get_running_loop().create_task(self._send(link, message))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
+
+    def close(self) -> None:
+        """Cancel the call (the channel is closing): every stream on it fails."""
+        if self._link is not None:
+            self._link.call.cancel()

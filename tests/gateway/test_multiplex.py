@@ -1,0 +1,131 @@
+"""The gateway sends a worker its requests as streams of one Multiplex call (`gateway/multiplex.py`): the answers are
+a Generate call's to the token, a client's cancel or deadline reaches the worker, and a worker without Multiplex (an
+older build) is called per request, the first request included. Real worker and gateway, in this process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cotserve.common.v1 import common_pb2
+from cotserve.gateway.config import GatewayConfig
+from cotserve.gateway.server import start_gateway
+from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.server import WorkerServicer, start_worker
+from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+PROMPTS = ["37+48-12=", "5*6+1=", "12+30=", "9-4="]
+
+
+def request(prompt: str, **sampling) -> gateway_pb2.GenerateStreamRequest:
+    return gateway_pb2.GenerateStreamRequest(prompt=prompt, sampling=common_pb2.SamplingParams(**sampling))
+
+
+async def answers(address: str, n: int = 40) -> list[list[gateway_pb2.GenerateStreamResponse]]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+
+        async def one(p: str):
+            return [c async for c in stub.GenerateStream(request(p, max_new_tokens=n, ignore_eos=True, logprobs=True),
+                                                          timeout=60)]
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+
+
+async def wait_idle(worker, timeout_s: float = 5.0) -> None:
+    async with grpc.aio.insecure_channel(worker.server.address) as ch:
+        stub = worker_pb2_grpc.WorkerServiceStub(ch)
+        for _ in range(int(timeout_s / 0.05)):
+            s = await stub.Stats(worker_pb2.StatsRequest())
+            if s.kv_blocks_used == 0 and s.num_running_seqs == 0 and s.num_waiting_seqs == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the worker still holds work: {s}")
+
+
+def flat(chunks, field: str) -> list:
+    return [x for c in chunks for x in getattr(c, field)]
+
+
+def test_streams_of_one_call_give_what_a_call_per_request_gives():
+    async def main():
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
+        muxed = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
+        per_call = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], worker_multiplex=False))
+        try:
+            calls_seen: list[int] = []
+            watching = asyncio.get_running_loop().create_task(watch(worker.servicer, calls_seen))
+            via_calls = await answers(per_call.server.address)
+            watching.cancel()
+            assert max(calls_seen, default=0) == 0  # no Multiplex call
+            calls_seen.clear()
+            watching = asyncio.get_running_loop().create_task(watch(worker.servicer, calls_seen))
+            via_mux = await answers(muxed.server.address)
+            watching.cancel()
+            assert max(calls_seen) == 1  # the four requests: one Multiplex call
+            for a, b in zip(via_mux, via_calls):
+                assert flat(a, "token_ids") == flat(b, "token_ids") and len(flat(a, "token_ids")) == 40
+                assert "".join(c.text for c in a) == "".join(c.text for c in b)
+                assert flat(a, "logprobs") == flat(b, "logprobs")
+                assert a[-1].usage.completion_tokens == 40 and a[-1].finish_reason == b[-1].finish_reason
+            assert len(muxed.pool.workers[0].streams._link.streams) == 0  # every stream ended and was let go
+        finally:
+            await muxed.stop()
+            await per_call.stop()
+            await worker.stop()
+
+    async def watch(servicer: WorkerServicer, seen: list[int]) -> None:
+        while True:
+            seen.append(len(servicer._mux_calls))
+            await asyncio.sleep(0.002)
+
+    asyncio.run(main())
+
+
+def test_a_client_cancel_and_a_deadline_reach_the_worker_through_the_multiplexed_call():
+    async def main():
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
+        try:
+            async with grpc.aio.insecure_channel(gateway.server.address) as ch:
+                stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+                call = stub.GenerateStream(request("1+2+3=", max_new_tokens=250, ignore_eos=True), timeout=60)
+                assert (await call.read()).token_ids
+                call.cancel()
+                await wait_idle(worker)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in stub.GenerateStream(request("1+2+3=", max_new_tokens=250, ignore_eos=True), timeout=0.1):
+                        pass
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                await wait_idle(worker)
+                # the call is still there for the next request
+                (chunks,) = [[c async for c in stub.GenerateStream(request("2+2=", max_new_tokens=4), timeout=30)]]
+                assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert len(worker.servicer._mux_calls) == 1
+        finally:
+            await gateway.stop()
+            await worker.stop()
+
+    asyncio.run(main())
+
+
+def test_a_worker_without_multiplex_is_called_per_request_from_the_first_request_on(monkeypatch):
+    # an older worker build: its servicer has no Multiplex, which gRPC answers UNIMPLEMENTED
+    monkeypatch.setattr(WorkerServicer, "Multiplex", worker_pb2_grpc.WorkerServiceServicer.Multiplex)
+
+    async def main():
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
+        try:
+            first = await answers(gateway.server.address, n=8)
+            assert all(len(flat(a, "token_ids")) == 8 for a in first)
+            assert gateway.pool.workers[0].streams.unimplemented
+            again = await answers(gateway.server.address, n=8)
+            assert [flat(a, "token_ids") for a in again] == [flat(a, "token_ids") for a in first]
+        finally:
+            await gateway.stop()
+            await worker.stop()
+
+    asyncio.run(main())
