@@ -60,6 +60,8 @@ class _Link:
         self.streams: dict[int, MuxStream] = {}
         self.write_lock = asyncio.Lock()  # (gRPC takes one write at a time on a call)
         self.reader: asyncio.Task | None = None
+        self.answered = asyncio.get_running_loop().create_future()  # the worker's first word: its headers, or an end
+        self.ended = False
 
 
 class MuxStream:
@@ -69,6 +71,7 @@ class MuxStream:
                  timeout_s: float | None, span: trace.Span | None) -> None:
         self.owner, self.link, self.stream_id, self.request = owner, link, stream_id, request
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._timer = None if timeout_s is None else asyncio.get_running_loop().call_later(max(0.0, timeout_s), self._expire)
         self.span = span
         self.items: list[worker_pb2.GenerateResponse] = []
         self.error: grpc.aio.AioRpcError | None = None
@@ -96,7 +99,17 @@ class MuxStream:
         self._end_span()
         self._wake()
 
+    def _expire(self) -> None:
+        """The deadline passed with the stream still open (the worker ends it too; whichever is first)."""
+        if not self.ended:
+            self.error = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            self.close()
+            self._wake()
+
     def _end_span(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.span is not None:
             if self.error is not None:
                 self.span.set_status(trace.Status(trace.StatusCode.ERROR, f"{self.error.code().name}: {self.error.details()}"))
@@ -110,11 +123,7 @@ class MuxStream:
         while not self.items and not self.ended:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
-                timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-                await asyncio.wait_for(self._waiter, timeout)
-            except TimeoutError:
-                self.error = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-                self.close()
+                await self._waiter
             finally:
                 self._waiter = None
         if self.items:
@@ -152,20 +161,31 @@ class WorkerStreams:
         self._sends: set[asyncio.Task] = set()
 
     async def open(self, request: worker_pb2.GenerateRequest, timeout_s: float | None) -> MuxStream | CallStream:
-        """Start `request` on the worker; read what comes back with the stream's `pending()`."""
-        if self.unimplemented:
+        """Start `request` on the worker; read what comes back with the stream's `pending()`. The first open (and
+        the first after the call broke) starts the call and waits for the worker's headers: one round trip per
+        connection, and no open written into a call the worker refuses."""
+        link = self._link if self._link is not None or self.unimplemented else self._connect()
+        if link is not None and not link.answered.done():
+            await asyncio.shield(link.answered)  # every open waits for a new call's first word
+        if self.unimplemented or link is None:
             return CallStream(self.stub, request, timeout_s)
-        link = self._link if self._link is not None else self._connect()
         sid = next(self._ids)
         span, carrier = self._span()
         stream = MuxStream(self, link, sid, request, timeout_s, span)
+        if link.ended:
+            stream.end("UNAVAILABLE", "the worker's Multiplex call ended")
+            return stream
         if timeout_s is not None and timeout_s <= 0:
             stream.end("DEADLINE_EXCEEDED", "Deadline Exceeded")
             return stream
         link.streams[sid] = stream
         timeout_ms = 0 if timeout_s is None else min(MAX_TIMEOUT_MS, max(1, math.ceil(timeout_s * 1000)))
-        await self._send(link, worker_pb2.MultiplexRequest(open=worker_pb2.MultiplexOpen(
-            stream_id=sid, request=request, timeout_ms=timeout_ms, trace_context=carrier)))
+        try:
+            await self._send(link, worker_pb2.MultiplexRequest(open=worker_pb2.MultiplexOpen(
+                stream_id=sid, request=request, timeout_ms=timeout_ms, trace_context=carrier)))
+        except BaseException:  # cancelled while its open waited to be written: cancel it on the worker too
+            stream.close()
+            raise
         return stream
 
     def _span(self) -> tuple[trace.Span | None, dict[str, str]]:
@@ -187,6 +207,12 @@ class WorkerStreams:
         """Hand each chunk to its stream; when the call ends, every stream still on it fails."""
         code, message = grpc.StatusCode.UNAVAILABLE, "the worker ended its Multiplex call"
         try:
+            # The worker sends its headers as the call starts; an older one ends it at once, UNIMPLEMENTED. No open
+            # is written before one or the other (an open written into a call that is ending can turn its status
+            # into gRPC's INTERNAL, and the UNIMPLEMENTED that says "call it per request" is lost).
+            await link.call.initial_metadata()
+            if not link.answered.done():
+                link.answered.set_result(None)
             async for response in link.call:
                 for chunk in response.chunks:
                     stream = link.streams.get(chunk.stream_id)
@@ -202,6 +228,9 @@ class WorkerStreams:
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 self.unimplemented = True
         finally:
+            link.ended = True
+            if not link.answered.done():
+                link.answered.set_result(None)
             if self._link is link:
                 self._link = None
             streams, link.streams = link.streams, {}
@@ -223,8 +252,3 @@ class WorkerStreams:
         task = asyncio.get_running_loop().create_task(self._send(link, message))
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
-
-    def close(self) -> None:
-        """Cancel the call (the channel is closing): every stream on it fails."""
-        if self._link is not None:
-            self._link.call.cancel()

@@ -60,6 +60,7 @@ class MultiplexCall:
         """Read opens and cancels on a task; write what is ready until the caller is done (or the server drains)
         and every stream has ended. However the call ends, the streams still open are cancelled (their requests
         aborted in the engine)."""
+        await self.context.send_initial_metadata(())  # at once: the caller writes nothing before it has them
         self.servicer._mux_calls.add(self)
         if self.servicer.draining:
             self.draining = True

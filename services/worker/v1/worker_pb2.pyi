@@ -576,9 +576,13 @@ class MultiplexRequest(_message.Message):
     OPEN_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def open(self) -> Global___MultiplexOpen: ...
+    def open(self) -> Global___MultiplexOpen:
+        """Starts a stream."""
+
     @_builtins.property
-    def cancel(self) -> Global___MultiplexCancel: ...
+    def cancel(self) -> Global___MultiplexCancel:
+        """Cancels an open stream."""
+
     def __init__(
         self,
         *,
@@ -661,6 +665,7 @@ class MultiplexCancel(_message.Message):
 
     STREAM_ID_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.int
+    """The id the stream was opened with (an id not open on the call is ignored: the stream has ended)."""
     def __init__(
         self,
         *,
@@ -682,7 +687,9 @@ class MultiplexResponse(_message.Message):
 
     CHUNKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultiplexChunk]: ...
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultiplexChunk]:
+        """In the order they were ready; each stream's chunks in its order, its end after its last chunk."""
+
     def __init__(
         self,
         *,
@@ -706,6 +713,7 @@ class MultiplexChunk(_message.Message):
     RESPONSE_FIELD_NUMBER: _builtins.int
     END_FIELD_NUMBER: _builtins.int
     stream_id: _builtins.int
+    """The stream it belongs to (the id it was opened with)."""
     @_builtins.property
     def response(self) -> Global___GenerateResponse:
         """A Generate stream's message; unset on the stream's end."""
@@ -740,6 +748,7 @@ class MultiplexEnd(_message.Message):
     code: _builtins.str
     """A grpc.StatusCode name: OK, INVALID_ARGUMENT, UNAVAILABLE, DEADLINE_EXCEEDED, ..."""
     message: _builtins.str
+    """The status message (empty when OK): names the field and the allowed range for INVALID_ARGUMENT."""
     def __init__(
         self,
         *,
