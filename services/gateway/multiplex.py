@@ -7,10 +7,10 @@ opened again after it breaks.
 raised (its code and message from the worker's `MultiplexEnd`), so the relay's retry rules do not know the
 difference. The call breaking (the worker died, restarted or stopped) fails every stream on it with UNAVAILABLE. A
 worker that does not have `Multiplex` (an older build, during a rolling upgrade) answers UNIMPLEMENTED: its requests
-then go by a Generate call each, the stream that found out included.
+then go by a Generate call each, from the first on: no open is written before the worker has answered the call.
 
 Deadlines: the open carries the request's time left (the worker ends the stream with DEADLINE_EXCEEDED past it),
-and the gateway gives up at the same moment if the worker has not said anything by then. Tracing: each stream gets
+and the gateway gives up on it at the same moment (and cancels it) if it has not ended by then. Tracing: each stream gets
 a CLIENT span named as a Generate call's, whose W3C context the open carries to the worker's span."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import time
 from typing import Any
 
 import grpc
@@ -67,17 +66,14 @@ class _Link:
 class MuxStream:
     """One request on a worker's Multiplex call."""
 
-    def __init__(self, owner: "WorkerStreams", link: _Link, stream_id: int, request: worker_pb2.GenerateRequest,
-                 timeout_s: float | None, span: trace.Span | None) -> None:
-        self.owner, self.link, self.stream_id, self.request = owner, link, stream_id, request
-        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    def __init__(self, owner: "WorkerStreams", link: _Link, stream_id: int, timeout_s: float | None,
+                 span: trace.Span | None) -> None:
+        self.owner, self.link, self.stream_id = owner, link, stream_id
         self._timer = None if timeout_s is None else asyncio.get_running_loop().call_later(max(0.0, timeout_s), self._expire)
         self.span = span
         self.items: list[worker_pb2.GenerateResponse] = []
         self.error: grpc.aio.AioRpcError | None = None
         self.ended = False
-        self.received = False
-        self.fallback: CallStream | None = None
         self._waiter: asyncio.Future | None = None
 
     def _wake(self) -> None:
@@ -86,7 +82,6 @@ class MuxStream:
 
     def put(self, response: worker_pb2.GenerateResponse) -> None:
         self.items.append(response)
-        self.received = True
         self._wake()
 
     def end(self, code: str, message: str) -> None:
@@ -118,8 +113,6 @@ class MuxStream:
 
     async def pending(self) -> list[worker_pb2.GenerateResponse] | None:
         """Everything received since the last call, waiting for at least one; None once the stream has ended."""
-        if self.fallback is not None:
-            return await self.fallback.pending()
         while not self.items and not self.ended:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -130,17 +123,11 @@ class MuxStream:
             items, self.items = self.items, []
             return items
         if self.error is not None:
-            if self.error.code() == grpc.StatusCode.UNIMPLEMENTED and not self.received and self.owner.unimplemented:
-                timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-                self.fallback = CallStream(self.owner.stub, self.request, timeout)
-                return await self.fallback.pending()
             raise self.error
         return None
 
     def close(self) -> None:
         """Done with the stream: cancel it on the worker (its pages freed) unless it has ended."""
-        if self.fallback is not None:
-            self.fallback.close()
         if not self.ended:
             self.ended = True
             self._end_span()
@@ -171,7 +158,7 @@ class WorkerStreams:
             return CallStream(self.stub, request, timeout_s)
         sid = next(self._ids)
         span, carrier = self._span()
-        stream = MuxStream(self, link, sid, request, timeout_s, span)
+        stream = MuxStream(self, link, sid, timeout_s, span)
         if link.ended:
             stream.end("UNAVAILABLE", "the worker's Multiplex call ended")
             return stream
