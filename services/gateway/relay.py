@@ -292,8 +292,9 @@ class Relay:
     @staticmethod
     async def _attempt(worker: WorkerHandle, wreq: worker_pb2.GenerateRequest, observer: AttemptObserver,
                        call: Call) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        """One worker call, relayed: what has arrived since the last write goes out merged; the admission slot is
-        given back and the call cancelled (freeing the worker's pages) however it ends."""
+        """One worker stream (of the worker's Multiplex call, or a Generate call), relayed: what has arrived since the
+        last write goes out merged; the admission slot is given back and the stream cancelled unless it ended
+        (freeing the worker's pages) however it ends."""
         stream = None
         try:
             stream = await worker.open_stream(wreq, call.time_remaining())

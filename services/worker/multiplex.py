@@ -65,7 +65,7 @@ class MultiplexCall:
         and every stream has ended. However the call ends, the streams still open are cancelled (their requests
         aborted in the engine)."""
         await self.context.send_initial_metadata(())  # at once: the caller writes nothing before it has them
-        self.servicer._mux_calls.add(self)
+        self.servicer.mux_calls.add(self)
         if self.servicer.draining:
             self.draining = True
         reader = asyncio.get_running_loop().create_task(self._read(requests))
@@ -80,7 +80,7 @@ class MultiplexCall:
                 chunks, self.ready = self.ready, []
                 await self.context.write(worker_pb2.MultiplexResponse(chunks=chunks))
         finally:
-            self.servicer._mux_calls.discard(self)
+            self.servicer.mux_calls.discard(self)
             reader.cancel()
             for task in self.streams.values():
                 task.cancel()

@@ -211,7 +211,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cotserve-tokenize")
         self._phases = itertools.count() if stream_stagger else None  # _Held's phases, dealt round-robin
         self._traced = tracer_provider is not None
-        self._mux_calls: set[MultiplexCall] = set()
+        self.mux_calls: set[MultiplexCall] = set()  # the Multiplex calls open now (each adds and removes itself)
         self.draining = False
 
     def attach(self, engine: Engine | EngineProcess, loaded: LoadedModel) -> None:
@@ -282,7 +282,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """The server is stopping: Multiplex calls refuse new streams (UNAVAILABLE, so the gateway sends them to
         another worker) and end once the streams they carry have."""
         self.draining = True
-        for call in list(self._mux_calls):
+        for call in list(self.mux_calls):
             call.drain()
 
     async def Generate(self, request: worker_pb2.GenerateRequest,

@@ -78,7 +78,7 @@ def test_streams_of_one_call_give_what_a_call_per_request_gives():
 
     async def watch(servicer: WorkerServicer, seen: list[int]) -> None:
         while True:
-            seen.append(len(servicer._mux_calls))
+            seen.append(len(servicer.mux_calls))
             await asyncio.sleep(0.002)
 
     asyncio.run(main())
@@ -103,7 +103,7 @@ def test_a_client_cancel_and_a_deadline_reach_the_worker_through_the_multiplexed
                 # the call is still there for the next request
                 (chunks,) = [[c async for c in stub.GenerateStream(request("2+2=", max_new_tokens=4), timeout=30)]]
                 assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-            assert len(worker.servicer._mux_calls) == 1
+            assert len(worker.servicer.mux_calls) == 1
         finally:
             await gateway.stop()
             await worker.stop()
