@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 from typing import Any
 
@@ -27,6 +28,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from cotserve.common.streams import ReadAhead
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
+log = logging.getLogger("cotserve.gateway.pool")
 GENERATE_METHOD = "/cotserve.worker.v1.WorkerService/Generate"
 MAX_TIMEOUT_MS = 2**32 - 1
 
@@ -139,8 +141,9 @@ class MuxStream:
 class WorkerStreams:
     """Every request this gateway sends one worker, as streams of one Multiplex call."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, tracer_provider: TracerProvider | None = None) -> None:
-        self.stub = stub
+    def __init__(self, stub: worker_pb2_grpc.WorkerServiceStub, tracer_provider: TracerProvider | None = None,
+                 address: str = "") -> None:
+        self.stub, self.address = stub, address
         self.tracer = None if tracer_provider is None else tracer_provider.get_tracer("cotserve.gateway")
         self.unimplemented = False  # the worker has no Multiplex: a Generate call per request
         self._link: _Link | None = None
@@ -200,6 +203,7 @@ class WorkerStreams:
             await link.call.initial_metadata()
             if not link.answered.done():
                 link.answered.set_result(None)
+            log.debug("worker %s: Multiplex call open", self.address)
             async for response in link.call:
                 for chunk in response.chunks:
                     stream = link.streams.get(chunk.stream_id)
@@ -214,6 +218,7 @@ class WorkerStreams:
             code, message = err.code(), err.details() or err.code().name
             if code == grpc.StatusCode.UNIMPLEMENTED:
                 self.unimplemented = True
+                log.warning("worker %s has no Multiplex (an older build): calling it per request", self.address)
         finally:
             link.ended = True
             if not link.answered.done():
@@ -221,6 +226,9 @@ class WorkerStreams:
             if self._link is link:
                 self._link = None
             streams, link.streams = link.streams, {}
+            if streams:
+                log.warning("worker %s: its Multiplex call ended (%s: %s) with %d streams open; they fail with it",
+                            self.address, code.name, message, len(streams))
             for stream in streams.values():
                 stream.end(code.name, message)
 

@@ -114,7 +114,7 @@ class WorkerPool:
         channel = aio_channel(address, self.credentials, options=[*RECONNECT_OPTIONS, *WORKER_CHANNEL_OPTIONS],
                               interceptors=client_interceptors(self.tracer_provider))
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        streams = WorkerStreams(stub, self.tracer_provider) if self.multiplex else None
+        streams = WorkerStreams(stub, self.tracer_provider, address) if self.multiplex else None
         return WorkerHandle(address, channel, stub, admission=Admission(self.admission), streams=streams)
 
     async def start(self) -> None:

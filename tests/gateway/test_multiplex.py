@@ -129,3 +129,32 @@ def test_a_worker_without_multiplex_is_called_per_request_from_the_first_request
             await worker.stop()
 
     asyncio.run(main())
+
+
+def test_an_engine_that_dies_mid_stream_ends_the_multiplexed_streams_unavailable_and_nothing_hangs():
+    """The engine process killed while a stream runs through the gateway: the client gets UNAVAILABLE naming the
+    engine, the next request fails at once (the worker is out of rotation, no other serves the model), no hang."""
+    import os
+    import signal
+
+    async def main():
+        worker = await start_worker(WorkerConfig(engine_process=True, port=0, max_num_seqs=4))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], worker_wait_s=0))
+        try:
+            async with grpc.aio.insecure_channel(gateway.server.address) as ch:
+                stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+                call = stub.GenerateStream(request("1+2+3=", max_new_tokens=250, ignore_eos=True), timeout=30)
+                assert (await call.read()).token_ids
+                os.kill(worker.engine.pid, signal.SIGKILL)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "engine" in err.value.details()
+                with pytest.raises(grpc.aio.AioRpcError) as again:
+                    await asyncio.wait_for(answers(gateway.server.address, n=4), 10)
+                assert again.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await gateway.stop()
+            await worker.stop()
+
+    asyncio.run(main())
