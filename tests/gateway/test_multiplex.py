@@ -158,3 +158,51 @@ def test_an_engine_that_dies_mid_stream_ends_the_multiplexed_streams_unavailable
             await worker.stop()
 
     asyncio.run(main())
+
+
+def test_many_streams_cancelled_timed_out_and_finished_at_once_leave_nothing_behind():
+    """24 requests at once on one call: a third cancelled by their clients after a few chunks, a third past a short
+    deadline, a third read to the end. Every finished one has all its tokens; the cancels reached the engine (the
+    cancelled requests asked for 250 tokens: had they run on, the engine would have generated 3,920 in all);
+    afterwards the worker holds no page or sequence, and neither end of the call keeps a stream."""
+    import random
+
+    async def main():
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=32))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
+        rng = random.Random(7)
+        try:
+            async with grpc.aio.insecure_channel(gateway.server.address) as ch:
+                stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+
+                async def one(i: int) -> str:
+                    kind = ("cancel", "deadline", "finish")[i % 3]
+                    call = stub.GenerateStream(request(f"{i}+{i}=", max_new_tokens=250 if kind == "cancel" else 120,
+                                                       ignore_eos=True),
+                                               timeout=0.15 if kind == "deadline" else 60)
+                    tokens = 0
+                    try:
+                        while (chunk := await call.read()) is not grpc.aio.EOF:
+                            tokens += len(chunk.token_ids)
+                            if kind == "cancel" and tokens >= rng.randint(1, 20):
+                                call.cancel()
+                                return "cancelled"
+                    except grpc.aio.AioRpcError as err:
+                        return err.code().name
+                    return f"finished {tokens}"
+
+                results = await asyncio.gather(*(one(i) for i in range(24)))
+            assert results[2::3] == ["finished 120"] * 8
+            assert results[0::3] == ["cancelled"] * 8
+            assert set(results[1::3]) <= {"DEADLINE_EXCEEDED", "finished 120"} and "DEADLINE_EXCEEDED" in results[1::3]
+            await wait_idle(worker)
+            generated = worker.engine.stats().num_generated_tokens_total
+            assert generated <= 8 * 120 + 8 * 120 + 8 * 125, generated  # the cancelled ones stopped well short of 250
+            await asyncio.sleep(0.1)  # (the cancels' writes and the worker's stream tasks finish)
+            (call,) = worker.servicer.mux_calls
+            assert call.streams == {} and gateway.pool.workers[0].streams._link.streams == {}
+        finally:
+            await gateway.stop()
+            await worker.stop()
+
+    asyncio.run(main())
