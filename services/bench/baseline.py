@@ -314,14 +314,13 @@ def ttft_four_ways(gateway: str, worker: str, prompt: str, rounds: int) -> tuple
     the gateway, and through a second gateway calling the worker per request, one request at a time, interleaved."""
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
-    relay_addr, per_call_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    relay_addr = f"127.0.0.1:{free_port()}"
     relay = Child("relay", relay_addr, [sys.executable, "-m", "cotserve.bench.relay", relay_addr, worker],
                   grpc_ready(relay_addr))
-    per_call = Child("gateway (a call per request)", per_call_addr,
-                     python_cli("serve", "gateway", "--port", per_call_addr.rpartition(":")[2], "--worker", worker,
-                                "--no-worker-multiplex"), grpc_ready(per_call_addr))
+    per_call = Child("gateway-per-call", "", [], argv_for=lambda port: python_cli(  # binds port 0, reports it
+        "serve", "gateway", "--port", str(port), "--worker", worker, "--no-worker-multiplex"))
     with running([relay, per_call]):
-        return run_loop(ttft_direct_relay_gateway(gateway, relay_addr, worker, prompt, rounds, per_call_addr))
+        return run_loop(ttft_direct_relay_gateway(gateway, relay_addr, worker, prompt, rounds, per_call.address))
 
 
 def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
