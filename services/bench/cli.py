@@ -61,7 +61,7 @@ def bench_baseline(
     cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process (per stream
     interval), the engine alone at several batch sizes (the C kernels, with an FP8 KV cache, with the layers' operations
     in torch, the torch references compiled and eager) against the ceiling the model's matrix multiplies alone set, and the TTFT the
-    gateway adds (against a bare gRPC relay: the floor of one more hop)."""
+    gateway adds (against a bare gRPC relay, the floor of one more hop, and a gateway calling the worker per request)."""
     import torch
 
     from cotserve.bench import baseline as b
