@@ -59,8 +59,12 @@ class _Link:
     def __init__(self, call: Any) -> None:
         self.call = call
         self.streams: dict[int, MuxStream] = {}
-        self.write_lock = asyncio.Lock()  # (gRPC takes one write at a time on a call)
+        # Opens and cancels are written by one task, in order. Never by a request's own task: gRPC cancels the whole
+        # call when a task is cancelled while it awaits a write (grpc.aio's `_write`), and a request's task is
+        # cancelled whenever its client goes away; every other stream on the call would fail with it.
+        self.outbox: asyncio.Queue[worker_pb2.MultiplexRequest] = asyncio.Queue()
         self.reader: asyncio.Task | None = None
+        self.writer: asyncio.Task | None = None
         self.answered = asyncio.get_running_loop().create_future()  # the worker's first word: its headers, or an end
         self.ended = False
 
@@ -134,8 +138,7 @@ class MuxStream:
             self.ended = True
             self._end_span()
             if self.link.streams.pop(self.stream_id, None) is not None:
-                self.owner.send_later(self.link, worker_pb2.MultiplexRequest(
-                    cancel=worker_pb2.MultiplexCancel(stream_id=self.stream_id)))
+                self.owner.cancel(self.link, self.stream_id)
 
 
 class WorkerStreams:
@@ -148,7 +151,6 @@ class WorkerStreams:
         self.unimplemented = False  # the worker has no Multiplex: a Generate call per request
         self._link: _Link | None = None
         self._ids = itertools.count(1)
-        self._sends: set[asyncio.Task] = set()
 
     async def open(self, request: worker_pb2.GenerateRequest, timeout_s: float | None) -> MuxStream | CallStream:
         """Start `request` on the worker; read what comes back with the stream's `pending()`. The first open (and
@@ -170,12 +172,8 @@ class WorkerStreams:
             return stream
         link.streams[sid] = stream
         timeout_ms = 0 if timeout_s is None else min(MAX_TIMEOUT_MS, max(1, math.ceil(timeout_s * 1000)))
-        try:
-            await self._send(link, worker_pb2.MultiplexRequest(open=worker_pb2.MultiplexOpen(
-                stream_id=sid, request=request, timeout_ms=timeout_ms, trace_context=carrier)))
-        except BaseException:  # cancelled while its open waited to be written: cancel it on the worker too
-            stream.close()
-            raise
+        link.outbox.put_nowait(worker_pb2.MultiplexRequest(open=worker_pb2.MultiplexOpen(
+            stream_id=sid, request=request, timeout_ms=timeout_ms, trace_context=carrier)))
         return stream
 
     def _span(self) -> tuple[trace.Span | None, dict[str, str]]:
@@ -190,7 +188,9 @@ class WorkerStreams:
 
     def _connect(self) -> _Link:
         link = self._link = _Link(self.stub.Multiplex())
-        link.reader = asyncio.get_running_loop().create_task(self._read(link))
+        loop = asyncio.get_running_loop()
+        link.reader = loop.create_task(self._read(link))
+        link.writer = loop.create_task(self._write(link))
         return link
 
     async def _read(self, link: _Link) -> None:
@@ -201,6 +201,14 @@ class WorkerStreams:
             # is written before one or the other (an open written into a call that is ending can turn its status
             # into gRPC's INTERNAL, and the UNIMPLEMENTED that says "call it per request" is lost).
             await link.call.initial_metadata()
+            if link.call.done():  # ended with its headers: refused (an older worker) or stopping
+                status = await link.call.code()
+                if status == grpc.StatusCode.UNIMPLEMENTED:
+                    self.unimplemented = True
+                    log.warning("worker %s has no Multiplex (an older build): calling it per request", self.address)
+                elif status != grpc.StatusCode.OK:
+                    code, message = status, await link.call.details() or status.name
+                return
             if not link.answered.done():
                 link.answered.set_result(None)
             log.debug("worker %s: Multiplex call open", self.address)
@@ -223,6 +231,8 @@ class WorkerStreams:
             link.ended = True
             if not link.answered.done():
                 link.answered.set_result(None)
+            if link.writer is not None:
+                link.writer.cancel()  # (the call is over: nothing more to write)
             if self._link is link:
                 self._link = None
             streams, link.streams = link.streams, {}
@@ -232,18 +242,20 @@ class WorkerStreams:
             for stream in streams.values():
                 stream.end(code.name, message)
 
-    async def _send(self, link: _Link, message: worker_pb2.MultiplexRequest) -> None:
-        try:
-            async with link.write_lock:
+    async def _write(self, link: _Link) -> None:
+        """Write the call's opens and cancels in order, once the worker has answered it."""
+        await link.answered
+        while True:
+            message = await link.outbox.get()
+            try:
                 await link.call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            # the call has ended (its reader fails the streams it knew); an open that raced it fails here
-            if message.HasField("open") and (stream := link.streams.pop(message.open.stream_id, None)) is not None:
-                details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                stream.end("UNAVAILABLE", f"the worker's Multiplex call ended: {details}")
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+                # the call has ended (its reader fails the streams it knew); an open that raced it fails here
+                if message.HasField("open") and (stream := link.streams.pop(message.open.stream_id, None)) is not None:
+                    details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                    stream.end("UNAVAILABLE", f"the worker's Multiplex call ended: {details}")
 
-    def send_later(self, link: _Link, message: worker_pb2.MultiplexRequest) -> None:
-        """`_send` on a task of its own (a cancel, from a stream's synchronous `close`)."""
-        task = asyncio.get_running_loop().create_task(self._send(link, message))
-        self._sends.add(task)
-        task.add_done_callback(self._sends.discard)
+    def cancel(self, link: _Link, stream_id: int) -> None:
+        """Cancel a stream on the worker (written after its open, by the call's writer)."""
+        if not link.ended:
+            link.outbox.put_nowait(worker_pb2.MultiplexRequest(cancel=worker_pb2.MultiplexCancel(stream_id=stream_id)))

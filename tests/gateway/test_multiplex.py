@@ -206,3 +206,32 @@ def test_many_streams_cancelled_timed_out_and_finished_at_once_leave_nothing_beh
             await worker.stop()
 
     asyncio.run(main())
+
+
+def test_clients_that_cancel_at_once_do_not_break_the_call_other_streams_are_on():
+    """Requests cancelled by their clients as soon as sent (the gateway may be writing their open just then) cost
+    the other streams on the worker's call nothing: a long stream running beside 120 of them finishes whole."""
+    async def main():
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
+        try:
+            async with grpc.aio.insecure_channel(gateway.server.address) as ch:
+                stub = gateway_pb2_grpc.GatewayServiceStub(ch)
+                long = stub.GenerateStream(request("1+2+3=", max_new_tokens=200, ignore_eos=True), timeout=60)
+                tokens = len((await long.read()).token_ids)
+
+                async def cancelled_at_once(i: int, delay_s: float) -> None:
+                    call = stub.GenerateStream(request(f"{i}+1=", max_new_tokens=50), timeout=60)
+                    await asyncio.sleep(delay_s)
+                    call.cancel()
+
+                await asyncio.gather(*(cancelled_at_once(i, (i % 12) * 0.00025) for i in range(120)))
+                while (chunk := await long.read()) is not grpc.aio.EOF:
+                    tokens += len(chunk.token_ids)
+                assert tokens == 200 and await long.code() == grpc.StatusCode.OK
+            await wait_idle(worker)
+        finally:
+            await gateway.stop()
+            await worker.stop()
+
+    asyncio.run(main())
