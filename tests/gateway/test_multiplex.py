@@ -5,6 +5,7 @@ older build) is called per request, the first request included. Real worker and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -43,6 +44,18 @@ async def wait_idle(worker, timeout_s: float = 5.0) -> None:
                 return
             await asyncio.sleep(0.05)
         raise AssertionError(f"the worker still holds work: {s}")
+
+
+@contextlib.asynccontextmanager
+async def worker_and_gateway(max_num_seqs: int = 8, engine_process: bool = False, **gateway_settings):
+    """A worker (its engine on a thread unless `engine_process`) and a gateway in front of it, in this process."""
+    worker = await start_worker(WorkerConfig(engine_process=engine_process, port=0, max_num_seqs=max_num_seqs))
+    gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], **gateway_settings))
+    try:
+        yield worker, gateway
+    finally:
+        await gateway.stop()
+        await worker.stop()
 
 
 def flat(chunks, field: str) -> list:
@@ -86,9 +99,7 @@ def test_streams_of_one_call_give_what_a_call_per_request_gives():
 
 def test_a_client_cancel_and_a_deadline_reach_the_worker_through_the_multiplexed_call():
     async def main():
-        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
-        try:
+        async with worker_and_gateway(max_num_seqs=8) as (worker, gateway):
             async with grpc.aio.insecure_channel(gateway.server.address) as ch:
                 stub = gateway_pb2_grpc.GatewayServiceStub(ch)
                 call = stub.GenerateStream(request("1+2+3=", max_new_tokens=250, ignore_eos=True), timeout=60)
@@ -104,9 +115,6 @@ def test_a_client_cancel_and_a_deadline_reach_the_worker_through_the_multiplexed
                 (chunks,) = [[c async for c in stub.GenerateStream(request("2+2=", max_new_tokens=4), timeout=30)]]
                 assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
             assert len(worker.servicer.mux_calls) == 1
-        finally:
-            await gateway.stop()
-            await worker.stop()
 
     asyncio.run(main())
 
@@ -116,17 +124,12 @@ def test_a_worker_without_multiplex_is_called_per_request_from_the_first_request
     monkeypatch.setattr(WorkerServicer, "Multiplex", worker_pb2_grpc.WorkerServiceServicer.Multiplex)
 
     async def main():
-        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
-        try:
+        async with worker_and_gateway(max_num_seqs=8) as (worker, gateway):
             first = await answers(gateway.server.address, n=8)
             assert all(len(flat(a, "token_ids")) == 8 for a in first)
             assert gateway.pool.workers[0].streams.unimplemented
             again = await answers(gateway.server.address, n=8)
             assert [flat(a, "token_ids") for a in again] == [flat(a, "token_ids") for a in first]
-        finally:
-            await gateway.stop()
-            await worker.stop()
 
     asyncio.run(main())
 
@@ -138,9 +141,7 @@ def test_an_engine_that_dies_mid_stream_ends_the_multiplexed_streams_unavailable
     import signal
 
     async def main():
-        worker = await start_worker(WorkerConfig(engine_process=True, port=0, max_num_seqs=4))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], worker_wait_s=0))
-        try:
+        async with worker_and_gateway(max_num_seqs=4, engine_process=True, worker_wait_s=0) as (worker, gateway):
             async with grpc.aio.insecure_channel(gateway.server.address) as ch:
                 stub = gateway_pb2_grpc.GatewayServiceStub(ch)
                 call = stub.GenerateStream(request("1+2+3=", max_new_tokens=250, ignore_eos=True), timeout=30)
@@ -153,9 +154,6 @@ def test_an_engine_that_dies_mid_stream_ends_the_multiplexed_streams_unavailable
                 with pytest.raises(grpc.aio.AioRpcError) as again:
                     await asyncio.wait_for(answers(gateway.server.address, n=4), 10)
                 assert again.value.code() == grpc.StatusCode.UNAVAILABLE
-        finally:
-            await gateway.stop()
-            await worker.stop()
 
     asyncio.run(main())
 
@@ -168,10 +166,8 @@ def test_many_streams_cancelled_timed_out_and_finished_at_once_leave_nothing_beh
     import random
 
     async def main():
-        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=32))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
         rng = random.Random(7)
-        try:
+        async with worker_and_gateway(max_num_seqs=32) as (worker, gateway):
             async with grpc.aio.insecure_channel(gateway.server.address) as ch:
                 stub = gateway_pb2_grpc.GatewayServiceStub(ch)
 
@@ -201,9 +197,6 @@ def test_many_streams_cancelled_timed_out_and_finished_at_once_leave_nothing_beh
             await asyncio.sleep(0.1)  # (the cancels' writes and the worker's stream tasks finish)
             (call,) = worker.servicer.mux_calls
             assert call.streams == {} and gateway.pool.workers[0].streams._link.streams == {}
-        finally:
-            await gateway.stop()
-            await worker.stop()
 
     asyncio.run(main())
 
@@ -212,9 +205,7 @@ def test_clients_that_cancel_at_once_do_not_break_the_call_other_streams_are_on(
     """Requests cancelled by their clients as soon as sent (the gateway may be writing their open just then) cost
     the other streams on the worker's call nothing: a long stream running beside 120 of them finishes whole."""
     async def main():
-        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]))
-        try:
+        async with worker_and_gateway(max_num_seqs=8) as (worker, gateway):
             async with grpc.aio.insecure_channel(gateway.server.address) as ch:
                 stub = gateway_pb2_grpc.GatewayServiceStub(ch)
                 long = stub.GenerateStream(request("1+2+3=", max_new_tokens=200, ignore_eos=True), timeout=60)
@@ -230,8 +221,5 @@ def test_clients_that_cancel_at_once_do_not_break_the_call_other_streams_are_on(
                     tokens += len(chunk.token_ids)
                 assert tokens == 200 and await long.code() == grpc.StatusCode.OK
             await wait_idle(worker)
-        finally:
-            await gateway.stop()
-            await worker.stop()
 
     asyncio.run(main())
