@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 
-
 def children_of(pid: int) -> list[int]:
     """The process's children in the order they started (not by pid: pids wrap around)."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout

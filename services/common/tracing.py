@@ -63,6 +63,14 @@ def client_interceptors(provider: TracerProvider | None) -> list[Any]:
     return [] if provider is None else list(aio_client_interceptors(tracer_provider=provider, filter_=_not_health_or_reflection))
 
 
+MULTIPLEXED_GENERATE = "/cotserve.worker.v1.WorkerService/Generate"
+"""The name of a stream's spans on a worker's Multiplex call, at both ends, and of its log line: a Generate call's,
+so that a request's trace reads the same either way."""
+MULTIPLEXED_GENERATE_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": "cotserve.worker.v1.WorkerService",
+                                   "rpc.method": "Generate"}
+"""The rpc.* attributes the gRPC instrumentation gives a Generate call's spans."""
+
+
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
                      ("grpc.max_reconnect_backoff_ms", 2000)]
 """Channel options for one service calling another on this network: reconnect within two seconds of a

@@ -26,10 +26,10 @@ from opentelemetry import propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.streams import ReadAhead
+from cotserve.common.tracing import MULTIPLEXED_GENERATE, MULTIPLEXED_GENERATE_ATTRIBUTES
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("cotserve.gateway.pool")
-GENERATE_METHOD = "/cotserve.worker.v1.WorkerService/Generate"
 MAX_TIMEOUT_MS = 2**32 - 1
 
 
@@ -181,8 +181,8 @@ class WorkerStreams:
         carrier: dict[str, str] = {}
         if self.tracer is None:
             return None, carrier
-        span = self.tracer.start_span(GENERATE_METHOD, kind=trace.SpanKind.CLIENT, attributes={
-            "rpc.system": "grpc", "rpc.service": "cotserve.worker.v1.WorkerService", "rpc.method": "Generate"})
+        span = self.tracer.start_span(MULTIPLEXED_GENERATE, kind=trace.SpanKind.CLIENT,
+                                      attributes=MULTIPLEXED_GENERATE_ATTRIBUTES)
         propagate.inject(carrier, context=trace.set_span_in_context(span))
         return span, carrier
 

@@ -38,14 +38,13 @@ import grpc
 from opentelemetry import propagate, trace
 
 from cotserve.common.server import error_status
+from cotserve.common.tracing import MULTIPLEXED_GENERATE, MULTIPLEXED_GENERATE_ATTRIBUTES
 from cotserve.worker.v1 import worker_pb2
 
 if TYPE_CHECKING:
     from cotserve.worker.server import WorkerServicer
 
 log = logging.getLogger("cotserve.rpc")
-GENERATE_METHOD = "/cotserve.worker.v1.WorkerService/Generate"
-"""The name of a multiplexed stream's span and log line: what it would be as a Generate call of its own."""
 
 
 class MultiplexCall:
@@ -128,10 +127,8 @@ class MultiplexCall:
             yield None
             return
         with self.tracer.start_as_current_span(
-                GENERATE_METHOD, context=propagate.extract(dict(op.trace_context)), kind=trace.SpanKind.SERVER,
-                attributes={"rpc.system": "grpc", "rpc.service": "cotserve.worker.v1.WorkerService",
-                            "rpc.method": "Generate"},
-                record_exception=False, set_status_on_exception=False) as span:
+                MULTIPLEXED_GENERATE, context=propagate.extract(dict(op.trace_context)), kind=trace.SpanKind.SERVER,
+                attributes=MULTIPLEXED_GENERATE_ATTRIBUTES, record_exception=False, set_status_on_exception=False) as span:
             yield span
 
     async def _stream(self, op: worker_pb2.MultiplexOpen) -> None:
@@ -158,4 +155,4 @@ class MultiplexCall:
             if self.streams.get(sid) is asyncio.current_task():
                 del self.streams[sid]
             self._wake.set()
-            log.info("%s (multiplexed) %s %.1fms", GENERATE_METHOD, code, (time.monotonic() - start) * 1000)
+            log.info("%s (multiplexed) %s %.1fms", MULTIPLEXED_GENERATE, code, (time.monotonic() - start) * 1000)
