@@ -353,14 +353,18 @@ def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
                       soft_wrap=True)
 
 
-KERNEL_SETTINGS = (("native", "auto", "auto", True, "auto"), ("native, FP8 cache", "auto", "auto", True, "fp8_e4m3"),
-                   ("native, torch layer ops", "auto", "reference", True, "auto"),
-                   ("compiled", "reference", "reference", True, "auto"), ("eager", "reference", "reference", False, "auto"))
+KERNEL_SETTINGS = (("native", "auto", "auto", "auto", True, "auto"),
+                   ("native, FP8 cache", "auto", "auto", "auto", True, "fp8_e4m3"),
+                   ("native, per operation", "auto", "auto", "per-op", True, "auto"),
+                   ("native, torch layer ops", "auto", "reference", "auto", True, "auto"),
+                   ("compiled", "reference", "reference", "auto", True, "auto"),
+                   ("eager", "reference", "reference", "auto", False, "auto"))
 """The engine-only rows' CPU kernels: the default (decode attention, cache writes, the layers' multiplies and small
-operations in C), the same with an FP8 KV cache, the same with the layers' operations as torch's (MKL's multiplies and
-the small operations' references: the default before they were C), the torch references compiled by inductor (the
-default before the C kernel), and the references eager. Each is (label, COTSERVE_KERNELS, COTSERVE_LAYER_OPS,
-compile, kv_cache_dtype)."""
+operations in C, a decode step's layers in one C call), the same with an FP8 KV cache, the same with each operation a
+call from Python (the default before the one call), the same with the layers' operations as torch's (MKL's multiplies
+and the small operations' references: the default before they were C), the torch references compiled by inductor
+(the default before the C kernel), and the references eager. Each is (label, COTSERVE_KERNELS, COTSERVE_LAYER_OPS,
+COTSERVE_DECODE_LAYERS, compile, kv_cache_dtype)."""
 
 
 def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batches: list[int],
@@ -370,10 +374,10 @@ def engine_batch_rows(model_dir: Path, ids: list[int], max_new_tokens: int, batc
 
     rows = []
     for batch in batches:
-        for label, kernels, layer_ops, compiled, kv_dtype in KERNEL_SETTINGS:
+        for label, kernels, layer_ops, decode_layers, compiled, kv_dtype in KERNEL_SETTINGS:
             say(f"cotserve engine only, batch {batch}, {label} kernels ...")
             with compile_setting(compiled), env_setting("COTSERVE_KERNELS", kernels), \
-                    env_setting("COTSERVE_LAYER_OPS", layer_ops):
+                    env_setting("COTSERVE_LAYER_OPS", layer_ops), env_setting("COTSERVE_DECODE_LAYERS", decode_layers):
                 rows.append((batch, label, run_engine_only(model_dir, ids, max_new_tokens, max(batch, 8) * 2, batch,
                                                            kv_cache_dtype=kv_dtype)))
     return rows
@@ -385,20 +389,22 @@ def engine_table(rows: list[tuple[int, str, BaselineResult]], batches: list[int]
 
     threads = torch.get_num_threads()
     e = Table(title=f"engine only (this process, one loop, {threads} torch thread{'s' * (threads > 1)}): CPU kernels "
-                    "in C (native: decode attention, cache writes, the layers' multiplies and small operations; with an "
-                    "FP8 KV cache; then with the layers' operations as torch's) vs the torch references compiled by "
-                    "inductor and eager; the ceiling is the model's linear layers alone, weights hot in cache")
-    for col in ("batch", "native tok/s", "FP8 cache tok/s", "torch layer ops tok/s", "compiled tok/s", "eager tok/s",
-                "FP8 / native", "native / torch layer ops", "native / compiled", "native / eager",
-                "linears ceiling tok/s", "native / ceiling"):
+                    "in C (native: decode attention, cache writes, the layers' multiplies and small operations, a decode "
+                    "step's layers in one call; with an FP8 KV cache; with each operation a call from Python; then with "
+                    "the layers' operations as torch's) vs the torch references compiled by inductor and eager; the "
+                    "ceiling is the model's linear layers alone, weights hot in cache")
+    for col in ("batch", "native tok/s", "FP8 cache tok/s", "per operation tok/s", "torch layer ops tok/s",
+                "compiled tok/s", "eager tok/s", "FP8 / native", "native / per operation", "native / torch layer ops",
+                "native / compiled", "native / eager", "linears ceiling tok/s", "native / ceiling"):
         e.add_column(col, justify="right")
     by = {(b, label): r.output_tokens_per_s for b, label, r in rows}
     for batch in batches:
         n, f, t = by[batch, "native"], by[batch, "native, FP8 cache"], by[batch, "native, torch layer ops"]
-        c, g = by[batch, "compiled"], by[batch, "eager"]
+        p, c, g = by[batch, "native, per operation"], by[batch, "compiled"], by[batch, "eager"]
         ceiling = (ceilings or {}).get(batch)
-        e.add_row(str(batch), f"{n:.0f}", f"{f:.0f}", f"{t:.0f}", f"{c:.0f}", f"{g:.0f}", f"{f / n:.2f}x", f"{n / t:.2f}x",
-                  f"{n / c:.2f}x", f"{n / g:.2f}x", f"{ceiling.tokens_per_s:.0f}" if ceiling else "n/a",
+        e.add_row(str(batch), f"{n:.0f}", f"{f:.0f}", f"{p:.0f}", f"{t:.0f}", f"{c:.0f}", f"{g:.0f}", f"{f / n:.2f}x",
+                  f"{n / p:.2f}x", f"{n / t:.2f}x", f"{n / c:.2f}x", f"{n / g:.2f}x",
+                  f"{ceiling.tokens_per_s:.0f}" if ceiling else "n/a",
                   f"{n / ceiling.tokens_per_s:.0%}" if ceiling else "n/a")
     return e
 

@@ -50,18 +50,18 @@ def bench_baseline(
     max_new_tokens: int = typer.Option(64, help="Tokens generated per request."),
     requests: int = typer.Option(64, help="Requests for cotserve and for static batching."),
     single_requests: int = typer.Option(16, help="Requests for transformers one-at-a-time."),
-    engine_batches: str = typer.Option("1,8,32", help="Engine-only batch sizes, each run with the C kernels as served, with an FP8 "
-                                       "KV cache, with the layers' operations in torch (COTSERVE_LAYER_OPS=reference), the "
-                                       "torch references compiled (COTSERVE_KERNELS=reference) and eager; empty for none."),
+    engine_batches: str = typer.Option("1,8,32", help="Engine-only batch sizes, each run with the C kernels as served, an FP8 KV "
+                                       "cache, each operation called from Python, the layers' operations in torch, the torch "
+                                       "references compiled and eager (bench/baseline.KERNEL_SETTINGS); empty for none."),
     ttft_rounds: int = typer.Option(50, help="Requests (one at a time) for the gateway-added TTFT, per path; 0: skip."),
     stream_intervals: str = typer.Option("1,8", help="The workers' --stream-interval for the runs through the gateway, "
                                          "one stack started per value (ignored with --address)."),
 ) -> None:
     """Same workload through cotserve, through cotserve's engine alone and through transformers' generate; prints
     cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process (per stream
-    interval), the engine alone at several batch sizes (the C kernels, with an FP8 KV cache, with the layers' operations
-    in torch, the torch references compiled and eager) against the ceiling the model's matrix multiplies alone set, and the TTFT the
-    gateway adds (against a bare gRPC relay, the floor of one more hop, and a gateway calling the worker per request)."""
+    interval), the engine alone at several batch sizes (the C kernels, with an FP8 KV cache, per operation, with the layers'
+    operations in torch, the torch references compiled and eager) against the ceiling the model's matrix multiplies alone
+    set, and the TTFT the gateway adds (against a bare gRPC relay, and a gateway calling the worker per request)."""
     import torch
 
     from cotserve.bench import baseline as b

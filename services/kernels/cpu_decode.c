@@ -576,3 +576,72 @@ void cotserve_linear(const float *x, const float *wt, const float *bias, float *
                 }
         }
 }
+
+/* ---- A decode step's decoder layers in one call -------------------------------------------------------------------
+ *
+ * The operations above, called one layer after another from here rather than from Python: on a small model a decode
+ * step's time went a third to the Python around them (the modules' calls, a tensor allocated per result, ctypes'
+ * argument conversion, ten calls a layer). Each operation is the function above with the arguments the per-operation
+ * path gives it, in the same order, so the results are the per-operation path's bit for bit.
+ *
+ * `layers` [num_layers, LAYER_FIELDS] holds each layer's addresses (weights stored transposed, as `cotserve_linear`
+ * takes them; a bias 0 for none) and its cache's kind; `x` [n, hidden] is the embedded tokens and becomes the residual
+ * stream; `out` [n, hidden] the final norm's output; `work` room for the intermediate results (n rows of 2 hidden +
+ * 2 (heads + 2 kv_heads) dim + heads dim + 3 inter floats: cpu_native.DecodeLayers). Every row is a decode row: row r's new
+ * key and value go to slots[r] and it attends over its table's pages up to ctx[r] (all of them: no page selection).
+ * num_layers >= 1. Returns 0, or -1 with `err` = {the operation: 0 the write, 1 attention; its return code} when a
+ * write or a row's read would leave the cache: the first layer's write checks every slot before it writes any (every
+ * layer uses the same slots and tables), so an out-of-range slot writes nothing; a row out of its table fails the
+ * first layer's attention, after its write, as on the per-operation path. */
+enum {
+    L_IN_NORM, L_QKV_W, L_QKV_B, L_O_W, L_O_B, L_POST_NORM, L_GU_W, L_GU_B, L_DOWN_W, L_DOWN_B,
+    L_K, L_V, L_K_SCALE, L_V_SCALE, L_K_MIN, L_K_MAX, L_KIND, LAYER_FIELDS
+};
+
+int64_t cotserve_decode_layer_fields(void) { return LAYER_FIELDS; }
+
+int cotserve_decode_layers(const int64_t *layers, int64_t num_layers, const float *final_norm, float *x,
+                           const float *cos, const float *sin, const int64_t *slots, const uint8_t *fresh,
+                           const int64_t *tables, const int64_t *ctx, float *work, float *out, int64_t *err, int64_t n,
+                           int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, int64_t inter, int64_t bs,
+                           int64_t width, int64_t num_blocks, float eps, float scale, int threads) {
+    const int64_t qkv_width = (heads + 2 * kv_heads) * dim;
+    float *h = work, *qkv = h + n * hidden, *q = qkv + n * qkv_width, *k = q + n * heads * dim;
+    float *v = k + n * kv_heads * dim, *att = v + n * kv_heads * dim, *gate_up = att + n * heads * dim;
+    float *act = gate_up + n * 2 * inter, *y = act + n * inter; /* y: a block's output, added into x by the next norm */
+#define FIELD(T, f) ((T)(intptr_t)L[f])
+    for (int64_t i = 0; i < num_layers; i++) {
+        const int64_t *L = layers + i * LAYER_FIELDS;
+        int kind = (int)L[L_KIND];
+        void *kc = FIELD(void *, L_K), *vc = FIELD(void *, L_V);
+        uint16_t *ks = FIELD(uint16_t *, L_K_SCALE), *vs = FIELD(uint16_t *, L_V_SCALE);
+        float *k_min = FIELD(float *, L_K_MIN), *k_max = FIELD(float *, L_K_MAX);
+        cotserve_rms_norm(i ? y : x, i ? x : NULL, FIELD(const float *, L_IN_NORM), h, n, hidden, eps, threads);
+        cotserve_linear(h, FIELD(const float *, L_QKV_W), FIELD(const float *, L_QKV_B), qkv, n, qkv_width, hidden,
+                        threads);
+        cotserve_rope_split(qkv, cos, sin, q, k, v, n, heads, kv_heads, dim);
+        int rc = cotserve_write_kv(kind, k, v, kc, vc, ks, vs, slots, k_min ? fresh : NULL, k_min, k_max, n, kv_heads,
+                                   dim, bs, num_blocks);
+        if (rc != 0) {
+            err[0] = 0, err[1] = rc;
+            return -1;
+        }
+        rc = cotserve_decode_attention(q, kc, vc, ks, vs, kind, tables, ctx, NULL, 0, att, n, heads, kv_heads, dim, bs,
+                                       width, num_blocks, scale, threads);
+        if (rc != 0) {
+            err[0] = 1, err[1] = rc;
+            return -1;
+        }
+        cotserve_linear(att, FIELD(const float *, L_O_W), FIELD(const float *, L_O_B), y, n, hidden, heads * dim,
+                        threads);
+        cotserve_rms_norm(y, x, FIELD(const float *, L_POST_NORM), h, n, hidden, eps, threads);
+        cotserve_linear(h, FIELD(const float *, L_GU_W), FIELD(const float *, L_GU_B), gate_up, n, 2 * inter, hidden,
+                        threads);
+        cotserve_silu_mul(gate_up, act, n, inter, threads);
+        cotserve_linear(act, FIELD(const float *, L_DOWN_W), FIELD(const float *, L_DOWN_B), y, n, hidden, inter,
+                        threads);
+    }
+#undef FIELD
+    cotserve_rms_norm(y, x, final_norm, out, n, hidden, eps, threads);
+    return 0;
+}

@@ -66,6 +66,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -148,6 +149,10 @@ def library() -> ctypes.CDLL | None:
         lib.cotserve_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         lib.cotserve_silu_mul.restype = None
         lib.cotserve_silu_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        lib.cotserve_decode_layer_fields.restype = ctypes.c_int64
+        lib.cotserve_decode_layers.restype = ctypes.c_int
+        lib.cotserve_decode_layers.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 11
+                                               + [ctypes.c_int64] * 9 + [ctypes.c_float] * 2 + [ctypes.c_int])
         _lib = lib
         return lib
 
@@ -205,15 +210,20 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def _writes_natively(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, k_min: torch.Tensor | None,
                      k_max: torch.Tensor | None) -> bool:
-    """What the C write takes: float32 keys and values on the CPU into contiguous float32 pages or FP8 pages with fp16
-    scales (and float32 page bounds, if any), head_dim <= 512."""
+    """What the C write takes: float32 keys and values on the CPU into a cache `_native_cache` takes, head_dim <= 512."""
     if key.device.type != "cpu" or key.dtype != torch.float32 or value.dtype != torch.float32 or key.shape[-1] > 512:
         return False
+    return _native_cache(k_cache, v_cache, k_scale, v_scale, k_min, k_max)
+
+
+def _native_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None, k_min: torch.Tensor | None, k_max: torch.Tensor | None) -> bool:
+    """Contiguous float32 pages, or FP8 pages with fp16 scales (and float32 page bounds, if any)."""
     if k_cache.dtype != v_cache.dtype or k_cache.dtype not in KV_KINDS:
         return False
     scales = [k_scale, v_scale] if k_cache.dtype == kv_fp8.FP8 else []
     tensors = [k_cache, v_cache, *scales] + ([k_min, k_max] if k_min is not None else [])
-    if any(t is None or not t.is_contiguous() for t in tensors):
+    if any(t is None or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
         return False
     bounds_ok = k_min is None or (k_max is not None and k_min.dtype == k_max.dtype == torch.float32)
     return bounds_ok and all(s.dtype == torch.float16 for s in scales)
@@ -321,3 +331,116 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lib.cotserve_linear(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
                         rows, weight.shape[0], weight.shape[1], torch.get_num_threads())
     return out
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeLayer:
+    """One decoder layer's tensors as `DecodeLayers` takes them: norms' weights, the fused q/k/v and gate/up weights
+    and the output and down projections (each stored transposed, `layer_ops.store_transposed`; biases or None), and
+    its cache (keys, values, FP8 scales or None, page bounds or None)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    k_min: torch.Tensor | None = None
+    k_max: torch.Tensor | None = None
+
+    def addresses(self) -> list[int]:
+        """The C function's row for this layer (`cotserve_decode_layers`' LAYER_FIELDS order), its cache's kind last."""
+        return [0 if t is None else t.data_ptr() for t in (
+            self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
+            self.gate_up_bias, self.down, self.down_bias, self.k, self.v, self.k_scale, self.v_scale, self.k_min,
+            self.k_max)] + [KV_KINDS[self.k.dtype]]
+
+
+class DecodeLayers:
+    """A decode step's decoder layers in one C call (`cotserve_decode_layers`): every layer's norm, multiplies, RoPE,
+    cache write and attention over all pages, then the final norm, each the C operation the per-operation path calls
+    (`rms_norm`, `linear`, `rope_split`, `write_kv`, `decode_attention`, `silu_mul`) with the same arguments, so the
+    results are that path's bit for bit (tested). Why: on the demo model a third of a decode step at batch 32 was the
+    Python between those operations (module calls, a tensor per result, ctypes' conversions of ten calls a layer);
+    `cotserve bench baseline`'s engine rows run both (`COTSERVE_DECODE_LAYERS=per-op`).
+
+    Build it with `build`, which says None for anything the C operations do not all take; the tensors' addresses are
+    read once there, so the weights and caches must stay where they are (they do: loaded once, allocated once)."""
+
+    def __init__(self, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float, heads: int, kv_heads: int,
+                 dim: int, scale: float) -> None:
+        self.layers = layers  # holds the tensors whose addresses `table` has
+        self.final_norm, self.eps, self.scale = final_norm, eps, scale
+        self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
+        self.hidden, self.inter = final_norm.numel(), layers[0].down.shape[1]
+        self.block_size, self.num_blocks = layers[0].k.shape[1], layers[0].k.shape[0]
+        self.row_floats = 2 * self.hidden + 2 * (heads + 2 * kv_heads) * dim + heads * dim + 3 * self.inter
+        self.table = torch.tensor([layer.addresses() for layer in layers], dtype=torch.int64)
+
+    @classmethod
+    def build(cls, layers: list[DecodeLayer], final_norm: torch.Tensor, eps: float, heads: int, kv_heads: int,
+              dim: int, scale: float) -> "DecodeLayers | None":
+        """The stack, or None where the C library is not here or a tensor is not one the C operations take."""
+        lib = library()
+        if lib is None or not layers or lib.cotserve_decode_layer_fields() != len(DecodeLayer.__slots__) + 1:
+            return None
+        if dim % 2 or dim > 512 or heads % kv_heads or heads // kv_heads > 16 or not _f32_rows(final_norm):
+            return None
+        hidden, inter = final_norm.numel(), layers[0].down.shape[1]
+        shapes = {"qkv": ((heads + 2 * kv_heads) * dim, hidden), "o": (hidden, heads * dim),
+                  "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        first = layers[0].k
+        for layer in layers:
+            for name, shape in shapes.items():
+                weight, bias = getattr(layer, name), getattr(layer, f"{name}_bias")
+                if not (transposed(weight) and weight.dtype == torch.float32 and weight.is_cpu
+                        and tuple(weight.shape) == shape and _f32_rows(bias)
+                        and (bias is None or bias.shape == (shape[0],))):
+                    return None
+            if not (_f32_rows(layer.input_norm, layer.post_norm) and layer.input_norm.numel() == hidden
+                    and layer.post_norm.numel() == hidden):
+                return None
+            if layer.k.shape != first.shape or first.shape[1] > 64 or first.shape[2:] != (kv_heads, dim) \
+                    or not _native_cache(layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_min, layer.k_max):
+                return None
+        return cls(layers, final_norm, eps, heads, kv_heads, dim, scale)
+
+    def takes(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows runs here: the per-operation multiply leaves C beyond LINEAR_MAX_ROWS."""
+        return 0 < rows <= LINEAR_MAX_ROWS
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 fresh: torch.Tensor | None, tables: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] the embedded tokens (used as the residual stream: overwritten), cos/sin [n, dim], each row a
+        decode row: its slot, its page table [n, width] and context length -> the final norm's output [n, hidden]."""
+        n = x.shape[0]
+        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        slots, tables, ctx = (t.to(torch.int64).contiguous() for t in (slots, tables, ctx))
+        fresh = fresh.to(torch.bool).contiguous() if fresh is not None else None
+        work = x.new_empty(n * self.row_floats)
+        out, err = x.new_empty(n, self.hidden), torch.zeros(2, dtype=torch.int64)
+        rc = _lib.cotserve_decode_layers(
+            self.table.data_ptr(), len(self.layers), self.final_norm.data_ptr(), x.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), slots.data_ptr(), fresh.data_ptr() if fresh is not None else None, tables.data_ptr(),
+            ctx.data_ptr(), work.data_ptr(), out.data_ptr(), err.data_ptr(), n, self.hidden, self.heads,
+            self.kv_heads, self.dim, self.inter, self.block_size, tables.shape[1], self.num_blocks, self.eps,
+            self.scale, torch.get_num_threads())
+        if rc != 0:
+            op, code = int(err[0]), int(err[1])
+            if code == -1:
+                raise ValueError(f"decode layers: shapes out of the CPU kernels' range (dim {self.dim})")
+            row = -2 - code
+            if op == 0:
+                raise IndexError(f"write_kv: token {row}'s slot {int(slots[row])} is outside the cache "
+                                 f"({self.num_blocks} blocks of {self.block_size})")
+            raise IndexError(f"decode attention: row {row} reads outside its block table or the cache (context "
+                             f"length {int(ctx[row])}, table width {tables.shape[1]}, {self.num_blocks} blocks)")
+        return out

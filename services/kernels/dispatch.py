@@ -104,3 +104,12 @@ def layer_ops_for(device: torch.device, dtype: torch.dtype) -> layer_ops.LayerOp
         return layer_ops.REFERENCE_OPS
     return layer_ops.LayerOps("cpu-native", cpu_native.rms_norm, cpu_native.rope_split, cpu_native.silu_mul,
                               cpu_native.linear, transposed_weights=True)
+
+
+def decode_layers_choice() -> str:
+    """COTSERVE_DECODE_LAYERS, checked: auto (a decode step's layers in one C call where the C operations run them all,
+    `cpu_native.DecodeLayers`) or per-op (an operation a call from Python: the benches' comparison)."""
+    choice = os.environ.get("COTSERVE_DECODE_LAYERS", "auto")
+    if choice not in ("auto", "per-op"):
+        raise ValueError(f"COTSERVE_DECODE_LAYERS: {choice!r}, allowed auto, per-op")
+    return choice

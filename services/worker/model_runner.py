@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cotserve.kernels.dispatch import kernels_for
+from cotserve.kernels.dispatch import decode_layers_choice, kernels_for
 from cotserve.kernels.kv_fp8 import FP8
 from cotserve.worker.kv_spec import FP8_SCALE_DTYPE, KvCacheSpec
 from cotserve.worker.models.attention import PagedAttention, PagedBatch, PrefillGroup
@@ -35,6 +35,7 @@ class ModelRunner:
         self.kernels = kernels_for(self.device)  # chosen once, here
         self.caches = spec.allocate(num_blocks, self.device)
         self.scale = self.config.head_dim ** -0.5
+        self.decode_layers = self._decode_layers()  # decode steps' layers in one C call, where they all run in C
         self.warmed = threading.Event()  # the CPU kernels are compiled (set at once where nothing compiles)
         if self.device.type == "cpu" and self.kernels.name != "triton":
             self._warm_up_kernels(loaded.dtype)
@@ -93,6 +94,17 @@ class ModelRunner:
             prefill_groups=groups,
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
+
+    def _decode_layers(self):
+        """`LlamaForCausalLM.native_decode_layers` over this runner's caches where the native CPU kernels serve every
+        layer (every page read: no top-k selection) and COTSERVE_DECODE_LAYERS allows it; else None."""
+        from cotserve.kernels import cpu_native
+
+        native = self.kernels.write_kv is cpu_native.write_kv and self.kernels.decode_attention is cpu_native.decode_attention
+        if not native or decode_layers_choice() != "auto" or not all(layer.dense for layer in self.spec.layers) \
+                or not hasattr(self.model, "native_decode_layers"):
+            return None
+        return self.model.native_decode_layers(self.caches, self.scale)
 
     def _warm_up_kernels(self, model_dtype: torch.dtype) -> None:
         """Compile the CPU references on a helper thread (`cpu_compile`): decode attention once per cache format in
@@ -154,6 +166,10 @@ class ModelRunner:
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
         inputs = self.prepare_inputs(batch)
-        attn = PagedAttention(self.caches, self.spec, inputs.paged, self.kernels, self.scale)
-        hidden = self.model(inputs.input_ids, inputs.positions, attn)
+        if self.decode_layers is not None and not inputs.paged.prefill_groups \
+                and self.decode_layers.takes(inputs.input_ids.numel()):
+            hidden = self.model.decode_natively(self.decode_layers, inputs.input_ids, inputs.positions, inputs.paged)
+        else:
+            attn = PagedAttention(self.caches, self.spec, inputs.paged, self.kernels, self.scale)
+            hidden = self.model(inputs.input_ids, inputs.positions, attn)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)).float()

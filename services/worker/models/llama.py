@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cotserve.kernels.layer_ops import REFERENCE_OPS, LayerOps, rotate_half_rope, store_transposed
-from cotserve.worker.models.attention import AttentionBackend
+from cotserve.worker.models.attention import AttentionBackend, PagedBatch
 from cotserve.worker.models.config import ModelConfig, RopeConfig
 from cotserve.worker.models.moe import RoutingPolicy, SparseMoeBlock
 
@@ -251,6 +251,37 @@ class LlamaForCausalLM(nn.Module):
         transpose_weight(self.lm_head)
         if self.config.tie_word_embeddings:
             self.model.embed_tokens.weight = self.lm_head.weight
+
+    def native_decode_layers(self, caches: list, scale: float):
+        """Every decoder layer and the final norm over `caches` (`kv_spec.LayerCache`, one a layer) as one C call for
+        decode steps (`cpu_native.DecodeLayers`, bit for bit this forward's result), or None where it does not apply:
+        layer operations other than the C ones, a mixture of experts, projections not fused, a shape or dtype the C
+        operations do not take."""
+        if self.layer_ops.name != "cpu-native" or self.moe_blocks():
+            return None
+        from cotserve.kernels import cpu_native
+
+        layers = []
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv is None or mlp.gate_up is None:
+                return None
+            layers.append(cpu_native.DecodeLayer(
+                layer.input_layernorm.weight, *attn.qkv, attn.o_proj.weight, attn.o_proj.bias,
+                layer.post_attention_layernorm.weight, *mlp.gate_up, mlp.down_proj.weight, mlp.down_proj.bias,
+                cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_min, cache.k_max))
+        cfg = self.config
+        return cpu_native.DecodeLayers.build(layers, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_heads,
+                                             cfg.num_kv_heads, cfg.head_dim, scale)
+
+    def decode_natively(self, layers, input_ids: torch.Tensor, positions: torch.Tensor,
+                        paged: PagedBatch) -> torch.Tensor:
+        """`forward` for a batch of decode rows only (no prefill), its layers run by `layers`
+        (`native_decode_layers`): [num_tokens, hidden_size]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        return layers(x, cos, sin, paged.slot_mapping, paged.fresh_page, paged.decode_block_tables,
+                      paged.decode_context_lens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         return self.layer_ops.linear(hidden, self.lm_head.weight)
