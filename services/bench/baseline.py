@@ -7,6 +7,7 @@ ratio of each. Every prompt has the same length, so static batching needs no pad
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -275,6 +276,8 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
         gateway = children[-1].address
     with running(children, on_start=lambda child: say(f"starting {child.name} ...")):
         procs = service_pids(children)
+        if procs:  # the load generator runs here, on the same cores: its share is part of the picture
+            procs["load generator (this process)"] = os.getpid()
         cpu_before: dict[str, float] = {}
 
         async def measure():

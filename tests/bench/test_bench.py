@@ -70,7 +70,7 @@ def test_baseline_command_prints_ratios_against_transformers():
                      r"\(one more hop, a call per request: \+-?[\d.]+ ms\), via the gateway [\d.]+ ms: the gateway adds "
                      r"-?[\d.]+ ms \(goal <= 1 ms: (met|NOT met)\), -?[\d.]+ ms over the bare relay; calling the worker "
                      r"per request \(--no-worker-multiplex\) it adds -?[\d.]+ ms", out.stdout), out.stdout
-    for process in ("worker (gRPC front)", "worker (engine process)", "gateway"):  # CPU ms per token of each
+    for process in ("worker (gRPC front)", "worker (engine process)", "gateway", "load generator (this process)"):
         assert process in out.stdout
 
 
