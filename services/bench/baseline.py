@@ -91,9 +91,14 @@ def _run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
     params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     counts = {"tokens": 0, "finished": 0}
     start = 0.0
+    failed: list[str] = []
 
     def sink(out) -> None:  # on the engine's loop, which runs on this thread (as in the engine process)
         nonlocal start
+        if out.error:  # a failed step fails every request in it: report it, do not wait for the rest or time it
+            failed.append(f"{out.request_id}: {out.error}")
+            engine.stop()
+            return
         if out.request_id == "warm-up":
             if out.is_last:  # warmed up: the measured requests, all at once
                 start = time.perf_counter()
@@ -101,13 +106,15 @@ def _run_engine_only(model_dir: Path, prompt_ids: list[int], max_new_tokens: int
                     engine.submit(f"r{i}", prompt_ids, params, sink)
             return
         counts["tokens"] += 1
-        if out.is_last or out.error:
+        if out.is_last:
             counts["finished"] += 1
             if counts["finished"] == num_requests:
                 engine.stop()
 
     engine.submit("warm-up", prompt_ids, SamplingParams(max_new_tokens=2, ignore_eos=True), sink)
     engine.run()
+    if failed:
+        raise RuntimeError(f"engine only, batch {batch_size}: the engine failed ({failed[0]})")
     seconds = time.perf_counter() - start
     return BaselineResult(f"cotserve engine only, batch {batch_size}", num_requests, seconds, counts["tokens"])
 

@@ -74,6 +74,21 @@ def test_baseline_command_prints_ratios_against_transformers():
         assert process in out.stdout
 
 
+def test_engine_only_reports_an_engine_failure_instead_of_waiting_forever(monkeypatch):
+    """A step that fails fails its requests; the engine-only run raises with the reason (it used to wait for the
+    warm-up request to finish, forever)."""
+    from cotserve.bench.baseline import run_engine_only
+    from cotserve.worker.config import DEMO_MODEL
+    from cotserve.worker.model_runner import ModelRunner
+
+    def broken(self, batch):
+        raise RuntimeError("boom in the step")
+
+    monkeypatch.setattr(ModelRunner, "execute", broken)
+    with pytest.raises(RuntimeError, match="engine only, batch 2: the engine failed .*boom in the step"):
+        run_engine_only(DEMO_MODEL, list(range(5, 21)), 4, 4, 2)
+
+
 def test_linear_ceiling_counts_every_multiply_of_the_workload():
     """The ceiling's rate and FLOPs agree with the model's shapes: per output token, every layer's weights once per
     prompt and new token and the LM head once per new token, two FLOPs a multiply-add."""
