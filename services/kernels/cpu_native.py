@@ -423,6 +423,10 @@ class DecodeLayers:
         decode row: its slot, its page table [n, width] and context length -> the final norm's output [n, hidden]."""
         n = x.shape[0]
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+        if x.shape != (n, self.hidden) or cos.shape != (n, self.dim) or sin.shape != (n, self.dim) \
+                or not _f32_rows(x, cos, sin):
+            raise ValueError(f"decode layers: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}: want "
+                             f"float32 [{n}, {self.hidden}] and [{n}, {self.dim}]")
         slots, tables, ctx = (t.to(torch.int64).contiguous() for t in (slots, tables, ctx))
         fresh = fresh.to(torch.bool).contiguous() if fresh is not None else None
         work = x.new_empty(n * self.row_floats)

@@ -39,6 +39,14 @@ def _spec(loaded, kv_dtype: str, topk: int = 0, dense=()) -> KvCacheSpec:
     return KvCacheSpec.resolve(loaded.config, loaded.dtype, kv_dtype, BLOCK, topk_pages=topk, topk_dense_layers=dense)
 
 
+def _runner(loaded, spec: KvCacheSpec) -> ModelRunner:
+    """A runner whose kernels are warmed up: its compile thread done (one still compiling when the test process
+    exits aborts it)."""
+    runner = ModelRunner(loaded, BLOCKS, spec)
+    assert runner.warmed.wait(300)
+    return runner
+
+
 def _filled(runner: ModelRunner, seed: int) -> None:
     """Every cache tensor filled with values a real cache could hold (FP8 codes from a quantized write)."""
     g = torch.Generator().manual_seed(seed)
@@ -91,7 +99,7 @@ def test_a_decode_step_is_the_per_operation_path_to_the_bit(loaded, kv_dtype, to
     step of ragged rows, one and two threads; with page bounds kept (every layer dense: the bounds are still
     written)."""
     dense = tuple(range(loaded.config.num_layers)) if topk else ()
-    runner = ModelRunner(loaded, BLOCKS, _spec(loaded, kv_dtype, topk, dense))
+    runner = _runner(loaded, _spec(loaded, kv_dtype, topk, dense))
     assert runner.decode_layers is not None
     _filled(runner, seed=7)
     before = _state(runner)
@@ -117,7 +125,7 @@ def test_a_decode_step_is_the_per_operation_path_to_the_bit(loaded, kv_dtype, to
 
 @torch.inference_mode()
 def test_a_slot_outside_the_cache_raises_and_writes_nothing(loaded):
-    runner = ModelRunner(loaded, BLOCKS, _spec(loaded, "fp8_e4m3"))
+    runner = _runner(loaded, _spec(loaded, "fp8_e4m3"))
     _filled(runner, seed=1)
     before = _state(runner)
     ids, positions, paged = _decode_batch([3, 6], seed=2)
@@ -132,14 +140,14 @@ def test_a_slot_outside_the_cache_raises_and_writes_nothing(loaded):
 
 
 def test_where_it_does_not_apply_the_per_operation_path_runs(loaded, monkeypatch):
-    assert ModelRunner(loaded, BLOCKS, _spec(loaded, "auto", 2)).decode_layers is None  # top-k page selection
-    assert ModelRunner(loaded, BLOCKS, _spec(loaded, "auto", 2, (0,))).decode_layers is None  # some layers select
-    assert ModelRunner(loaded, BLOCKS, _spec(loaded, "bf16")).decode_layers is None  # a cache the C does not read
+    assert _runner(loaded, _spec(loaded, "auto", 2)).decode_layers is None  # top-k page selection
+    assert _runner(loaded, _spec(loaded, "auto", 2, (0,))).decode_layers is None  # some layers select
+    assert _runner(loaded, _spec(loaded, "bf16")).decode_layers is None  # a cache the C does not read
     monkeypatch.setenv("COTSERVE_DECODE_LAYERS", "per-op")
-    assert ModelRunner(loaded, BLOCKS, _spec(loaded, "auto")).decode_layers is None
+    assert _runner(loaded, _spec(loaded, "auto")).decode_layers is None
     monkeypatch.setenv("COTSERVE_DECODE_LAYERS", "fused")
     with pytest.raises(ValueError, match="COTSERVE_DECODE_LAYERS: 'fused', allowed auto, per-op"):
-        ModelRunner(loaded, BLOCKS, _spec(loaded, "auto"))
+        _runner(loaded, _spec(loaded, "auto"))
 
 
 def test_a_mixture_of_experts_and_the_torch_layer_operations_keep_the_per_operation_path(tmp_path, monkeypatch):
@@ -147,12 +155,12 @@ def test_a_mixture_of_experts_and_the_torch_layer_operations_keep_the_per_operat
     save_tiny_checkpoint(transformers.MixtralConfig(**dict(BASE, num_local_experts=4, num_experts_per_tok=2,
                                                            sliding_window=None)), moe, seed=5)
     mixtral = load_model(moe)
-    assert ModelRunner(mixtral, BLOCKS, _spec(mixtral, "auto")).decode_layers is None
+    assert _runner(mixtral, _spec(mixtral, "auto")).decode_layers is None
     dense = tmp_path / "dense"
     save_tiny_checkpoint(transformers.LlamaConfig(**BASE), dense, seed=6)
     monkeypatch.setenv("COTSERVE_LAYER_OPS", "reference")
     torch_ops = load_model(dense)
-    assert ModelRunner(torch_ops, BLOCKS, _spec(torch_ops, "auto")).decode_layers is None
+    assert _runner(torch_ops, _spec(torch_ops, "auto")).decode_layers is None
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
@@ -169,6 +177,7 @@ def test_the_engine_generates_the_same_tokens_and_logprobs_either_way(loaded, kv
         engine = Engine(loaded, EngineConfig(num_blocks=BLOCKS, block_size=BLOCK, max_model_len=256,
                                              kv_cache_dtype=kv_dtype))
         assert (engine.runner.decode_layers is not None) == (mode == "auto")
+        assert engine.runner.warmed.wait(300)
         runs[mode] = [(r.token_ids, r.logprobs) for r in run_engine(engine, prompts, params)]
     assert runs["auto"] == runs["per-op"]
     assert [len(t) for t, _ in runs["auto"]] == [30, 12, 25, 7, 40]
