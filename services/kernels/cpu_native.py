@@ -68,6 +68,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -333,11 +334,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out
 
 
+LAYER_FIELDS = 17
+"""A layer's row in `cotserve_decode_layers`' table: ten weights and biases, six cache tensors, the cache's kind."""
+
+
 @dataclass(slots=True, frozen=True)
 class DecodeLayer:
     """One decoder layer's tensors as `DecodeLayers` takes them: norms' weights, the fused q/k/v and gate/up weights
     and the output and down projections (each stored transposed, `layer_ops.store_transposed`; biases or None), and
-    its cache (keys, values, FP8 scales or None, page bounds or None)."""
+    its cache (`worker.kv_spec.LayerCache`: keys, values, FP8 scales or None, page bounds or None)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -349,19 +354,15 @@ class DecodeLayer:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
-    k: torch.Tensor
-    v: torch.Tensor
-    k_scale: torch.Tensor | None = None
-    v_scale: torch.Tensor | None = None
-    k_min: torch.Tensor | None = None
-    k_max: torch.Tensor | None = None
+    cache: Any
 
     def addresses(self) -> list[int]:
         """The C function's row for this layer (`cotserve_decode_layers`' LAYER_FIELDS order), its cache's kind last."""
+        c = self.cache
         return [0 if t is None else t.data_ptr() for t in (
             self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
-            self.gate_up_bias, self.down, self.down_bias, self.k, self.v, self.k_scale, self.v_scale, self.k_min,
-            self.k_max)] + [KV_KINDS[self.k.dtype]]
+            self.gate_up_bias, self.down, self.down_bias, c.k, c.v, c.k_scale, c.v_scale, c.k_min,
+            c.k_max)] + [KV_KINDS[c.k.dtype]]
 
 
 class DecodeLayers:
@@ -381,7 +382,7 @@ class DecodeLayers:
         self.final_norm, self.eps, self.scale = final_norm, eps, scale
         self.heads, self.kv_heads, self.dim = heads, kv_heads, dim
         self.hidden, self.inter = final_norm.numel(), layers[0].down.shape[1]
-        self.block_size, self.num_blocks = layers[0].k.shape[1], layers[0].k.shape[0]
+        self.block_size, self.num_blocks = layers[0].cache.k.shape[1], layers[0].cache.k.shape[0]
         self.row_floats = 2 * self.hidden + 2 * (heads + 2 * kv_heads) * dim + heads * dim + 3 * self.inter
         self.table = torch.tensor([layer.addresses() for layer in layers], dtype=torch.int64)
 
@@ -390,14 +391,14 @@ class DecodeLayers:
               dim: int, scale: float) -> "DecodeLayers | None":
         """The stack, or None where the C library is not here or a tensor is not one the C operations take."""
         lib = library()
-        if lib is None or not layers or lib.cotserve_decode_layer_fields() != len(DecodeLayer.__slots__) + 1:
+        if lib is None or not layers or lib.cotserve_decode_layer_fields() != LAYER_FIELDS:
             return None
         if dim % 2 or dim > 512 or heads % kv_heads or heads // kv_heads > 16 or not _f32_rows(final_norm):
             return None
         hidden, inter = final_norm.numel(), layers[0].down.shape[1]
         shapes = {"qkv": ((heads + 2 * kv_heads) * dim, hidden), "o": (hidden, heads * dim),
                   "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
-        first = layers[0].k
+        first = layers[0].cache.k
         for layer in layers:
             for name, shape in shapes.items():
                 weight, bias = getattr(layer, name), getattr(layer, f"{name}_bias")
@@ -408,8 +409,9 @@ class DecodeLayers:
             if not (_f32_rows(layer.input_norm, layer.post_norm) and layer.input_norm.numel() == hidden
                     and layer.post_norm.numel() == hidden):
                 return None
-            if layer.k.shape != first.shape or first.shape[1] > 64 or first.shape[2:] != (kv_heads, dim) \
-                    or not _native_cache(layer.k, layer.v, layer.k_scale, layer.v_scale, layer.k_min, layer.k_max):
+            c = layer.cache
+            if c.k.shape != first.shape or first.shape[1] > 64 or first.shape[2:] != (kv_heads, dim) \
+                    or not _native_cache(c.k, c.v, c.k_scale, c.v_scale, c.k_min, c.k_max):
                 return None
         return cls(layers, final_norm, eps, heads, kv_heads, dim, scale)
 

@@ -268,8 +268,7 @@ class LlamaForCausalLM(nn.Module):
                 return None
             layers.append(cpu_native.DecodeLayer(
                 layer.input_layernorm.weight, *attn.qkv, attn.o_proj.weight, attn.o_proj.bias,
-                layer.post_attention_layernorm.weight, *mlp.gate_up, mlp.down_proj.weight, mlp.down_proj.bias,
-                cache.k, cache.v, cache.k_scale, cache.v_scale, cache.k_min, cache.k_max))
+                layer.post_attention_layernorm.weight, *mlp.gate_up, mlp.down_proj.weight, mlp.down_proj.bias, cache))
         cfg = self.config
         return cpu_native.DecodeLayers.build(layers, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_heads,
                                              cfg.num_kv_heads, cfg.head_dim, scale)
