@@ -577,7 +577,7 @@ void cotserve_linear(const float *x, const float *wt, const float *bias, float *
         }
 }
 
-/* ---- A decode step's decoder layers in one call -------------------------------------------------------------------
+/* ---- A step's decoder layers in one call ----------------------------------------------------------------------------
  *
  * The operations above, called one layer after another from here rather than from Python: on a small model a decode
  * step's time went a third to the Python around them (the modules' calls, a tensor allocated per result, ctypes'
@@ -587,9 +587,10 @@ void cotserve_linear(const float *x, const float *wt, const float *bias, float *
  * `layers` [num_layers, LAYER_FIELDS] holds each layer's addresses (weights stored transposed, as `cotserve_linear`
  * takes them; a bias 0 for none) and its cache's kind; `x` [n, hidden] is the embedded tokens and becomes the residual
  * stream; `out` [n, hidden] the final norm's output; `work` room for the intermediate results (n rows of 2 hidden +
- * 2 (heads + 2 kv_heads) dim + heads dim + 3 inter floats: cpu_native.DecodeLayers). Every row is a decode row: row r's new
- * key and value go to slots[r] and it attends over its table's pages up to ctx[r] (all of them: no page selection).
- * num_layers >= 1. Returns 0, or -1 with `err` = {the operation: 0 the write, 1 attention; its return code} when a
+ * 2 (heads + 2 kv_heads) dim + heads dim + 3 inter floats: cpu_native.DecodeLayers). Every row is one token: row r's
+ * key and value go to slots[r] and it attends over its table's pages up to ctx[r] (all of them: no page selection),
+ * after every row's write, so a prompt chunk's token given its own position + 1 as ctx attends causally over the
+ * chunk and what precedes it. num_layers >= 1. Returns 0, or -1 with `err` = {the operation: 0 the write, 1 attention; its return code} when a
  * write or a row's read would leave the cache: the first layer's write checks every slot before it writes any (every
  * layer uses the same slots and tables), so an out-of-range slot writes nothing; a row out of its table fails the
  * first layer's attention, after its write, as on the per-operation path. */

@@ -366,12 +366,15 @@ class DecodeLayer:
 
 
 class DecodeLayers:
-    """A decode step's decoder layers in one C call (`cotserve_decode_layers`): every layer's norm, multiplies, RoPE,
-    cache write and attention over all pages, then the final norm, each the C operation the per-operation path calls
-    (`rms_norm`, `linear`, `rope_split`, `write_kv`, `decode_attention`, `silu_mul`) with the same arguments, so the
-    results are that path's bit for bit (tested). Why: on the demo model a third of a decode step at batch 32 was the
-    Python between those operations (module calls, a tensor per result, ctypes' conversions of ten calls a layer);
-    `cotserve bench baseline`'s engine rows run both (`COTSERVE_DECODE_LAYERS=per-op`).
+    """A step's decoder layers in one C call (`cotserve_decode_layers`): every layer's norm, multiplies, RoPE, cache
+    write and attention over all pages, then the final norm, each the C operation the per-operation path calls
+    (`rms_norm`, `linear`, `rope_split`, `write_kv`, `decode_attention`, `silu_mul`) with the same arguments, so for a
+    step of decode rows the results are that path's bit for bit (tested). A prompt chunk's tokens are rows too: each
+    attends over its sequence's pages up to its own position (its key and value written first), which is causal
+    attention a token at a time (the per-operation path's batched prompt attention rounds differently: within 1e-5,
+    tested). Why: on the demo model a third of a decode step at batch 32 was the Python between those operations
+    (module calls, a tensor per result, ctypes' conversions of ten calls a layer); `cotserve bench baseline`'s engine
+    rows run both (`COTSERVE_DECODE_LAYERS=per-op`).
 
     Build it with `build`, which says None for anything the C operations do not all take; the tensors' addresses are
     read once there, so the weights and caches must stay where they are (they do: loaded once, allocated once)."""
@@ -416,13 +419,14 @@ class DecodeLayers:
         return cls(layers, final_norm, eps, heads, kv_heads, dim, scale)
 
     def takes(self, rows: int) -> bool:
-        """Whether a decode step of `rows` rows runs here: the per-operation multiply leaves C beyond LINEAR_MAX_ROWS."""
+        """Whether a step of `rows` tokens runs here: the per-operation multiply leaves C beyond LINEAR_MAX_ROWS."""
         return 0 < rows <= LINEAR_MAX_ROWS
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  fresh: torch.Tensor | None, tables: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden] the embedded tokens (used as the residual stream: overwritten), cos/sin [n, dim], each row a
-        decode row: its slot, its page table [n, width] and context length -> the final norm's output [n, hidden]."""
+        """x [n, hidden] the embedded tokens (used as the residual stream: overwritten), cos/sin [n, dim], and per token
+        its slot, its page table [n, width] and its context length (a decode row's, or a prompt token's: its position
+        + 1) -> the final norm's output [n, hidden]."""
         n = x.shape[0]
         x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
         if x.shape != (n, self.hidden) or cos.shape != (n, self.dim) or sin.shape != (n, self.dim) \

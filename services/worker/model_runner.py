@@ -15,6 +15,11 @@ from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.scheduler import ScheduledBatch
 
 
+ONE_CALL_MAX_QUERY = 64
+"""The longest prompt chunk (tokens) a step may hold and still run its layers in one C call (`_in_one_call`): its
+tokens' attention reads a token's pages each; the per-operation path attends a chunk's tokens together."""
+
+
 @dataclass(slots=True)
 class PreparedInputs:
     input_ids: torch.Tensor  # [num_tokens]
@@ -95,6 +100,31 @@ class ModelRunner:
         )
         return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
 
+    def _in_one_call(self, batch: ScheduledBatch) -> bool:
+        """Whether the step's layers run in one C call (`decode_layers`): every row a decode row or a prompt chunk of at
+        most ONE_CALL_MAX_QUERY tokens (each of whose tokens attends over the pages up to its own position: causal
+        attention a token at a time, which a long chunk would make quadratic in reads; those keep the per-operation
+        path and its batched prompt attention)."""
+        return self.decode_layers is not None and self.decode_layers.takes(batch.num_tokens) \
+            and all(item.num_tokens <= ONE_CALL_MAX_QUERY for item in batch.items)
+
+    def _token_rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's page table (padded) and context length, in the step's token order: a token at position p
+        attends over its sequence's pages up to p."""
+        bs = self.block_size
+        tables: list[list[int]] = []
+        ctx: list[int] = []
+        for item in batch.items:
+            table, start = item.seq.block_table, item.seq.num_computed_tokens
+            for p in range(start, start + item.num_tokens):
+                tables.append(table[: p // bs + 1])
+                ctx.append(p + 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        return (torch.tensor(padded, dtype=torch.int64, device=dev).view(len(padded), width),
+                torch.tensor(ctx, dtype=torch.int64, device=dev))
+
     def _decode_layers(self):
         """`LlamaForCausalLM.native_decode_layers` over this runner's caches where the native CPU kernels serve every
         layer (every page read: no top-k selection) and COTSERVE_DECODE_LAYERS allows it; else None."""
@@ -166,9 +196,12 @@ class ModelRunner:
         if batch.block_copies:
             self.copy_blocks(batch.block_copies)
         inputs = self.prepare_inputs(batch)
-        if self.decode_layers is not None and not inputs.paged.prefill_groups \
-                and self.decode_layers.takes(inputs.input_ids.numel()):
-            hidden = self.model.decode_natively(self.decode_layers, inputs.input_ids, inputs.positions, inputs.paged)
+        if self._in_one_call(batch):
+            paged = inputs.paged
+            tables, ctx = self._token_rows(batch) if paged.prefill_groups else (paged.decode_block_tables,
+                                                                                paged.decode_context_lens)
+            hidden = self.model.forward_natively(self.decode_layers, inputs.input_ids, inputs.positions,
+                                                 paged.slot_mapping, paged.fresh_page, tables, ctx)
         else:
             attn = PagedAttention(self.caches, self.spec, inputs.paged, self.kernels, self.scale)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)

@@ -266,6 +266,7 @@ def test_prompts_continuing_from_cached_pages_attend_together_to_the_bit_of_one_
     from cotserve.worker.sizing import engine_config
     from cotserve.worker.config import WorkerConfig
 
+    monkeypatch.setenv("COTSERVE_DECODE_LAYERS", "per-op")  # the path under test (short prompts run in one C call)
     cfg = engine_config(WorkerConfig(model=DEMO_MODEL, max_num_seqs=16, kv_cache_dtype=kv_cache_dtype), demo)
     engine = Engine(demo, dataclasses.replace(cfg, block_size=4, max_num_batched_tokens=512))
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -292,6 +293,7 @@ def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkey
     from cotserve.worker.model_runner import ModelRunner
     from cotserve.worker.models.attention import PagedAttention
 
+    monkeypatch.setenv("COTSERVE_DECODE_LAYERS", "per-op")  # the path under test (short prompts run in one C call)
     engine = make_engine(demo, block_size=4)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     shared = encode(demo, "12+34=46.") * 2  # full pages of 4, cached once its first request has computed them

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from cotserve.kernels.layer_ops import REFERENCE_OPS, LayerOps, rotate_half_rope, store_transposed
-from cotserve.worker.models.attention import AttentionBackend, PagedBatch
+from cotserve.worker.models.attention import AttentionBackend
 from cotserve.worker.models.config import ModelConfig, RopeConfig
 from cotserve.worker.models.moe import RoutingPolicy, SparseMoeBlock
 
@@ -253,8 +253,9 @@ class LlamaForCausalLM(nn.Module):
             self.model.embed_tokens.weight = self.lm_head.weight
 
     def native_decode_layers(self, caches: list, scale: float):
-        """Every decoder layer and the final norm over `caches` (`kv_spec.LayerCache`, one a layer) as one C call for
-        decode steps (`cpu_native.DecodeLayers`, bit for bit this forward's result), or None where it does not apply:
+        """Every decoder layer and the final norm over `caches` (`kv_spec.LayerCache`, one a layer) as one C call
+        (`cpu_native.DecodeLayers`: for a step of decode rows bit for bit this forward's result), or None where it does
+        not apply:
         layer operations other than the C ones, a mixture of experts, projections not fused, a shape or dtype the C
         operations do not take."""
         if self.layer_ops.name != "cpu-native" or self.moe_blocks():
@@ -273,14 +274,14 @@ class LlamaForCausalLM(nn.Module):
         return cpu_native.DecodeLayers.build(layers, self.model.norm.weight, cfg.rms_norm_eps, cfg.num_heads,
                                              cfg.num_kv_heads, cfg.head_dim, scale)
 
-    def decode_natively(self, layers, input_ids: torch.Tensor, positions: torch.Tensor,
-                        paged: PagedBatch) -> torch.Tensor:
-        """`forward` for a batch of decode rows only (no prefill), its layers run by `layers`
-        (`native_decode_layers`): [num_tokens, hidden_size]."""
+    def forward_natively(self, layers, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                         fresh: torch.Tensor | None, tables: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """`forward` with its layers run by `layers` (`native_decode_layers`), each token attending over its own page
+        table `tables` [num_tokens, width] up to its context length `ctx` (a decode row's, or a prompt chunk token's:
+        its own position + 1); `slots` and `fresh` as `PagedBatch`'s: [num_tokens, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
-        return layers(x, cos, sin, paged.slot_mapping, paged.fresh_page, paged.decode_block_tables,
-                      paged.decode_context_lens)
+        return layers(x, cos, sin, slots, fresh, tables, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab]
         return self.layer_ops.linear(hidden, self.lm_head.weight)
