@@ -107,8 +107,9 @@ def layer_ops_for(device: torch.device, dtype: torch.dtype) -> layer_ops.LayerOp
 
 
 def decode_layers_choice() -> str:
-    """COTSERVE_DECODE_LAYERS, checked: auto (a decode step's layers in one C call where the C operations run them all,
-    `cpu_native.DecodeLayers`) or per-op (an operation a call from Python: the benches' comparison)."""
+    """COTSERVE_DECODE_LAYERS, checked: auto (a step's layers in one C call where the C operations run them all,
+    `cpu_native.DecodeLayers`, `ModelRunner._in_one_call`) or per-op (each operation a call from Python: the benches'
+    comparison)."""
     choice = os.environ.get("COTSERVE_DECODE_LAYERS", "auto")
     if choice not in ("auto", "per-op"):
         raise ValueError(f"COTSERVE_DECODE_LAYERS: {choice!r}, allowed auto, per-op")

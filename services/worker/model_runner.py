@@ -40,7 +40,7 @@ class ModelRunner:
         self.kernels = kernels_for(self.device)  # chosen once, here
         self.caches = spec.allocate(num_blocks, self.device)
         self.scale = self.config.head_dim ** -0.5
-        self.decode_layers = self._decode_layers()  # decode steps' layers in one C call, where they all run in C
+        self.decode_layers = self._decode_layers()  # a step's layers in one C call, where they all run in C
         self.warmed = threading.Event()  # the CPU kernels are compiled (set at once where nothing compiles)
         if self.device.type == "cpu" and self.kernels.name != "triton":
             self._warm_up_kernels(loaded.dtype)

@@ -255,9 +255,8 @@ class LlamaForCausalLM(nn.Module):
     def native_decode_layers(self, caches: list, scale: float):
         """Every decoder layer and the final norm over `caches` (`kv_spec.LayerCache`, one a layer) as one C call
         (`cpu_native.DecodeLayers`: for a step of decode rows bit for bit this forward's result), or None where it does
-        not apply:
-        layer operations other than the C ones, a mixture of experts, projections not fused, a shape or dtype the C
-        operations do not take."""
+        not apply: layer operations other than the C ones, a mixture of experts, projections not fused, a shape or
+        dtype the C operations do not take."""
         if self.layer_ops.name != "cpu-native" or self.moe_blocks():
             return None
         from cotserve.kernels import cpu_native
