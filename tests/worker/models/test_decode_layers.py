@@ -49,7 +49,7 @@ def _runner(loaded, spec: KvCacheSpec) -> ModelRunner:
 
 
 def _filled(runner: ModelRunner, seed: int) -> None:
-    """Every cache tensor filled with values a real cache could hold (FP8 codes from a quantized write)."""
+    """Every cache tensor filled with values a real cache could hold (FP8: finite E4M3 codes, positive scales)."""
     g = torch.Generator().manual_seed(seed)
     for cache in runner.caches:
         for t in (cache.k, cache.v):
