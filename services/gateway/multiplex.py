@@ -203,10 +203,7 @@ class WorkerStreams:
             await link.call.initial_metadata()
             if link.call.done():  # ended with its headers: refused (an older worker) or stopping
                 status = await link.call.code()
-                if status == grpc.StatusCode.UNIMPLEMENTED:
-                    self.unimplemented = True
-                    log.warning("worker %s has no Multiplex (an older build): calling it per request", self.address)
-                elif status != grpc.StatusCode.OK:
+                if status != grpc.StatusCode.OK:
                     code, message = status, await link.call.details() or status.name
                 return
             if not link.answered.done():
@@ -224,10 +221,10 @@ class WorkerStreams:
                         stream.put(chunk.response)
         except grpc.aio.AioRpcError as err:
             code, message = err.code(), err.details() or err.code().name
-            if code == grpc.StatusCode.UNIMPLEMENTED:
+        finally:
+            if code == grpc.StatusCode.UNIMPLEMENTED:  # at once (with its headers) or later: the same answer
                 self.unimplemented = True
                 log.warning("worker %s has no Multiplex (an older build): calling it per request", self.address)
-        finally:
             link.ended = True
             if not link.answered.done():
                 link.answered.set_result(None)
