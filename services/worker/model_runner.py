@@ -20,6 +20,14 @@ ONE_CALL_MAX_QUERY = 64
 tokens' attention reads a token's pages each; the per-operation path attends a chunk's tokens together."""
 
 
+def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Page tables of different lengths as one [rows, width] int64 tensor, each row padded with block 0 (never read:
+    a row reads only up to its context length)."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64,
+                        device=device).view(len(tables), width)
+
+
 @dataclass(slots=True)
 class PreparedInputs:
     input_ids: torch.Tensor  # [num_tokens]
@@ -79,8 +87,6 @@ class ModelRunner:
                 prefill.setdefault((n, ctx), []).append((offset, table[: (ctx + bs - 1) // bs]))
             if item.samples:
                 sample_rows.append(offset + n - 1)
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
         dev = self.device
 
         def as_long(x: list) -> torch.Tensor:
@@ -93,7 +99,7 @@ class ModelRunner:
         paged = PagedBatch(
             slot_mapping=as_long(slots),
             decode_token_idx=as_long(decode_idx),
-            decode_block_tables=as_long(padded).view(len(padded), width),
+            decode_block_tables=padded_tables(decode_tables, dev),
             decode_context_lens=as_long(decode_ctx),
             fresh_page=torch.tensor(fresh, dtype=torch.bool, device=dev),
             prefill_groups=groups,
@@ -119,11 +125,7 @@ class ModelRunner:
             for p in range(start, start + item.num_tokens):
                 tables.append(table[: p // bs + 1])
                 ctx.append(p + 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
-        return (torch.tensor(padded, dtype=torch.int64, device=dev).view(len(padded), width),
-                torch.tensor(ctx, dtype=torch.int64, device=dev))
+        return padded_tables(tables, self.device), torch.tensor(ctx, dtype=torch.int64, device=self.device)
 
     def _decode_layers(self):
         """`LlamaForCausalLM.native_decode_layers` over this runner's caches where the native CPU kernels serve every
