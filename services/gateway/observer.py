@@ -41,10 +41,14 @@ class AttemptObserver:
         self.model, self.sla, self.worker, self.start, self.held_s = model, sla, worker, start, held_s
         self.prompt_bytes, self.max_new_tokens = prompt_bytes, max_new_tokens
         self.ttft_h, self.itl_h = metrics.ttft.labels(model, sla.name), metrics.itl.labels(model, sla.name)
+        # What the latency model learns from: the worker's state as the gateway saw it when it chose this worker
+        # (what it predicts from when it routes), not when the request left its admission queue (by then the
+        # requests it waited behind had moved on, and the wait it spent there was in the TTFT learned from them)
+        self.chosen_unix_ms = int(time.time() * 1000)
         self.queued_at_arrival = queued(worker)
+        self.in_flight_at_start, self.waiting_ahead_at_start = worker.in_flight, worker.waiting_for_first_token
+        self.prefill_ahead_at_start = worker.prefill_tokens_ahead
         self.sent_at = self.last_at = 0.0
-        self.sent_unix_ms = 0
-        self.in_flight_at_start = self.waiting_ahead_at_start = self.prefill_ahead_at_start = 0
         self.prefill_tokens = 0  # this request's prompt tokens (estimated) while it waits for its first token
         self.first_at: float | None = None
         self.reasons: dict[int, str] = {}  # each sample's finish reason
@@ -52,10 +56,7 @@ class AttemptObserver:
     def sent(self, gateway_queue_ms: float) -> None:
         """The request leaves for the worker after `gateway_queue_ms` in this gateway's class queue."""
         self.sent_at = self.last_at = time.monotonic()
-        self.sent_unix_ms = int(time.time() * 1000)
         w = self.worker
-        self.in_flight_at_start, self.waiting_ahead_at_start = w.in_flight, w.waiting_for_first_token
-        self.prefill_ahead_at_start = w.prefill_tokens_ahead
         per_byte = self.slo.tokens_per_byte_of(self.model) if self.slo is not None else DEFAULT_TOKENS_PER_BYTE
         self.prefill_tokens = max(1, round(self.prompt_bytes * per_byte))
         w.in_flight += 1
@@ -131,7 +132,7 @@ class AttemptObserver:
         n_out = usage.completion_tokens
         tpot_ms = (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else None
         if self.slo is not None:  # the latency model learns what a worker choice changes: the hold came before it
-            self.slo.finished(self.model, self.worker.address, self.sla, self.sent_unix_ms, self.prompt_bytes,
+            self.slo.finished(self.model, self.worker.address, self.sla, self.chosen_unix_ms, self.prompt_bytes,
                               usage.prompt_tokens, self.max_new_tokens, n_out, (first_at - start - self.held_s) * 1000,
                               tpot_ms or 0.0,
                               self.in_flight_at_start, self.queued_at_arrival, self.waiting_ahead_at_start,

@@ -344,6 +344,36 @@ def test_each_request_reports_its_place_in_the_prefill_line_and_the_line_empties
     asyncio.run(main())
 
 
+def test_a_request_that_queued_in_the_gateway_reports_the_state_its_worker_was_chosen_in():
+    """The latency model learns from what a routing decision sees: the counts when the gateway chose the worker, not
+    when the request left the gateway's queue (by then the requests it waited behind had finished, and the wait was in
+    its TTFT with nothing in its features to explain it). One BATCH request at a time per worker: the second and third
+    wait behind the first."""
+    async def main():
+        slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address,
+                                                    batch_limit=1))
+        try:
+            async with AsyncClient(gateway.server.address) as client:
+                started = int(time.time() * 1000)
+                await asyncio.gather(*(client.generate("12+34-5=", max_new_tokens=8, ignore_eos=True, sla="batch")
+                                       for _ in range(3)))
+                await asyncio.sleep(2.5)  # reported with the next window
+                async with grpc.aio.insecure_channel(slo.server.address) as ch:
+                    exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000))
+            obs = sorted(exported.requests, key=lambda r: r.ttft_ms)
+            assert [(r.in_flight_at_start, r.queued_at_start) for r in obs] == [(0, 0), (1, 0), (1, 1)]
+            assert obs[2].ttft_ms > obs[0].ttft_ms + 8 * 0.5  # it waited for the others' tokens
+            assert max(r.start_unix_ms for r in obs) - min(r.start_unix_ms for r in obs) < obs[2].ttft_ms
+        finally:
+            await gateway.stop()
+            await worker.stop()
+            await slo.stop()
+
+    asyncio.run(main())
+
+
 def test_a_forecast_miss_pauses_running_batch_on_the_models_workers_for_a_renewed_lease_and_no_longer():
     """`steer_pauses` after each refresh, against a real worker over gRPC: paused while the forecast is over the
     threshold and urgent work is in flight, for a lease of three refresh intervals renewed each time; ended at once
