@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from cotserve.common.errors import ResourceExhausted
-from cotserve.common.latency import LATENCY_FEATURES, TreeEnsemble, latency_row
+from cotserve.common.latency import LATENCY_FEATURES, TTFT_TARGET, TreeEnsemble, latency_row, predicted_ttft_ms
 from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS
 
@@ -287,9 +287,10 @@ class SloLink:
             if err.code() != grpc.StatusCode.UNIMPLEMENTED:
                 self._warn(f"SLO predictor {self.cfg.address}: GetLatencyModel failed: {err.code().name}")
             return
-        if not resp.is_trained or tuple(resp.features) != LATENCY_FEATURES:
+        if not resp.is_trained or tuple(resp.features) != LATENCY_FEATURES or resp.target != TTFT_TARGET:
             if resp.is_trained:
-                self._warn(f"SLO predictor {self.cfg.address}: its latency model has other features than this gateway's")
+                self._warn(f"SLO predictor {self.cfg.address}: its latency model has other features or predicts "
+                           f"{resp.target or 'milliseconds'} (this gateway's: {TTFT_TARGET})")
             self.ttft_model, self.ttft_model_version = None, 0
             return
         if resp.version == self.ttft_model_version:
@@ -411,8 +412,8 @@ class SloLink:
             return None  # off, or nothing to choose
         prompt_tokens = max(1, round(prompt_bytes * self.tokens_per_byte_of(model)))
         if self.ttft_model is not None:
-            ttft = [self.ttft_model.predict(latency_row(prompt_tokens, max_new_tokens, PB_CLASS[sla], self._state_now(w)))
-                    for w in candidates]
+            rows = [latency_row(prompt_tokens, max_new_tokens, PB_CLASS[sla], self._state_now(w)) for w in candidates]
+            ttft = [predicted_ttft_ms(self.ttft_model, row) for row in rows]
         else:
             ttft = await self._ask(candidates, sla, prompt_tokens, max_new_tokens)
             if ttft is None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cotserve.common.latency import LATENCY_FEATURES, latency_row
+from cotserve.common.latency import ESTIMATE, LATENCY_FEATURES, TTFT_TARGET, latency_row
 from cotserve.common.sla import DEFAULT_SLA_TARGETS
 from cotserve.common.windows import worker_total
 from cotserve.slo import features as F
@@ -316,27 +316,28 @@ class Forecaster:
             return cls(horizon_s=horizon_s, untrained_reason=f"the saved model {path} is unreadable ({exc}): retraining")
 
 
-LATENCY_TARGET = "ms, absolute error weighted by 1/ms; p90 for routing"  # what the saved latency boosters predict
+LATENCY_TARGET = f"TTFT: {TTFT_TARGET}, TPOT: ms; absolute error weighted by 1/value, and TTFT's p90 for routing"
+"""What the saved latency boosters predict (a saved model of another target is not loaded)."""
 TAIL_QUANTILE = 0.9
 
 
-def _fit_relative(X: np.ndarray, log_ms: np.ndarray):
-    """A booster predicting milliseconds, fit to the relative error it is judged by (MAPE): absolute error weighted by
-    1 / the true value (whose minimiser is that weighted median: below the median when the noise is skewed, as TTFT's
-    is). The weights are scaled to mean 1, so min_child_weight keeps meaning rows. Fit to squared error on
-    log(1 + ms) before, two recordings of bench slo-routing gave held-out MAPE 0.97 and 1.02; with this objective 0.82
-    and 0.71 (a constant chosen on the held-out part itself: 0.62 and 0.63)."""
-    ms = np.expm1(log_ms)
-    weight = 1 / np.maximum(ms, 1.0)
-    return _train_booster(X, ms, LATENCY_FEATURES, "reg:absoluteerror", 120, max_depth=5, weight=weight / weight.mean())
+def _fit_relative(X: np.ndarray, ms: np.ndarray, scale: np.ndarray | float = 1.0):
+    """A booster predicting `ms / scale` (TPOT in ms, or TTFT as a multiple of its estimate), fit to the relative error
+    of `ms` it is judged by (MAPE, the same for any positive scale): absolute error weighted by 1 / the true value (at
+    least 1 ms), whose minimiser is that weighted median (below the median when the noise is skewed, as TTFT's is).
+    The weights are scaled to mean 1, so min_child_weight keeps meaning rows. Fit to squared error on log(1 + ms)
+    before, two recordings of bench slo-routing gave held-out MAPE 0.97 and 1.02; with this objective 0.82 and 0.71."""
+    weight = scale / np.maximum(ms, 1.0)
+    return _train_booster(X, ms / scale, LATENCY_FEATURES, "reg:absoluteerror", 120, max_depth=5,
+                          weight=weight / weight.mean())
 
 
-def _fit_tail(X: np.ndarray, log_ms: np.ndarray):
-    """A booster predicting the `TAIL_QUANTILE` quantile of TTFT in milliseconds: what routing minimises. The
-    MAPE-fit model predicts low where TTFT is noisy, and a slowed worker's TTFT is noisier than the others': routed
-    by it, bench slo-routing sent a quarter-batch worker more requests than least-loaded routing did (p90 31% worse)."""
-    return _train_booster(X, np.expm1(log_ms), LATENCY_FEATURES, "reg:quantileerror", 120, max_depth=5,
-                          quantile_alpha=TAIL_QUANTILE)
+def _fit_tail(X: np.ndarray, ratio: np.ndarray):
+    """A booster predicting the `TAIL_QUANTILE` quantile of TTFT as a multiple of its estimate (a quantile of the ratio
+    times the row's estimate is that quantile of TTFT): what routing minimises. The MAPE-fit model predicts low where
+    TTFT is noisy, and a slowed worker's TTFT is noisier than the others': routed by it, bench slo-routing sent a
+    quarter-batch worker more requests than least-loaded routing did (p90 31% worse)."""
+    return _train_booster(X, ratio, LATENCY_FEATURES, "reg:quantileerror", 120, max_depth=5, quantile_alpha=TAIL_QUANTILE)
 
 
 _BOOSTERS = ("ttft", "ttft_p90", "tpot")  # saved as <name>.json
@@ -357,9 +358,10 @@ class LatencyModel:
     def fit(self, X: np.ndarray, log_ttft: np.ndarray, log_tpot: np.ndarray) -> None:
         if len(X) < MIN_REQUESTS:
             raise Untrained(f"too few request observations: {len(X)}, need {MIN_REQUESTS}")
-        self.ttft, self.ttft_p90 = _fit_relative(X, log_ttft), _fit_tail(X, log_ttft)
+        ttft, estimate = np.expm1(log_ttft), X[:, ESTIMATE]  # the estimate is at least 1 ms
+        self.ttft, self.ttft_p90 = _fit_relative(X, ttft, estimate), _fit_tail(X, ttft / estimate)
         ok = ~np.isnan(log_tpot)
-        self.tpot = _fit_relative(X[ok], log_tpot[ok]) if ok.sum() >= 10 else None
+        self.tpot = _fit_relative(X[ok], np.expm1(log_tpot[ok])) if ok.sum() >= 10 else None
         self.samples, self.untrained_reason = len(X), ""
 
     def predict(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -368,7 +370,9 @@ class LatencyModel:
 
         d = xgb.DMatrix(X, feature_names=list(LATENCY_FEATURES))
         tpot = self.tpot.predict(d) if self.tpot is not None else np.zeros(len(X))
-        return np.maximum(self.ttft.predict(d), 0), np.maximum(tpot, 0), np.maximum(self.ttft_p90.predict(d), 0)
+        estimate = X[:, ESTIMATE]
+        return (np.maximum(self.ttft.predict(d), 0) * estimate, np.maximum(tpot, 0),
+                np.maximum(self.ttft_p90.predict(d), 0) * estimate)
 
     def save(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)

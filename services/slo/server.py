@@ -24,7 +24,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Gauge
 
 from cotserve.common.errors import InvalidArgument
-from cotserve.common.latency import LATENCY_FEATURES, latency_row
+from cotserve.common.latency import LATENCY_FEATURES, TTFT_TARGET, latency_row
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
@@ -129,7 +129,8 @@ class SloState:
     def latency_model(self, known_version: int) -> slo_pb2.GetLatencyModelResponse:
         if not self.latency.is_trained:
             return slo_pb2.GetLatencyModelResponse(untrained_reason=self.latency.untrained_reason)
-        resp = slo_pb2.GetLatencyModelResponse(is_trained=True, version=self.latency_version, features=LATENCY_FEATURES)
+        resp = slo_pb2.GetLatencyModelResponse(is_trained=True, version=self.latency_version, features=LATENCY_FEATURES,
+                                              target=TTFT_TARGET)
         if known_version != self.latency_version:
             resp.ttft_model_json = self.latency_json
         return resp

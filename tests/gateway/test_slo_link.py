@@ -21,7 +21,7 @@ from cotserve.common.sampling import SlaClass
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.gateway.slo_link import SloLink, SloLinkConfig, deferred_share
-from cotserve.common.latency import latency_row
+from cotserve.common.latency import LATENCY_FEATURES, latency_row, predicted_ttft_ms
 from cotserve.common.windows import worker_total
 from cotserve.sdk import AsyncClient
 from cotserve.slo.server import SloConfig, start_slo
@@ -234,7 +234,8 @@ def test_the_fetched_trees_predict_what_the_predictor_would_and_are_refetched_on
             states = [slo_pb2.WorkerState(worker=c.address, window=link._state_now(c)) for c in cands]
             theirs = slo.state.predict_latency(slo_pb2.PredictLatencyRequest(
                 prompt_tokens=round(200 * link.tokens_per_byte_of("m")), max_new_tokens=64, sla_class=I, candidates=states))
-            ours = [link.ttft_model.predict(latency_row(round(200 * link.tokens_per_byte_of("m")), 64, I, s.window)) for s in states]
+            ours = [predicted_ttft_ms(link.ttft_model, latency_row(round(200 * link.tokens_per_byte_of("m")), 64, I, s.window))
+                    for s in states]
             assert ours == pytest.approx([p.ttft_p90_ms for p in theirs.predictions], rel=1e-4)
             assert ours[0] > ours[1]
             assert (await link.pick("m", cands, SlaClass.INTERACTIVE, 200, 64)).address == "idle:1"
@@ -245,6 +246,16 @@ def test_the_fetched_trees_predict_what_the_predictor_would_and_are_refetched_on
             assert slo.state.latency_version > version
             await link.fetch_model()
             assert link.ttft_model_version == slo.state.latency_version
+            # a predictor whose trees predict something else (an older build's milliseconds) is not used: the trees
+            # times this build's estimate would be nonsense
+            serve = slo.state.latency_model
+            slo.state.latency_model = lambda known: slo_pb2.GetLatencyModelResponse(
+                is_trained=True, version=known + 1, features=LATENCY_FEATURES, ttft_model_json=serve(0).ttft_model_json)
+            await link.fetch_model()
+            assert link.ttft_model is None and link.ttft_model_version == 0
+            slo.state.latency_model = serve
+            await link.fetch_model()
+            assert link.ttft_model is not None
             await slo.stop()
             await link.fetch_model()  # the predictor is gone: the trees are kept
             assert link.ttft_model is not None

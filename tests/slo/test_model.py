@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cotserve.common.errors import InvalidArgument
-from cotserve.common.latency import LATENCY_FEATURES
+from cotserve.common.latency import ESTIMATE, LATENCY_FEATURES, ttft_estimate_ms
 from cotserve.slo import features as F
 from cotserve.slo.history import History, read_records, validate_window, write_records
 from cotserve.slo.model import (Forecaster, LatencyModel, Untrained, evaluate, forecast_data, latency_data, lead_times,
@@ -192,6 +192,9 @@ def held_out_mape_with_and_without(windows, requests, columns: tuple[str, ...]) 
         Xm = X.copy()
         for name in columns_off:
             Xm[:, LATENCY_FEATURES.index(name)] = 0
+        col = {name: Xm[:, LATENCY_FEATURES.index(name)] for name in LATENCY_FEATURES}
+        Xm[:, ESTIMATE] = [ttft_estimate_ms(*args) for args in zip(col["w_step_ms"], col["waiting_ahead"], col["w_queue"],
+                                                                     col["w_first_tokens"])]  # without them too
         lm = LatencyModel()
         lm.fit(Xm[train], lt[train], lp[train])
         return mape(np.expm1(lt[test]), lm.predict(Xm[test])[0])

@@ -13,7 +13,7 @@ import urllib.request
 import grpc
 import pytest
 
-from cotserve.common.latency import LATENCY_FEATURES, TreeEnsemble, latency_row
+from cotserve.common.latency import LATENCY_FEATURES, TTFT_TARGET, TreeEnsemble, latency_row, predicted_ttft_ms
 from cotserve.common.procs import free_port
 from cotserve.common.v1 import common_pb2
 from cotserve.slo.features import FEATURES
@@ -73,8 +73,9 @@ def test_trains_on_reported_windows_and_serves_forecasts_and_predictions(tmp_pat
                 assert pred.predictions[0].ttft_ms > pred.predictions[1].ttft_ms > 0  # a queue means a later first token
                 model = await stub.GetLatencyModel(slo_pb2.GetLatencyModelRequest())
                 assert model.is_trained and model.version > 0 and list(model.features) == list(LATENCY_FEATURES)
+                assert model.target == TTFT_TARGET
                 trees = TreeEnsemble(model.ttft_model_json)  # the same predictions, made by the caller
-                assert [trees.predict(latency_row(64, 64, I, w)) for w in (busy, idle)] == pytest.approx(
+                assert [predicted_ttft_ms(trees, latency_row(64, 64, I, w)) for w in (busy, idle)] == pytest.approx(
                     [p.ttft_p90_ms for p in pred.predictions], rel=1e-4)
                 again = await stub.GetLatencyModel(slo_pb2.GetLatencyModelRequest(known_version=model.version))
                 assert again.is_trained and again.version == model.version and not again.ttft_model_json

@@ -206,7 +206,9 @@ class RequestObservation(_message.Message):
     WAITING_FOR_FIRST_TOKEN_AT_START_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_AHEAD_AT_START_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
-    """When the request reached the worker, Unix milliseconds."""
+    """When the gateway chose the worker for it (after any hold), Unix milliseconds: the moment the *_at_start counts
+    describe, as a routing decision sees them.
+    """
     model: _builtins.str
     """Model name."""
     worker: _builtins.str
@@ -226,13 +228,13 @@ class RequestObservation(_message.Message):
     tpot_ms: _builtins.float
     """Time per output token after the first (0 for one-token completions)."""
     in_flight_at_start: _builtins.int
-    """Requests of every class this gateway had in flight on the worker when it sent this one."""
+    """Requests of every class this gateway had in flight on the worker when it chose the worker."""
     queued_at_start: _builtins.int
-    """Requests of every class waiting in this gateway's queues for the worker when this one arrived."""
+    """Requests of every class waiting in this gateway's queues for the worker then."""
     waiting_for_first_token_at_start: _builtins.int
-    """Requests this gateway had sent the worker without a first token yet when it sent this one (its place in line)."""
+    """Requests this gateway had sent the worker without a first token yet then (its place in line)."""
     prefill_tokens_ahead_at_start: _builtins.int
-    """Their prompt tokens (estimated from the prompts' bytes) when it sent this one."""
+    """Their prompt tokens (estimated from the prompts' bytes) then."""
     def __init__(
         self,
         *,
@@ -573,6 +575,7 @@ class GetLatencyModelResponse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     FEATURES_FIELD_NUMBER: _builtins.int
     TTFT_MODEL_JSON_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
     is_trained: _builtins.bool
     """False while too little history exists (untrained_reason says why); nothing else is set then."""
     untrained_reason: _builtins.str
@@ -580,8 +583,12 @@ class GetLatencyModelResponse(_message.Message):
     version: _builtins.int
     """Changes at every retraining."""
     ttft_model_json: _builtins.bytes
-    """XGBoost's JSON of the routing model, predicting the 90th percentile of TTFT in milliseconds (LatencyPrediction's
-    ttft_p90_ms); empty when known_version is current.
+    """XGBoost's JSON of the routing model, predicting the 90th percentile of TTFT (LatencyPrediction's ttft_p90_ms) in
+    the form `target` names; empty when known_version is current.
+    """
+    target: _builtins.str
+    """What the model predicts, e.g. "TTFT / estimate_ms": a multiple of the row's estimate_ms feature, which gives
+    milliseconds. A caller that does not know the form does not use the model.
     """
     @_builtins.property
     def features(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -595,10 +602,11 @@ class GetLatencyModelResponse(_message.Message):
         version: _builtins.int = ...,
         features: _abc.Iterable[_builtins.str] | None = ...,
         ttft_model_json: _builtins.bytes = ...,
+        target: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "is_trained", b"is_trained", "ttft_model_json", b"ttft_model_json", "untrained_reason", b"untrained_reason", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["features", b"features", "is_trained", b"is_trained", "target", b"target", "ttft_model_json", b"ttft_model_json", "untrained_reason", b"untrained_reason", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
