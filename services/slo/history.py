@@ -9,6 +9,7 @@ set aside as `<name>.corrupt` and the service starts empty.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ _CLASSES = tuple(SLA_PB.values())
 _WINDOW_FLOATS = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms",
                   "kv_used_fraction", "output_tokens_per_s", "utilization", "mean_prompt_tokens")
 _REQUEST_FLOATS = ("ttft_ms", "tpot_ms")
+PAGE_BYTES = 3 << 20  # an export page's messages at most (about): under gRPC's default 4 MiB limit
 
 
 def _validate_common(m, where: str, floats: tuple[str, ...]) -> None:
@@ -120,17 +122,23 @@ class History:
         os.replace(tmp, self.path)
         self._file_records = 1
 
-    def since(self, since_unix_ms: int, max_windows: int = 20_000) -> tuple[list, list, int]:
-        """(windows, requests, next_since) from `since_unix_ms` on, oldest first, cut at a whole
-        millisecond so that no more than `max_windows` windows come back; next_since is 0 on the last page."""
+    def since(self, since_unix_ms: int, max_windows: int = 20_000, max_bytes: int = PAGE_BYTES) -> tuple[list, list, int]:
+        """(windows, requests, next_since) from `since_unix_ms` on, oldest first, cut at a whole millisecond so that
+        no more than `max_windows` windows and about `max_bytes` of messages come back (a page over gRPC's 4 MiB
+        message limit is refused: 600 s of a busy gateway's requests were 6 MB); next_since is 0 on the last page."""
         windows = sorted((w for w in self.windows if w.start_unix_ms >= since_unix_ms), key=lambda w: w.start_unix_ms)
         requests = sorted((r for r in self.requests if r.start_unix_ms >= since_unix_ms), key=lambda r: r.start_unix_ms)
-        if len(windows) <= max_windows and len(requests) <= 4 * max_windows:
+        until, n_windows, size = 0, 0, 0
+        for is_window, m in heapq.merge(((True, w) for w in windows), ((False, r) for r in requests),
+                                        key=lambda item: item[1].start_unix_ms):
+            n_windows += is_window
+            size += m.ByteSize() + 4  # the field's tag and length
+            if (n_windows > max_windows or size > max_bytes) and m.start_unix_ms > since_unix_ms:
+                until = m.start_unix_ms  # this millisecond starts the next page (progress: it is after since)
+                break
+        if not until:
             return windows, requests, 0
-        until = min(windows[max_windows].start_unix_ms if len(windows) > max_windows else 2**62,
-                    requests[4 * max_windows].start_unix_ms if len(requests) > 4 * max_windows else 2**62)
-        until = max(until, since_unix_ms + 1)  # always progress
-        return ([w for w in windows if w.start_unix_ms < until], [r for r in requests if r.start_unix_ms < until], until)
+        return [w for w in windows if w.start_unix_ms < until], [r for r in requests if r.start_unix_ms < until], until
 
 
 def export_all(stub, since_unix_ms: int = 0, timeout_s: float = 60.0) -> tuple[list, list, int]:

@@ -144,3 +144,27 @@ def test_scale_advice_rules():
     assert state.decide("m", now=112).action == slo_pb2.SCALE_ACTION_HOLD  # one step per sustained stretch
     p = 0.5
     assert state.decide("m", now=300).action == slo_pb2.SCALE_ACTION_HOLD
+
+
+def test_a_history_larger_than_a_grpc_message_is_exported_whole_in_pages():
+    """600 s of a busy gateway's request observations were 6 MB: one page over gRPC's 4 MiB limit, and `bench slo`
+    failed with RESOURCE_EXHAUSTED at the export. Pages are cut by size as well as by windows."""
+    from cotserve.slo.history import export_all
+
+    requests = [slo_pb2.RequestObservation(start_unix_ms=1_000_000 + i // 100, model="m", worker="127.0.0.1:50051",
+                                           sla_class=I, prompt_tokens=64, max_new_tokens=32, completion_tokens=32,
+                                           ttft_ms=12.5 + i % 7, tpot_ms=3.25, in_flight_at_start=i % 40)
+                for i in range(120_000)]
+    assert sum(r.ByteSize() for r in requests) > 4 << 20
+
+    async def main():
+        running = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
+        try:
+            running.state.history.add([], requests)
+            with grpc.insecure_channel(running.server.address) as ch:
+                windows, got, since = await asyncio.to_thread(export_all, slo_pb2_grpc.SloServiceStub(ch))
+            assert windows == [] and got == requests and since == requests[-1].start_unix_ms + 1
+        finally:
+            await running.stop()
+
+    asyncio.run(main())
