@@ -43,7 +43,7 @@ LATENCY_FEATURES = ("prompt_tokens", "max_new_tokens", "is_realtime", "is_intera
                     "w_in_flight", "w_queue", "w_waiting", "w_kv_used", "w_arrivals", "w_tokens_per_s",
                     "w_utilization", "w_ttft_p50", "w_itl_p50", "waiting_ahead", "prefill_tokens_ahead",
                     "prefill_tokens_to_first", "w_running", "w_step_ms", "w_gen_tokens_per_s", "steps_ahead_ms",
-                    "w_seats", "in_flight_per_seat", "busy_per_seat", "w_first_tokens", "estimate_ms")
+                    "w_seats", "in_flight_per_seat", "busy_per_seat", "w_first_tokens", "queued_ahead", "estimate_ms")
 ESTIMATE = len(LATENCY_FEATURES) - 1  # the row's `estimate_ms`
 TTFT_TARGET = "TTFT / estimate_ms"
 """What the TTFT models predict (the saved model and `GetLatencyModel` name it; a gateway or predictor of another
@@ -54,8 +54,9 @@ build, whose trees predict something else, does not use them): TTFT in ms is the
 def ttft_estimate_ms(step_ms: float, waiting_ahead: float, queued: float, first_tokens: float) -> float:
     """The wait before a new request's first token, to first order: a step (`step_ms`, the worker's median) for each of
     the `waiting_ahead` requests sent before it that have no first token yet and one for its own prefill, plus the
-    `queued` requests in the gateway's queues for the worker, each leaving as fast as the worker gave first tokens in
-    its last second (`first_tokens` of them; a step each without any). At least 1 ms."""
+    `queued` requests ahead of it in the gateway's queues for the worker (its class's, and INTERACTIVE's for BATCH),
+    each leaving as fast as the worker gave first tokens in its last second (`first_tokens` of them; a step each
+    without any). At least 1 ms."""
     step_ms = max(step_ms, 1.0)
     per_first_ms = 1000.0 / first_tokens if first_tokens > 0 else step_ms
     return step_ms * (1 + waiting_ahead) + queued * per_first_ms
@@ -72,9 +73,8 @@ def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, sta
             state.worker_running, state.worker_step_ms, state.worker_tokens_per_s,
             state.worker_step_ms * (1 + state.waiting_for_first_token + state.worker_waiting),
             seats, state.in_flight * per_seat, (state.worker_running + state.worker_waiting) * per_seat,
-            state.first_tokens,
-            ttft_estimate_ms(state.worker_step_ms, state.waiting_for_first_token, state.queue_depth,
-                             state.first_tokens)]
+            state.first_tokens, state.queued_ahead,
+            ttft_estimate_ms(state.worker_step_ms, state.waiting_for_first_token, state.queued_ahead, state.first_tokens)]
 
 
 # Objectives whose prediction is the trees' sum plus the base score, untransformed (the latency model's kind).

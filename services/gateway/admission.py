@@ -131,6 +131,14 @@ class Admission:
                 self.in_flight[cls] += 1
                 waiter.set_result(None)
 
+    def queued_ahead(self, cls: SlaClass) -> int:
+        """Requests queued here that a new request of `cls` would wait behind: its own class's queue and, for BATCH,
+        INTERACTIVE's too (BATCH starts only while no INTERACTIVE waits); REALTIME is never queued."""
+        if cls == SlaClass.REALTIME:
+            return 0
+        ahead = len(self.queues[SlaClass.INTERACTIVE])
+        return ahead + len(self.queues[SlaClass.BATCH]) if cls == SlaClass.BATCH else ahead
+
     def retry_after_ms(self, cls: SlaClass) -> int:
         """A rough time for a queue slot to open: queued requests over the limit, times the mean service time."""
         mean = sum(self._service_ms) / len(self._service_ms) if self._service_ms else 1000.0

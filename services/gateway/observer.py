@@ -45,7 +45,7 @@ class AttemptObserver:
         # (what it predicts from when it routes), not when the request left its admission queue (by then the
         # requests it waited behind had moved on, and the wait it spent there was in the TTFT learned from them)
         self.chosen_unix_ms = int(time.time() * 1000)
-        self.queued_at_arrival = queued(worker)
+        self.queued_at_arrival, self.queued_ahead_at_arrival = queued(worker), worker.admission.queued_ahead(sla)
         self.in_flight_at_start, self.waiting_ahead_at_start = worker.in_flight, worker.waiting_for_first_token
         self.prefill_ahead_at_start = worker.prefill_tokens_ahead
         self.sent_at = self.last_at = 0.0
@@ -136,7 +136,7 @@ class AttemptObserver:
                               usage.prompt_tokens, self.max_new_tokens, n_out, (first_at - start - self.held_s) * 1000,
                               tpot_ms or 0.0,
                               self.in_flight_at_start, self.queued_at_arrival, self.waiting_ahead_at_start,
-                              self.prefill_ahead_at_start)
+                              self.prefill_ahead_at_start, self.queued_ahead_at_arrival)
         self.span.set_attributes({
             "cotserve.e2e_ms": out.timing.total_ms,
             **({"cotserve.tpot_ms": tpot_ms} if tpot_ms is not None else {}),

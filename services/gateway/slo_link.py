@@ -158,7 +158,8 @@ class SloLink:
 
     def finished(self, model: str, worker: str, sla: SlaClass, start_unix_ms: int, prompt_text_bytes: int, prompt_tokens: int,
                  max_new_tokens: int, completion_tokens: int, ttft_ms: float, tpot_ms: float, in_flight_at_start: int,
-                 queued_at_start: int, waiting_ahead_at_start: int = 0, prefill_ahead_at_start: int = 0) -> None:
+                 queued_at_start: int, waiting_ahead_at_start: int = 0, prefill_ahead_at_start: int = 0,
+                 queued_ahead_at_start: int = 0) -> None:
         a = self.acc[(model, worker, sla)]
         a.completions += 1
         a.prompt_tokens += prompt_tokens
@@ -169,7 +170,8 @@ class SloLink:
             start_unix_ms=start_unix_ms, model=model, worker=worker, sla_class=PB_CLASS[sla], prompt_tokens=prompt_tokens,
             max_new_tokens=max_new_tokens, completion_tokens=completion_tokens, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
             in_flight_at_start=in_flight_at_start, queued_at_start=queued_at_start,
-            waiting_for_first_token_at_start=waiting_ahead_at_start, prefill_tokens_ahead_at_start=prefill_ahead_at_start))
+            waiting_for_first_token_at_start=waiting_ahead_at_start, prefill_tokens_ahead_at_start=prefill_ahead_at_start,
+            queued_ahead_at_start=queued_ahead_at_start))
 
     def roll(self, start_unix_ms: int) -> list[slo_pb2.MetricsWindow]:
         """Close the second that began at `start_unix_ms`: one window per (model, healthy worker, class)."""
@@ -396,12 +398,13 @@ class SloLink:
             finally:
                 self.held -= 1
 
-    def _state_now(self, w) -> slo_pb2.MetricsWindow:
-        """Worker `w`'s last window with what this gateway counts now, as the latency model learned them."""
+    def _state_now(self, w, sla: SlaClass) -> slo_pb2.MetricsWindow:
+        """Worker `w`'s last window with what this gateway counts now for a request of `sla`, as the latency model
+        learned them."""
         window = slo_pb2.MetricsWindow()
         if w.address in self.last_worker_window:
             window.CopyFrom(self.last_worker_window[w.address])
-        window.in_flight, window.queue_depth = w.in_flight, queued(w)
+        window.in_flight, window.queue_depth, window.queued_ahead = w.in_flight, queued(w), w.admission.queued_ahead(sla)
         window.waiting_for_first_token, window.prefill_tokens_ahead = w.waiting_for_first_token, w.prefill_tokens_ahead
         return window
 
@@ -412,7 +415,7 @@ class SloLink:
             return None  # off, or nothing to choose
         prompt_tokens = max(1, round(prompt_bytes * self.tokens_per_byte_of(model)))
         if self.ttft_model is not None:
-            rows = [latency_row(prompt_tokens, max_new_tokens, PB_CLASS[sla], self._state_now(w)) for w in candidates]
+            rows = [latency_row(prompt_tokens, max_new_tokens, PB_CLASS[sla], self._state_now(w, sla)) for w in candidates]
             ttft = [predicted_ttft_ms(self.ttft_model, row) for row in rows]
         else:
             ttft = await self._ask(candidates, sla, prompt_tokens, max_new_tokens)
@@ -425,7 +428,7 @@ class SloLink:
         failure or an untrained answer) when there is none."""
         if time.monotonic() < self.down_until:
             return None  # backing off after a failure / an untrained answer
-        states = [slo_pb2.WorkerState(worker=w.address, window=self._state_now(w)) for w in candidates]
+        states = [slo_pb2.WorkerState(worker=w.address, window=self._state_now(w, sla)) for w in candidates]
         req = slo_pb2.PredictLatencyRequest(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
                                             sla_class=PB_CLASS[sla], candidates=states)
         try:

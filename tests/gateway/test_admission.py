@@ -162,3 +162,22 @@ def test_too_few_samples_leave_the_limit_alone():
     a.on_stats(ROOMY)
     assert a.limit[I] == 8
 
+
+
+def test_queued_ahead_counts_what_a_new_request_of_each_class_would_wait_behind():
+    """INTERACTIVE waits behind its own queue only, BATCH behind INTERACTIVE's and its own, REALTIME behind nothing: the
+    latency model's place in the gateway's line."""
+    async def main():
+        a = make(interactive_initial_limit=2, batch_limit=1)
+        for cls in (I, I, B):
+            await a.acquire(cls, None)
+        waiting = [asyncio.create_task(a.acquire(cls, None)) for cls in (I, I, I, B, B)]
+        await asyncio.sleep(0.01)
+        ahead = {cls: a.queued_ahead(cls) for cls in (R, I, B)}
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        return ahead, {cls: len(q) for cls, q in a.queues.items()}
+
+    ahead, queues = run(main())
+    assert ahead == {R: 0, I: 3, B: 5} and queues == {I: 0, B: 0}

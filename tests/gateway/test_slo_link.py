@@ -144,7 +144,8 @@ def test_gateway_carries_on_when_the_predictor_is_down():
 
 def handle(address: str, window: slo_pb2.MetricsWindow):
     return SimpleNamespace(address=address, in_flight=window.in_flight, waiting_for_first_token=0, prefill_tokens_ahead=0,
-                           admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth}))
+                           admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth},
+                                                     queued_ahead=lambda cls: window.queue_depth))
 
 
 def test_routing_picks_the_lower_predicted_ttft_and_falls_back_within_its_budget():
@@ -231,7 +232,7 @@ def test_the_fetched_trees_predict_what_the_predictor_would_and_are_refetched_on
             await link.fetch_model()
             version = link.ttft_model_version
             assert link.ttft_model is not None and version == slo.state.latency_version
-            states = [slo_pb2.WorkerState(worker=c.address, window=link._state_now(c)) for c in cands]
+            states = [slo_pb2.WorkerState(worker=c.address, window=link._state_now(c, SlaClass.INTERACTIVE)) for c in cands]
             theirs = slo.state.predict_latency(slo_pb2.PredictLatencyRequest(
                 prompt_tokens=round(200 * link.tokens_per_byte_of("m")), max_new_tokens=64, sla_class=I, candidates=states))
             ours = [predicted_ttft_ms(link.ttft_model, latency_row(round(200 * link.tokens_per_byte_of("m")), 64, I, s.window))
@@ -359,7 +360,8 @@ def test_a_request_that_queued_in_the_gateway_reports_the_state_its_worker_was_c
     """The latency model learns from what a routing decision sees: the counts when the gateway chose the worker, not
     when the request left the gateway's queue (by then the requests it waited behind had finished, and the wait was in
     its TTFT with nothing in its features to explain it). One BATCH request at a time per worker: the second and third
-    wait behind the first."""
+    wait behind the first; an INTERACTIVE request sent while they wait has them in the gateway's queue but none
+    ahead of it (BATCH starts only when no INTERACTIVE waits)."""
     async def main():
         slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
         worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
@@ -368,14 +370,22 @@ def test_a_request_that_queued_in_the_gateway_reports_the_state_its_worker_was_c
         try:
             async with AsyncClient(gateway.server.address) as client:
                 started = int(time.time() * 1000)
-                await asyncio.gather(*(client.generate("12+34-5=", max_new_tokens=8, ignore_eos=True, sla="batch")
-                                       for _ in range(3)))
+                batch = [asyncio.create_task(client.generate("12+34-5=", max_new_tokens=48, ignore_eos=True, sla="batch"))
+                         for _ in range(3)]
+                (handle,) = gateway.pool.workers
+                while len(handle.admission.queues[SlaClass.BATCH]) < 2:
+                    await asyncio.sleep(0.001)
+                await client.generate("1+1=", max_new_tokens=2, sla="interactive")
+                await asyncio.gather(*batch)
                 await asyncio.sleep(2.5)  # reported with the next window
                 async with grpc.aio.insecure_channel(slo.server.address) as ch:
                     exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000))
-            obs = sorted(exported.requests, key=lambda r: r.ttft_ms)
-            assert [(r.in_flight_at_start, r.queued_at_start) for r in obs] == [(0, 0), (1, 0), (1, 1)]
-            assert obs[2].ttft_ms > obs[0].ttft_ms + 8 * 0.5  # it waited for the others' tokens
+            (urgent,) = [r for r in exported.requests if r.sla_class == common_pb2.SLA_CLASS_INTERACTIVE]
+            assert (urgent.in_flight_at_start, urgent.queued_at_start, urgent.queued_ahead_at_start) == (1, 2, 0)
+            obs = sorted((r for r in exported.requests if r.sla_class == common_pb2.SLA_CLASS_BATCH), key=lambda r: r.ttft_ms)
+            assert [(r.in_flight_at_start, r.queued_at_start, r.queued_ahead_at_start) for r in obs] == [
+                (0, 0, 0), (1, 0, 0), (1, 1, 1)]
+            assert obs[2].ttft_ms > obs[0].ttft_ms + 48 * 0.5  # it waited for the others' tokens
             assert max(r.start_unix_ms for r in obs) - min(r.start_unix_ms for r in obs) < obs[2].ttft_ms
         finally:
             await gateway.stop()

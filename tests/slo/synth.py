@@ -40,7 +40,8 @@ def simulate(seconds: int, seed: int = 0, worker: str = "w1", model: str = "m", 
             requests.append(slo_pb2.RequestObservation(
                 start_unix_ms=start + 5 + i, model=model, worker=worker, sla_class=common_pb2.SLA_CLASS_INTERACTIVE,
                 prompt_tokens=64, max_new_tokens=64, completion_tokens=64, ttft_ms=ttft * rng.uniform(0.9, 1.1),
-                tpot_ms=8 * (1 + queue / 100) * rng.uniform(0.9, 1.1), in_flight_at_start=int(served), queued_at_start=int(queue)))
+                tpot_ms=8 * (1 + queue / 100) * rng.uniform(0.9, 1.1), in_flight_at_start=int(served), queued_at_start=int(queue),
+                queued_ahead_at_start=int(queue)))
     return windows, requests
 
 

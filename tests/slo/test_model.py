@@ -193,7 +193,7 @@ def held_out_mape_with_and_without(windows, requests, columns: tuple[str, ...]) 
         for name in columns_off:
             Xm[:, LATENCY_FEATURES.index(name)] = 0
         col = {name: Xm[:, LATENCY_FEATURES.index(name)] for name in LATENCY_FEATURES}
-        Xm[:, ESTIMATE] = [ttft_estimate_ms(*args) for args in zip(col["w_step_ms"], col["waiting_ahead"], col["w_queue"],
+        Xm[:, ESTIMATE] = [ttft_estimate_ms(*args) for args in zip(col["w_step_ms"], col["waiting_ahead"], col["queued_ahead"],
                                                                      col["w_first_tokens"])]  # without them too
         lm = LatencyModel()
         lm.fit(Xm[train], lt[train], lp[train])

@@ -66,6 +66,8 @@ def test_trains_on_reported_windows_and_serves_forecasts_and_predictions(tmp_pat
                 busy, idle = slo_pb2.MetricsWindow(worker="a"), slo_pb2.MetricsWindow(worker="b")
                 busy.CopyFrom(max(windows, key=lambda w: w.queue_depth))
                 idle.CopyFrom(min(windows, key=lambda w: w.queue_depth))
+                for w in (busy, idle):  # a candidate's queue ahead of the request, as a gateway fills it in
+                    w.queued_ahead = w.queue_depth
                 pred = await stub.PredictLatency(slo_pb2.PredictLatencyRequest(
                     prompt_tokens=64, max_new_tokens=64, sla_class=I,
                     candidates=[slo_pb2.WorkerState(worker="a", window=busy), slo_pb2.WorkerState(worker="b", window=idle)]))
