@@ -73,9 +73,10 @@ class GatewayConfig(TlsSettings):
     slo_address: str | None = None
     """The SLO predictor HOST:PORT: windows are reported to it, its forecasts shed BATCH, its predictions route
     (none: heuristics only)."""
-    slo_admission: bool = True
+    slo_admission: bool = False
     """Hold BATCH in the gateway as an urgent class's forecast nears the threshold: a share rising from none at
-    --slo-throttle-from x threshold to all at the threshold, drawn again at every forecast refresh."""
+    --slo-throttle-from x threshold to all at the threshold, drawn again at every forecast refresh. Off by default:
+    in no full run of `cotserve bench slo` yet was a holding rule never worse for INTERACTIVE than none."""
     slo_routing: bool = True
     """Route among a model's workers by predicted TTFT (the predictor's trained trees, fetched when they change and
     evaluated in the gateway)."""

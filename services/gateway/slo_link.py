@@ -73,7 +73,7 @@ def deferred_share(p: float, threshold: float, throttle_from: float) -> float:
 @dataclass
 class SloLinkConfig:
     address: str
-    admission: bool = True          # hold BATCH as an urgent class's forecast nears and passes the threshold
+    admission: bool = False         # hold BATCH as an urgent class's forecast nears and passes the threshold (opt-in)
     routing: bool = True            # route by predicted TTFT
     predict_budget_ms: float = 5.0
     report_interval_s: float = 1.0

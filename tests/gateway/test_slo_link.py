@@ -48,7 +48,7 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
         slo, windows = await trained_slo()
         worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
         gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address,
-                                                    slo_max_hold_ms=3000))
+                                                    slo_admission=True, slo_max_hold_ms=3000))
         peak = max(windows, key=lambda w: w.queue_depth)
         stop = asyncio.Event()
 
@@ -276,7 +276,7 @@ def test_deferred_share_rises_from_the_throttle_point_to_all_at_the_threshold():
 
 def test_held_batch_goes_in_a_trickle_as_the_forecast_falls_and_a_full_hold_turns_requests_away():
     async def main():
-        link = SloLink(SloLinkConfig("127.0.0.1:1", retry_after_ms=10_000, throttle_from=0.5, max_held=200),
+        link = SloLink(SloLinkConfig("127.0.0.1:1", admission=True, retry_after_ms=10_000, throttle_from=0.5, max_held=200),
                        SimpleNamespace(workers=[]))
         link._rng.seed(7)
         link.arrival("m", "w", SlaClass.INTERACTIVE)  # urgent work in flight: there is something to protect
@@ -462,6 +462,7 @@ def test_the_gateways_pause_flags_reach_its_link_and_a_bad_max_pause_names_the_r
                                                     slo_pause_batch=True, slo_max_pause_ms=1500))
         try:
             assert gateway.slo.cfg.pause_batch and gateway.slo.cfg.max_pause_ms == 1500
+            assert not gateway.slo.cfg.admission  # holding BATCH arrivals is opt-in (--slo-admission)
         finally:
             await gateway.stop()
 
