@@ -81,7 +81,7 @@ def _seed_table(trained: list[dict], mode: Mode, console) -> None:
 def _summary_tables(trained: list[dict], mode: Mode, console) -> None:
     from rich.table import Table
 
-    from cotserve.slo.cli import print_episodes
+    from cotserve.slo.cli import by_load_text, print_episodes
 
     evs = [o["evaluation"] for o in trained]
     n = len(trained)
@@ -89,6 +89,8 @@ def _summary_tables(trained: list[dict], mode: Mode, console) -> None:
                    console)
     console.print(f"TTFT MAPE on held-out requests: {_pm([ev.ttft_mape for ev in evs], '{:.1f}%', 100)}; TPOT MAPE "
                   f"{_pm([ev.tpot_mape for ev in evs], '{:.1f}%', 100)}")
+    for o in trained:  # by load level (the worker's requests in flight, terciles of each seed's held-out requests)
+        console.print(f"  seed {o['seed']}: TTFT MAPE by load: {by_load_text(o['evaluation'].ttft_mape_by_load)}")
     per_seed = [outcomes(o) for o in trained]
     r = Table(title=f"Replays of {mode.replay_s:.0f} s, BATCH admission rules (mean ± 95% interval over seeds)")
     for col in ("admission", "INTERACTIVE missed", "misses by cause (all seeds)", "INTERACTIVE p99 TTFT ms",

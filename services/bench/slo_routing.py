@@ -246,12 +246,13 @@ def print_report(out: dict, console) -> bool:
     """The two routings side by side per class, and the goals (p90 TTFT >= 30% better, no class worse)."""
     from rich.table import Table
 
+    from cotserve.slo.cli import by_load_text
+
     if "untrained" in out:
         console.print(f"[red]the latency model could not be trained:[/red] {out['untrained']}")
         return False
     console.print(f"latency model: {out['observations']} request observations; held-out TTFT MAPE "
-                  f"{100 * out['ttft_mape']:.1f}% (" + ", ".join(f"{name}: {100 * m:.1f}% of {n}" for name, n, m in
-                                                             out["ttft_mape_by_load"]) + ")")
+                  f"{100 * out['ttft_mape']:.1f}% ({by_load_text(out['ttft_mape_by_load'])})")
     base, pred = out["runs"]["least loaded"], out["runs"]["predicted TTFT"]
     slow = (f"one flooded by {FLOOD_STREAMS} streams not through the gateway" if out["slowed"] == "flood"
             else f"one at --max-num-seqs {SLOW_MAX_NUM_SEQS}")

@@ -77,10 +77,15 @@ def print_evaluation(ev, console) -> None:
                            "n/a" if math.isnan(e.false_alarms_per_hour) else f"{e.false_alarms_per_hour:.1f}",
                            _fmt(e.alarm_share, True))
         console.print(events)
-    console.print(f"latency predictions on {ev.latency_test_requests} held-out requests: TTFT MAPE {_fmt(ev.ttft_mape, True)}, "
-                  f"TPOT MAPE {_fmt(ev.tpot_mape, True)}")
+    console.print(f"latency predictions on {ev.latency_test_requests} held-out requests: TTFT MAPE {_fmt(ev.ttft_mape, True)}"
+                  f" ({by_load_text(ev.ttft_mape_by_load)}), TPOT MAPE {_fmt(ev.tpot_mape, True)}")
     for note in ev.notes:
         console.print(f"note: {note}")
+
+
+def by_load_text(by_load: list[tuple[str, int, float]]) -> str:
+    """TTFT MAPE by load level (`slo.model.mape_by_load`) as one line: 'light (0-19 in flight): 27.0% of 6,512, ...'."""
+    return ", ".join(f"{name}: {100 * m:.1f}% of {n:,}" for name, n, m in by_load) or "no load levels"
 
 
 def print_episodes(results: list, title: str, console) -> None:

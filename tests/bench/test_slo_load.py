@@ -73,7 +73,8 @@ def _run(seed: int, replays: dict[str, LoadResult], onsets: int = 4, ahead: int 
     from cotserve.slo.model import EventMetrics, Evaluation
 
     ev = Evaluation(0, 100, 50, 10, auc, 0.5, 0.5, 12.0, onsets, 0.8, 0.4, 0.4, 3.0, 2.0, 0.18, 0.1, 40,
-                    events=EventMetrics(onsets, ahead, 1, 0.01, 12.0), baseline_events=EventMetrics(onsets, 1, 2, 0.01, 3.0))
+                    events=EventMetrics(onsets, ahead, 1, 0.01, 12.0), baseline_events=EventMetrics(onsets, 1, 2, 0.01, 3.0),
+                    ttft_mape_by_load=[("light (0-4 in flight)", 20, 0.25), ("heavy (5-60 in flight)", 20, 0.11)])
     return {"seed": seed, "recorded": _replay(1, 10, 50.0, 100), "windows": 300, "evaluation": ev, "replays": replays}
 
 
@@ -102,6 +103,7 @@ def test_report_pools_onsets_over_seeds_and_judges_each_seed_against_its_own_rep
     assert "NOT met: proportional: never worse than off (misses and p99 TTFT): worse on 2 of 3 seeds" in text
     assert "met: proportional: where off missed >= 5% (1 seeds), misses down >= 80% at >= 0.85x tokens on 1 of them" in text
     assert "9 = 75.0% [" in text  # the pooled share with its Wilson interval
+    assert "seed 2: TTFT MAPE by load: light (0-4 in flight): 25.0% of 20, heavy (5-60 in flight): 11.0% of 20" in text
 
 
 def test_a_rule_is_judged_worse_beyond_noise_only_by_more_than_off_differed_from_itself():
