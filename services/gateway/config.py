@@ -71,8 +71,8 @@ class GatewayConfig(TlsSettings):
     fail_open_modules: frozenset[str] = frozenset()
     """Module whose failure lets the text through unchanged (repeatable; default: every module fails closed)."""
     slo_address: str | None = None
-    """The SLO predictor HOST:PORT: windows are reported to it, its forecasts shed BATCH, its predictions route
-    (none: heuristics only)."""
+    """The SLO predictor HOST:PORT: windows are reported to it, its predictions route, and with --slo-admission its
+    forecasts hold BATCH (none: heuristics only)."""
     slo_admission: bool = False
     """Hold BATCH in the gateway as an urgent class's forecast nears the threshold: a share rising from none at
     --slo-throttle-from x threshold to all at the threshold, drawn again at every forecast refresh. Off by default:
