@@ -373,7 +373,9 @@ def test_a_request_that_queued_in_the_gateway_reports_the_state_its_worker_was_c
                 batch = [asyncio.create_task(client.generate("12+34-5=", max_new_tokens=48, ignore_eos=True, sla="batch"))
                          for _ in range(3)]
                 (handle,) = gateway.pool.workers
+                deadline = time.monotonic() + 10
                 while len(handle.admission.queues[SlaClass.BATCH]) < 2:
+                    assert time.monotonic() < deadline, "the second and third BATCH requests never queued"
                     await asyncio.sleep(0.001)
                 await client.generate("1+1=", max_new_tokens=2, sla="interactive")
                 await asyncio.gather(*batch)
