@@ -11,7 +11,7 @@ from opentelemetry.trace import Span
 from cotserve.common.sampling import SlaClass, finish_reason_name
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle
-from cotserve.gateway.slo_link import DEFAULT_TOKENS_PER_BYTE, SloLink, queued
+from cotserve.gateway.slo_link import DEFAULT_TOKENS_PER_BYTE, SloLink, counts_now
 from cotserve.gateway.v1 import gateway_pb2
 from cotserve.worker.v1 import worker_pb2
 
@@ -45,9 +45,7 @@ class AttemptObserver:
         # (what it predicts from when it routes), not when the request left its admission queue (by then the
         # requests it waited behind had moved on, and the wait it spent there was in the TTFT learned from them)
         self.chosen_unix_ms = int(time.time() * 1000)
-        self.queued_at_arrival, self.queued_ahead_at_arrival = queued(worker), worker.admission.queued_ahead(sla)
-        self.in_flight_at_start, self.waiting_ahead_at_start = worker.in_flight, worker.waiting_for_first_token
-        self.prefill_ahead_at_start = worker.prefill_tokens_ahead
+        self.at_start = counts_now(worker, sla) if slo is not None else None
         self.sent_at = self.last_at = 0.0
         self.prefill_tokens = 0  # this request's prompt tokens (estimated) while it waits for its first token
         self.first_at: float | None = None
@@ -134,9 +132,7 @@ class AttemptObserver:
         if self.slo is not None:  # the latency model learns what a worker choice changes: the hold came before it
             self.slo.finished(self.model, self.worker.address, self.sla, self.chosen_unix_ms, self.prompt_bytes,
                               usage.prompt_tokens, self.max_new_tokens, n_out, (first_at - start - self.held_s) * 1000,
-                              tpot_ms or 0.0,
-                              self.in_flight_at_start, self.queued_at_arrival, self.waiting_ahead_at_start,
-                              self.prefill_ahead_at_start, self.queued_ahead_at_arrival)
+                              tpot_ms or 0.0, self.at_start)
         self.span.set_attributes({
             "cotserve.e2e_ms": out.timing.total_ms,
             **({"cotserve.tpot_ms": tpot_ms} if tpot_ms is not None else {}),

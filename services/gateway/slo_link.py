@@ -48,6 +48,17 @@ def queued(worker) -> int:
     return sum(len(q) for q in worker.admission.queues.values())
 
 
+def counts_now(worker, sla: SlaClass) -> slo_pb2.MetricsWindow:
+    """What this gateway counts on `worker` now for a new request of `sla`, in the fields a latency prediction's
+    candidate carries them: its requests in flight and queued there, the queue ahead of `sla`, and the requests sent
+    without a first token yet with their prompt tokens. The one place both the routing rows and the request
+    observations the latency model learns from take them, so the two cannot drift apart."""
+    return slo_pb2.MetricsWindow(in_flight=worker.in_flight, queue_depth=queued(worker),
+                                 queued_ahead=worker.admission.queued_ahead(sla),
+                                 waiting_for_first_token=worker.waiting_for_first_token,
+                                 prefill_tokens_ahead=worker.prefill_tokens_ahead)
+
+
 @dataclass(slots=True)
 class _Acc:
     arrivals: int = 0
@@ -157,9 +168,9 @@ class SloLink:
         return self.tokens_per_byte.get(model, DEFAULT_TOKENS_PER_BYTE)
 
     def finished(self, model: str, worker: str, sla: SlaClass, start_unix_ms: int, prompt_text_bytes: int, prompt_tokens: int,
-                 max_new_tokens: int, completion_tokens: int, ttft_ms: float, tpot_ms: float, in_flight_at_start: int,
-                 queued_at_start: int, waiting_ahead_at_start: int = 0, prefill_ahead_at_start: int = 0,
-                 queued_ahead_at_start: int = 0) -> None:
+                 max_new_tokens: int, completion_tokens: int, ttft_ms: float, tpot_ms: float,
+                 at_start: slo_pb2.MetricsWindow) -> None:
+        """A request finished; `at_start` is `counts_now` when its worker was chosen."""
         a = self.acc[(model, worker, sla)]
         a.completions += 1
         a.prompt_tokens += prompt_tokens
@@ -169,9 +180,9 @@ class SloLink:
         self.requests.append(slo_pb2.RequestObservation(
             start_unix_ms=start_unix_ms, model=model, worker=worker, sla_class=PB_CLASS[sla], prompt_tokens=prompt_tokens,
             max_new_tokens=max_new_tokens, completion_tokens=completion_tokens, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
-            in_flight_at_start=in_flight_at_start, queued_at_start=queued_at_start,
-            waiting_for_first_token_at_start=waiting_ahead_at_start, prefill_tokens_ahead_at_start=prefill_ahead_at_start,
-            queued_ahead_at_start=queued_ahead_at_start))
+            in_flight_at_start=at_start.in_flight, queued_at_start=at_start.queue_depth,
+            waiting_for_first_token_at_start=at_start.waiting_for_first_token,
+            prefill_tokens_ahead_at_start=at_start.prefill_tokens_ahead, queued_ahead_at_start=at_start.queued_ahead))
 
     def roll(self, start_unix_ms: int) -> list[slo_pb2.MetricsWindow]:
         """Close the second that began at `start_unix_ms`: one window per (model, healthy worker, class)."""
@@ -404,8 +415,9 @@ class SloLink:
         window = slo_pb2.MetricsWindow()
         if w.address in self.last_worker_window:
             window.CopyFrom(self.last_worker_window[w.address])
-        window.in_flight, window.queue_depth, window.queued_ahead = w.in_flight, queued(w), w.admission.queued_ahead(sla)
-        window.waiting_for_first_token, window.prefill_tokens_ahead = w.waiting_for_first_token, w.prefill_tokens_ahead
+        now = counts_now(w, sla)  # assigned field by field: MergeFrom would keep the window's count where now's is 0
+        window.in_flight, window.queue_depth, window.queued_ahead = now.in_flight, now.queue_depth, now.queued_ahead
+        window.waiting_for_first_token, window.prefill_tokens_ahead = now.waiting_for_first_token, now.prefill_tokens_ahead
         return window
 
     async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):
