@@ -52,6 +52,9 @@ class GatewayConfig(TlsSettings):
     benchmark baseline)."""
     batch_limit: int = 128
     """BATCH requests in flight per worker at most."""
+    batch_restart_limit: int = 8
+    """BATCH's in-flight ceiling per worker right after an INTERACTIVE request had to queue here; it doubles at every
+    poll without one, back up to batch_limit (BATCH restarts slowly after a burst instead of all at once)."""
     max_queue_interactive: int = 256
     """INTERACTIVE requests waiting per worker at most (then RESOURCE_EXHAUSTED)."""
     max_queue_batch: int = 1024
@@ -144,7 +147,7 @@ class GatewayConfig(TlsSettings):
     def admission_config(self) -> AdmissionConfig:
         """What each worker's admission runs with."""
         return AdmissionConfig(enabled=self.admission, targets=self.targets, batch_limit=self.batch_limit,
-                               max_queue={SlaClass.INTERACTIVE: self.max_queue_interactive,
+                               batch_restart_limit=self.batch_restart_limit, max_queue={SlaClass.INTERACTIVE: self.max_queue_interactive,
                                           SlaClass.BATCH: self.max_queue_batch})
 
     def all_workers(self) -> list[str]:
@@ -187,6 +190,7 @@ class GatewayConfig(TlsSettings):
             (self.max_prompt_chars >= 0 and self.max_prompt_tokens >= 0,
              "max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)"),
             (self.batch_limit >= 0, f"batch_limit: {self.batch_limit}, must be >= 0"),
+            (self.batch_restart_limit >= 0, f"batch_restart_limit: {self.batch_restart_limit}, must be >= 0"),
             (self.max_queue_interactive >= 0, f"max_queue_interactive: {self.max_queue_interactive}, must be >= 0"),
             (self.max_queue_batch >= 0, f"max_queue_batch: {self.max_queue_batch}, must be >= 0"),
         ]

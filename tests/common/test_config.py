@@ -154,10 +154,13 @@ def test_the_gateway_keeps_its_earlier_flags_and_variables():
     assert gw["slo_predict_budget_ms"].envvars[1:] == ("COTSERVE_SLO_BUDGET_MS",)
     assert gw["sla_target"].envvars[1:] == settings(__import__("cotserve.slo.config", fromlist=["x"]).SloConfig, "slo")["sla_target"].envvars[1:]
     assert gw["admission"].flag == "--admission/--no-admission" and gw["fail_open_modules"].flag == "--fail-open"
-    cfg = GatewayConfig(sla_target=("interactive=500/80",), batch_limit=7, max_queue_batch=3, admission=False)
+    cfg = GatewayConfig(sla_target=("interactive=500/80",), batch_limit=7, batch_restart_limit=2, max_queue_batch=3,
+                        admission=False)
     adm = cfg.admission_config
-    assert (adm.enabled, adm.batch_limit, adm.max_queue[SlaClass.BATCH], adm.targets[SlaClass.INTERACTIVE].ttft_ms) == (False, 7, 3, 500)
+    assert (adm.enabled, adm.batch_limit, adm.batch_restart_limit, adm.max_queue[SlaClass.BATCH],
+            adm.targets[SlaClass.INTERACTIVE].ttft_ms) == (False, 7, 2, 3, 500)
     for bad, message in ((dict(max_queue_batch=-1), "max_queue_batch: -1, must be >= 0"),
+                         (dict(batch_restart_limit=-1), "batch_restart_limit: -1, must be >= 0"),
                          (dict(sla_target=("gold=1/2",)), "sla_target: 'gold=1/2'"),
                          (dict(prefix_cache_scope="all"), "prefix_cache_scope: 'all', allowed: tenant, global")):
         with pytest.raises(ValueError, match=message):

@@ -146,6 +146,47 @@ def test_batch_limit_caps_batch_in_flight():
     run(main())
 
 
+def test_batch_restarts_slowly_after_interactive_queued():
+    """Once an INTERACTIVE request had to queue, BATCH's ceiling is `batch_restart_limit`: the INTERACTIVE queue
+    emptying lets 4 of 20 queued BATCH start, not all 20 (as before); the ceiling doubles at every poll without an
+    INTERACTIVE request queueing (the first poll after one does not count), and never passes `batch_limit`."""
+    async def main():
+        a = make(interactive_initial_limit=1, batch_limit=16, batch_restart_limit=4)
+        await a.acquire(I, None)
+        second = asyncio.create_task(a.acquire(I, None))
+        await asyncio.sleep(0.01)
+        batch = [asyncio.create_task(a.acquire(B, None)) for _ in range(20)]
+        await asyncio.sleep(0.01)
+        started = [a.in_flight[B]]  # nothing while INTERACTIVE waits
+        a.release(I)
+        await second
+        started.append(a.in_flight[B])
+        for _ in range(4):
+            a.on_stats(ROOMY)
+            await asyncio.sleep(0)
+            started.append(a.in_flight[B])
+        for _ in range(16):
+            a.release(B)
+        await asyncio.sleep(0.01)
+        started.append(a.in_flight[B])
+        await asyncio.gather(*batch)
+        return started
+
+    assert run(main()) == [0, 4, 4, 8, 16, 16, 4]
+
+
+def test_batch_ceiling_stays_full_without_interactive_queueing():
+    async def main():
+        a = make(batch_limit=50, batch_restart_limit=4)
+        await a.acquire(I, None)  # INTERACTIVE in flight, never queued
+        for _ in range(50):
+            await a.acquire(B, 0.01)
+        a.on_stats(ROOMY)
+        return a.in_flight[B], a.limit[B]
+
+    assert run(main()) == (50, 50)
+
+
 @pytest.mark.parametrize("p95,start,expected", [(200.0, 8, 4), (50.0, 8, 16), (10.0, 8, 32), (1000.0, 8, 2), (100.0, 8, 8)])
 def test_interactive_limit_follows_the_itl_target(p95, start, expected):
     a = make(interactive_initial_limit=start)
