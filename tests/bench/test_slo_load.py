@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from cotserve.bench.isolation import RequestRecord
-from cotserve.bench.slo import LoadResult, rates
+from cotserve.bench.slo import BATCH_NEW_TOKENS, INTERACTIVE_NEW_TOKENS, LoadResult, poisson, rates
 from cotserve.common.sampling import SlaClass
 
 
@@ -24,6 +24,30 @@ def test_a_cycle_is_steady_then_a_ramp_then_a_burst_or_surge_then_a_drain_at_any
     assert at(0.9) == (10.0, 5.0, False)                                    # drain
     if cycle_s == 60.0:  # the 60 s cycle keeps its old boundaries: 20 s, 40 s, 48 s
         assert rates(19.9, cap)[0] == 30.0 and rates(47.9, cap)[0] == 90.0 and rates(48.1, cap)[0] == 10.0
+
+
+def test_arrivals_per_tick_are_poisson_and_not_capped():
+    """A tick's count has the Poisson mean and variance at a burst's rate too (30 a tick: 300 requests/s); the 20
+    Bernoulli trials a tick it replaced never gave more than 20."""
+    import random
+    import statistics
+
+    rng = random.Random(1)
+    for mean in (0.4, 30.0):
+        counts = [poisson(rng, mean) for _ in range(4000)]
+        assert statistics.mean(counts) == pytest.approx(mean, rel=0.05)
+        assert statistics.variance(counts) == pytest.approx(mean, rel=0.1)
+    assert max(poisson(rng, 30.0) for _ in range(100)) > 30
+
+
+def test_served_share_compares_replays_of_different_sizes():
+    small, large = LoadResult(1.0), LoadResult(1.0)
+    for result, n in ((small, 2), (large, 4)):
+        for _ in range(n):
+            result.records.append((SlaClass.INTERACTIVE, RequestRecord(tokens=INTERACTIVE_NEW_TOKENS)))
+            result.records.append((SlaClass.BATCH, RequestRecord(tokens=BATCH_NEW_TOKENS // 2)))
+    assert small.served_share == large.served_share == pytest.approx(64 / 96)
+    assert LoadResult(1.0).served_share != LoadResult(1.0).served_share  # NaN: nothing asked for
 
 
 def test_misses_are_split_by_cause():
