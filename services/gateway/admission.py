@@ -74,7 +74,7 @@ class Admission:
         self.load = WorkerLoad()
         self._itl: deque[tuple[float, float]] = deque()  # (time, ms) of INTERACTIVE inter-token gaps
         self._service_ms: deque[float] = deque(maxlen=64)
-        self._urgent_queued = False  # an INTERACTIVE request queued here since the last Stats poll
+        self._urgent_queued = False  # restrain_batch since the last Stats poll
 
     # ---- the request path -------------------------------------------------------------------
     def can_start(self, cls: SlaClass) -> bool:
@@ -99,7 +99,7 @@ class Admission:
             return 0.0
         queue = self.queues[cls]
         if cls == SlaClass.INTERACTIVE:
-            self.urgent_queued()
+            self.restrain_batch()
         if len(queue) >= self.config.max_queue[cls]:
             raise ResourceExhausted(
                 f"sla_class {cls.name}: the gateway queue for this worker is full ({len(queue)} waiting)",
@@ -142,14 +142,15 @@ class Admission:
                 self.in_flight[cls] += 1
                 waiter.set_result(None)
 
-    def urgent_queued(self) -> None:
-        """An INTERACTIVE request has to wait here: cut BATCH's ceiling to `batch_restart_limit` (those in flight go on;
-        none start until fewer run), to climb back by doubling once INTERACTIVE stops queueing (`on_stats`)."""
+    def restrain_batch(self) -> None:
+        """An INTERACTIVE request has to wait here (or the SLO predictor forecasts an urgent miss, `SloLink`): cut
+        BATCH's ceiling to `batch_restart_limit` (those in flight go on; none start until fewer run), to climb back by
+        doubling at the polls after it stops (`on_stats`)."""
         self._urgent_queued = True
         self.limit[SlaClass.BATCH] = min(self.limit[SlaClass.BATCH], self.config.batch_restart_limit)
 
     def _restart_batch(self) -> None:
-        """At a Stats poll: BATCH's ceiling doubles (up to `batch_limit`) unless INTERACTIVE queued since the last."""
+        """At a Stats poll: BATCH's ceiling doubles (up to `batch_limit`) unless restrained since the last."""
         if not self._urgent_queued:
             cfg = self.config
             self.limit[SlaClass.BATCH] = min(cfg.batch_limit, max(1, 2 * self.limit[SlaClass.BATCH]))

@@ -281,6 +281,7 @@ class SloLink:
                     self.forecasts.pop(model, None)
                     self._warn(f"SLO predictor {self.cfg.address}: Forecast failed: {err.code().name}")
             self.refreshed()
+            self.restrain_batch()
             if self.cfg.pause_batch:
                 await self.steer_pauses()
 
@@ -335,6 +336,17 @@ class SloLink:
             return 0.0, 0.0, 1.0
         p, threshold = f
         return deferred_share(p, threshold, self.cfg.throttle_from), p, threshold
+
+    def restrain_batch(self) -> None:
+        """After each forecast refresh: while a model's BATCH arrivals are being held (a deferred share above 0, urgent
+        work not idle), its workers' admission keeps BATCH at its restart ceiling as well (`Admission.restrain_batch`),
+        so that what waits in its queue, or leaves the hold, starts at the restart's pace rather than all at once."""
+        if not self.cfg.admission:
+            return
+        for model, workers in self.pool.models().items():
+            if self.defer_share(model)[0] > 0 and not self.urgent_idle(model):
+                for w in workers:
+                    w.admission.restrain_batch()
 
     def pause_wanted(self, model: str, now: float) -> bool:
         """Whether `model`'s BATCH should be paused now: a fresh forecast at or over the threshold, urgent requests

@@ -326,6 +326,33 @@ def test_held_batch_goes_in_a_trickle_as_the_forecast_falls_and_a_full_hold_turn
     asyncio.run(main())
 
 
+def test_a_forecast_that_holds_batch_also_restrains_the_workers_batch_ceiling():
+    """Holding BATCH arrivals on the forecast, the link keeps its workers' admission at the restart ceiling too (what
+    is queued there starts 4 at a time, not 64): only while a share is deferred and urgent work is not idle, and only
+    with the hold on."""
+    from cotserve.gateway.admission import Admission, AdmissionConfig
+
+    async def main():
+        w = SimpleNamespace(admission=Admission(AdmissionConfig(batch_limit=64, batch_restart_limit=4)))
+        link = SloLink(SloLinkConfig("127.0.0.1:1", admission=True, throttle_from=0.5),
+                       SimpleNamespace(workers=[w], models=lambda: {"m": [w]}))
+        ceilings = []
+        for forecast, urgent in ((0.6, False), (0.3, True), (0.6, True)):  # urgent idle; below 0.35; held
+            if urgent:
+                link.arrival("m", "w", SlaClass.INTERACTIVE)
+            link.forecasts["m"] = (forecast, 0.7, time.monotonic())
+            link.restrain_batch()
+            ceilings.append(w.admission.limit[SlaClass.BATCH])
+        link.cfg.admission = False
+        w.admission.limit[SlaClass.BATCH] = 64
+        link.restrain_batch()
+        ceilings.append(w.admission.limit[SlaClass.BATCH])
+        await link.stop()
+        return ceilings
+
+    assert asyncio.run(main()) == [64, 64, 4, 64]
+
+
 def test_each_request_reports_its_place_in_the_prefill_line_and_the_line_empties():
     """Requests sent together: each observation carries the requests (and their prompt tokens) that the gateway had
     sent the worker before it without a first token yet; when they are done the worker's line is empty again."""
