@@ -221,7 +221,7 @@ ADMISSION_VARIANTS: dict[str, tuple[str, ...]] = {
 }
 """The replays' BATCH rules, as the gateway's flags: none; none again (the same replay twice: the run-to-run gap that
 any rule's difference from off is to be read against); all BATCH arrivals held while the forecast is over the
-threshold; held in proportion from half the threshold (`--slo-throttle-from 0.5`, the default); running BATCH paused on
+threshold (`--slo-throttle-from 1`, the default); held in proportion from half the threshold; running BATCH paused on
 the worker while the forecast is over the threshold, arrivals let in (`--slo-pause-batch`)."""
 NOISE_VARIANT = "off again"
 
@@ -256,11 +256,12 @@ def predictor_child(address: str, state: Path):
 
 def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
     """One seed: record `mode.duration_s` of load, train and evaluate on it, then replay `mode.replay_s` of the same
-    load's shape (seed + 1) under each admission variant, each against a fresh gateway, scaled to the capacity measured
-    just before it (through a gateway the predictor does not see): on these shared cores the stack's speed drifts over
-    the tens of minutes a seed takes, and a replay scaled to the capacity of the recording's start could be an
-    overload that the one before it was not (two replays without admission, 15 and 17 minutes after that measurement,
-    missed INTERACTIVE's target in 20.8% and 42.2% of requests, the second turning away 5,750 BATCH requests)."""
+    load's shape (seed + 1) under each admission variant, each against a fresh gateway, all at one load: scaled to
+    the capacity measured just before the replays (twice `capacity_s`, through a gateway the predictor does not see).
+    Not the recording's measurement: on these shared cores the stack's speed drifts over the tens of minutes a seed
+    takes (two replays without admission 15 and 17 minutes after it missed INTERACTIVE's target in 20.8% and 42.2% of
+    requests). Nor one measurement per replay, as 0a27313 did: back-to-back 8 s measurements differed by up to 30%
+    (292.8 and 222.2 requests/s), a difference in load between the variants compared as large as any rule's effect."""
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
     state = Path(tempfile.mkdtemp(prefix="cotserve-bench-slo-"))
@@ -276,7 +277,7 @@ def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
         return Child("gateway", addr, python_cli("serve", "gateway", "--port", addr.rsplit(":", 1)[1], "--worker", worker_addr,
                                                  *slo), grpc_ready(addr))
 
-    out: dict = {"seed": seed, "replays": {}, "replay_capacity_rps": {}}
+    out: dict = {"seed": seed, "replays": {}}
     with running([worker]):
         with running([slo_child(), gateway_child(_OFF)]) as (_, gw):
             short, long = run_loop(_prompts(gw.address))
@@ -288,15 +289,14 @@ def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
             time.sleep(2.5)  # the last windows reach the predictor
             if not _train(slo_addr, state, out):
                 return out
+        with running([gateway_child(None)]) as (plain,):  # unseen by the predictor: no forecast moves
+            replay_cap = out["replay_capacity_rps"] = run_loop(capacity(plain.address, short, 2 * mode.capacity_s))
         with running([slo_child()]):  # loads the models just saved
             for name in mode.variants:
-                with running([gateway_child(None)]) as (plain,):  # unseen by the predictor: no forecast moves
-                    replay_cap = run_loop(capacity(plain.address, short, mode.capacity_s))
-                out["replay_capacity_rps"][name] = replay_cap
                 with running([gateway_child(ADMISSION_VARIANTS[name])]) as (gw,):
                     time.sleep(2)  # the gateway's first forecasts (it asks every second)
-                    progress(f"seed {seed}: replaying {mode.replay_s:.0f} s of bursty load, BATCH admission {name} "
-                             f"(capacity now {replay_cap:.1f} requests/s) ...")
+                    progress(f"seed {seed}: replaying {mode.replay_s:.0f} s of bursty load at {replay_cap:.1f} requests/s "
+                             f"of capacity, BATCH admission {name} ...")
                     out["replays"][name] = run_loop(drive(gw.address, mode.replay_s, replay_cap, short, long, seed + 1,
                                                              progress, mode.cycle_s))
     return out

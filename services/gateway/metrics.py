@@ -48,6 +48,9 @@ class GatewayMetrics:
         running = GaugeMetricFamily("cotserve_gateway_worker_running_seqs", "Sequences running (last poll).", labels=["worker", "model"])
         waiting = GaugeMetricFamily("cotserve_gateway_worker_waiting_seqs", "Sequences waiting (last poll).", labels=["worker", "model"])
         healthy = GaugeMetricFamily("cotserve_gateway_worker_healthy", "1 when the worker is in rotation.", labels=["worker", "model"])
+        limit = GaugeMetricFamily("cotserve_gateway_admission_limit", "In-flight limit of a class on a worker now: INTERACTIVE's "
+                                  "follows its inter-token target, BATCH's restarts from --batch-restart-limit after "
+                                  "INTERACTIVE queued.", labels=["worker", "model", "sla_class"])
         sums: dict[tuple[str, str], list[int]] = {}
         for w in pool.workers:
             model = w.model or "unknown"
@@ -56,6 +59,8 @@ class GatewayMetrics:
                 acc[0] += w.admission.in_flight[cls]
                 acc[1] += len(w.admission.queues.get(cls, ()))
             healthy.add_metric([w.address, model], 1.0 if w.healthy else 0.0)
+            for cls, n in w.admission.limit.items():
+                limit.add_metric([w.address, model, cls.name], n)
             if w.stats is not None:
                 s = w.stats
                 used.add_metric([w.address, model], s.kv_blocks_used)
@@ -65,4 +70,4 @@ class GatewayMetrics:
         for (model, cls), (n_in, n_q) in sorted(sums.items()):
             in_flight.add_metric([model, cls], n_in)
             queued.add_metric([model, cls], n_q)
-        return [in_flight, queued, used, total, running, waiting, healthy]
+        return [in_flight, queued, used, total, running, waiting, healthy, limit]

@@ -59,6 +59,9 @@ def test_metrics_are_scraped_from_both_services():
     assert value(g, "cotserve_gateway_queued_requests", model="cotserve-demo", sla_class="BATCH") == 0
     assert value(g, "cotserve_gateway_worker_kv_blocks_total", worker=worker_address, model="cotserve-demo") == 4 * 16
     assert value(g, "cotserve_gateway_worker_healthy", worker=worker_address, model="cotserve-demo") == 1
+    assert value(g, "cotserve_gateway_admission_limit", worker=worker_address, model="cotserve-demo", sla_class="BATCH") == 128
+    assert 2 <= value(g, "cotserve_gateway_admission_limit", worker=worker_address, model="cotserve-demo",
+                      sla_class="INTERACTIVE") <= 32  # moved by the inter-token gaps within its range
     assert not [name for name, _ in g if name.startswith("cotserve_worker_")]  # the workers' own names are theirs
     assert value(w, "cotserve_worker_kv_blocks_total", model="cotserve-demo") == 4 * 16
     assert value(w, "cotserve_worker_kv_blocks_used", model="cotserve-demo") == 0

@@ -144,6 +144,7 @@ def test_gateway_carries_on_when_the_predictor_is_down():
 
 def handle(address: str, window: slo_pb2.MetricsWindow):
     return SimpleNamespace(address=address, in_flight=window.in_flight, waiting_for_first_token=0, prefill_tokens_ahead=0,
+                           stats=None, info=None,
                            admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth},
                                                      queued_ahead=lambda cls: window.queue_depth))
 
@@ -172,6 +173,33 @@ def test_routing_picks_the_lower_predicted_ttft_and_falls_back_within_its_budget
             await slo.stop()
 
     asyncio.run(main())
+
+
+def test_predictions_order_the_workers_with_a_free_seat_before_those_without():
+    """The lowest predicted TTFT wins among workers where a request would start at once; a worker whose last poll
+    had requests waiting, or whose seats this gateway's requests fill, comes after them whatever its prediction."""
+    from cotserve.worker.v1 import worker_pb2
+
+    def worker(address: str, waiting: int, in_flight: int, seats: int):
+        return SimpleNamespace(address=address, in_flight=in_flight, stats=worker_pb2.StatsResponse(num_waiting_seqs=waiting),
+                               info=SimpleNamespace(max_num_seqs=seats), admission=SimpleNamespace(can_start=lambda cls: True))
+
+    async def main():
+        link = SloLink(SloLinkConfig("127.0.0.1:1"), SimpleNamespace(workers=[]))
+        predicted = {"queued:1": 10.0, "full:1": 20.0, "free:1": 90.0, "free:2": 80.0}
+
+        async def ask(cands, sla, prompt_tokens, max_new):
+            return [predicted[w.address] for w in cands]
+
+        link._ask = ask
+        queued, full, free1, free2 = worker("queued:1", 3, 0, 4), worker("full:1", 0, 4, 4), worker("free:1", 0, 3, 4), \
+            worker("free:2", 0, 1, 32)
+        picks = [(await link.pick("m", cands, SlaClass.INTERACTIVE, 100, 16)).address
+                 for cands in ([queued, full, free1, free2], [queued, full, free1], [queued, full])]
+        await link.stop()
+        return picks
+
+    assert asyncio.run(main()) == ["free:2", "free:1", "queued:1"]
 
 
 def test_the_gateway_routes_by_the_predictors_trees_evaluated_in_process():
