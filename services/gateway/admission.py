@@ -74,7 +74,7 @@ class Admission:
         self.load = WorkerLoad()
         self._itl: deque[tuple[float, float]] = deque()  # (time, ms) of INTERACTIVE inter-token gaps
         self._service_ms: deque[float] = deque(maxlen=64)
-        self._urgent_queued = False  # restrain_batch since the last Stats poll
+        self._restrained = False  # restrain_batch since the last Stats poll
 
     # ---- the request path -------------------------------------------------------------------
     def can_start(self, cls: SlaClass) -> bool:
@@ -146,15 +146,15 @@ class Admission:
         """An INTERACTIVE request has to wait here (or the SLO predictor forecasts an urgent miss, `SloLink`): cut
         BATCH's ceiling to `batch_restart_limit` (those in flight go on; none start until fewer run), to climb back by
         doubling at the polls after it stops (`on_stats`)."""
-        self._urgent_queued = True
+        self._restrained = True
         self.limit[SlaClass.BATCH] = min(self.limit[SlaClass.BATCH], self.config.batch_restart_limit)
 
     def _restart_batch(self) -> None:
         """At a Stats poll: BATCH's ceiling doubles (up to `batch_limit`) unless restrained since the last."""
-        if not self._urgent_queued:
+        if not self._restrained:
             cfg = self.config
             self.limit[SlaClass.BATCH] = min(cfg.batch_limit, max(1, 2 * self.limit[SlaClass.BATCH]))
-        self._urgent_queued = bool(self.queues[SlaClass.INTERACTIVE])  # still queued: this poll is not a quiet one
+        self._restrained = bool(self.queues[SlaClass.INTERACTIVE])  # still queued: the next poll is not a quiet one either
 
     def queued_ahead(self, cls: SlaClass) -> int:
         """Requests queued here that a new request of `cls` would wait behind: its own class's queue and, for BATCH,

@@ -148,7 +148,8 @@ class GatewayConfig(TlsSettings):
     def admission_config(self) -> AdmissionConfig:
         """What each worker's admission runs with."""
         return AdmissionConfig(enabled=self.admission, targets=self.targets, batch_limit=self.batch_limit,
-                               batch_restart_limit=self.batch_restart_limit, max_queue={SlaClass.INTERACTIVE: self.max_queue_interactive,
+                               batch_restart_limit=self.batch_restart_limit,
+                               max_queue={SlaClass.INTERACTIVE: self.max_queue_interactive,
                                           SlaClass.BATCH: self.max_queue_batch})
 
     def all_workers(self) -> list[str]:
