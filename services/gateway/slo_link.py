@@ -72,9 +72,9 @@ class _Acc:
 def finds_a_seat(w) -> bool:
     """Whether a request sent to worker handle `w` now would start at once: its last poll had nothing waiting, and this
     gateway's requests on it do not fill its seats (`max_num_seqs`). Routing orders by predicted TTFT only among the
-    workers where it would (then among the rest): trees trained under least-loaded routing, which keeps requests off
-    a worker with a queue, had never seen a deep one, predicted a quarter-seated worker's queue far too short, and
-    sent it more (`bench slo-routing --slowed max-seqs`: p90 TTFT 131% worse than least loaded; with this, 15% better)."""
+    workers where it would (then among the rest): without it, predictions sent a quarter-seated worker more requests
+    (`bench slo-routing --slowed max-seqs`: p90 TTFT 131% worse than least loaded; with it, 15% better), we read
+    because trees trained under least-loaded routing, which keeps requests off a worker with a queue, never saw one."""
     if w.stats is not None and w.stats.num_waiting_seqs > 0:
         return False
     seats = w.info.max_num_seqs if w.info is not None else 0
