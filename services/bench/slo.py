@@ -234,7 +234,7 @@ class Mode:
     replay_s: float
     cycle_s: float
     variants: tuple[str, ...]
-    capacity_s: float = 8.0  # the closed-loop capacity measurement before the recording
+    capacity_s: float = 8.0  # the closed-loop capacity measurement before the recording (before the replays: twice this)
 
 
 FULL = Mode(600.0, 120.0, 30.0, tuple(ADMISSION_VARIANTS))  # 30 s cycles: up to 20 violation onsets a recording (360 s
