@@ -246,3 +246,23 @@ def test_the_workers_own_batch_and_step_time_predict_ttft_when_this_gateway_sent
                                                                              "steps_ahead_ms"))
     print(f"TTFT MAPE with the worker's batch and step time {with_stats:.3f}, without {without:.3f}")
     assert with_stats <= 0.10 and without >= 2 * with_stats, (with_stats, without)
+
+
+def test_the_typical_ttft_trees_are_the_larger_size_and_tpots_and_the_routing_trees_the_smaller():
+    """TTFT's typical-value booster is fit with `TTFT_TREES` (200 trees up to depth 8); TPOT's and the p90 trees the
+    gateway evaluates per candidate keep 120 trees up to depth 5."""
+    from tests.slo.synth import simulate_prefill
+
+    from cotserve.slo.model import TTFT_TREES
+
+    windows, requests = simulate_prefill(300)
+    X, log_ttft, log_tpot, _ = latency_data(windows, requests)
+    lm = LatencyModel()
+    lm.fit(X, log_ttft, log_tpot)
+
+    def size(booster) -> tuple[int, int]:
+        trees = json.loads(booster.save_raw("json"))["learner"]["gradient_booster"]["model"]["trees"]
+        return len(trees), int(json.loads(booster.save_config())["learner"]["gradient_booster"]["tree_train_param"]["max_depth"])
+
+    assert size(lm.ttft) == (TTFT_TREES["rounds"], TTFT_TREES["max_depth"]) == (200, 8)
+    assert size(lm.ttft_p90) == (120, 5) and size(lm.tpot) == (120, 5)
