@@ -13,6 +13,9 @@
    through one routing by predicted TTFT, in `rounds` rounds of alternating order (A B, B A, ...: this shared VM's
    speed drifts over minutes, and one pair of runs has differed by tens of percent either way), and compares each
    class's TTFT percentiles over the rounds pooled, with each round's figure beside them.
+4. Splits each routing's requests by the worker that served them, with their TTFT as the gateway timed it (the
+   predictor's observations): where each routing sent the load, what each worker gave it, and how much of the
+   client's p90 lies outside the workers (the load generator shares these cores).
 """
 
 from __future__ import annotations
@@ -133,8 +136,38 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
                         time.sleep(2)  # the first Stats polls and windows
                         progress(f"round {r + 1} of {rounds}: {eval_s:.0f} s at {rate:.0f} requests/s, routing: {name} ...")
                         flooded.mark()
+                        began = time.time()
                         result = run_loop(drive(gw.address, eval_s, rate, prompts, seed + 1 + r))
+                        out.setdefault("spans", {}).setdefault(name, []).append((began * 1000, time.time() * 1000))
                         _pool(out, r, name, result, flooded.rate(), routed_by(metrics_port))
+                        time.sleep(2.5)  # its last observations reach the predictor before it stops
+            out["by_worker"] = by_worker(_observations(slo_addr), out["spans"], out["workers"])
+    return out
+
+
+def _observations(slo_addr: str) -> list:
+    import grpc
+
+    from cotserve.slo.history import export_all
+    from cotserve.slo.v1 import slo_pb2_grpc
+
+    with grpc.insecure_channel(slo_addr) as ch:
+        return export_all(slo_pb2_grpc.SloServiceStub(ch))[1]
+
+
+def by_worker(requests, spans: dict[str, list[tuple[float, float]]], workers: list[str]) -> dict[str, list[tuple]]:
+    """Per routing, each worker's share of the requests started in that routing's replays and their TTFT p50 and p90
+    as the gateway timed them (the predictor's request observations): where the requests went and what each worker
+    gave them, before the client's own share of the latency (its process shares these cores)."""
+    out = {}
+    for name, windows in spans.items():
+        mine = [r for r in requests if any(a <= r.start_unix_ms < b for a, b in windows)]
+        rows = []
+        for i, w in enumerate(workers):
+            ttft = [r.ttft_ms for r in mine if r.worker == w]
+            rows.append((f"worker {i}" + (" (slowed)" if i == 0 else ""), len(ttft), len(ttft) / max(1, len(mine)),
+                         percentile(ttft, 50) if ttft else 0.0, percentile(ttft, 90) if ttft else 0.0))
+        out[name] = rows
     return out
 
 
@@ -282,6 +315,22 @@ def print_report(out: dict, console) -> bool:
         b, p = everything(runs["least loaded"]), everything(runs["predicted TTFT"])
         console.print(f"round {r + 1}: all classes p90 TTFT {p:.0f} ms with predictions vs {b:.0f} ms least loaded "
                       f"({100 * abs(1 - p / b):.0f}% {'better' if p <= b else 'worse'})")
+    if out.get("by_worker"):
+        console.print(_worker_table(out["by_worker"], {name: everything(run) for name, run in out["runs"].items()}))
     for ok, text in goals:
         console.print(f"{'[green]met[/green]' if ok else '[red]NOT met[/red]'}: {text}")
     return True
+
+
+def _worker_table(rows: dict[str, list[tuple]], client_p90: dict[str, float]):
+    from rich.table import Table
+
+    t = Table(title="Where the requests went: TTFT ms at the gateway by worker (its observations), against the "
+                    "client's p90 over all classes")
+    for col in ("routing", "worker", "requests", "share", "p50", "p90", "client p90"):
+        t.add_column(col, justify="right")
+    for name, workers in rows.items():
+        for k, (label, n, share, p50, p90) in enumerate(workers):
+            t.add_row(name if k == 0 else "", label, f"{n:,}", f"{100 * share:.0f}%", f"{p50:.0f}", f"{p90:.0f}",
+                      f"{client_p90.get(name, 0.0):.0f}" if k == 0 else "")
+    return t

@@ -8,7 +8,8 @@ from rich.console import Console
 
 from cotserve.bench.isolation import RequestRecord
 from cotserve.bench.slo import LoadResult
-from cotserve.bench.slo_routing import NEW_TOKENS, _pool, drive, print_report
+from cotserve.bench.slo_routing import NEW_TOKENS, _pool, by_worker, drive, print_report
+from cotserve.slo.v1 import slo_pb2
 from cotserve.common.sampling import SlaClass
 
 
@@ -72,3 +73,27 @@ def test_rounds_are_kept_and_pooled_and_each_rounds_p90_is_reported():
     assert "Three workers (one at --max-num-seqs 4)" in text
     assert "round 1: all classes p90 TTFT 100 ms with predictions vs 300 ms least loaded (67% better)" in text
     assert "round 2: all classes p90 TTFT 300 ms with predictions vs 300 ms least loaded (0% better)" in text
+
+
+def test_each_routings_requests_are_split_by_worker_as_the_gateway_timed_them():
+    """Observations are counted for the routing whose replay they started in (by time span) and the worker that
+    served them; the report prints each worker's share and TTFT beside the client's p90."""
+    def obs(t_ms: int, worker: str, ttft: float) -> slo_pb2.RequestObservation:
+        return slo_pb2.RequestObservation(start_unix_ms=t_ms, worker=worker, ttft_ms=ttft)
+
+    requests = ([obs(1_000 + i, "a", 100.0) for i in range(6)] + [obs(1_100 + i, "b", 10.0) for i in range(2)]
+                + [obs(5_000 + i, "a", 300.0) for i in range(2)] + [obs(5_100 + i, "b", 20.0) for i in range(8)]
+                + [obs(9_000, "a", 1e6)])  # between the replays: counted nowhere
+    rows = by_worker(requests, {"least loaded": [(1_000, 2_000)], "predicted TTFT": [(5_000, 6_000)]}, ["a", "b", "c"])
+    assert rows["least loaded"] == [("worker 0 (slowed)", 6, 0.75, 100.0, 100.0), ("worker 1", 2, 0.25, 10.0, 10.0),
+                                    ("worker 2", 0, 0.0, 0.0, 0.0)]
+    assert rows["predicted TTFT"][:2] == [("worker 0 (slowed)", 2, 0.2, 300.0, 300.0), ("worker 1", 8, 0.8, 20.0, 20.0)]
+    base, pred = _run({SlaClass.INTERACTIVE: [400.0] * 10}), _run({SlaClass.INTERACTIVE: [200.0] * 10})
+    out = {"observations": 500, "ttft_mape": 0.5, "ttft_mape_by_load": [], "rate_rps": 20.0, "slowed": "flood",
+           "runs": {"least loaded": base, "predicted TTFT": pred}, "by_worker": rows}
+    text = _printed(out)
+    assert "Where the requests went: TTFT ms at the gateway by worker" in text
+    lines = [" ".join(line.replace("│", " ").split()) for line in text.splitlines()]
+    assert "least loaded worker 0 (slowed) 6 75% 100 100 400" in lines
+    assert "predicted TTFT worker 0 (slowed) 2 20% 300 300 200" in lines
+    assert "worker 1 8 80% 20 20" in lines
