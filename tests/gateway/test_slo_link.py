@@ -204,14 +204,16 @@ def test_predictions_order_the_workers_with_a_free_seat_before_those_without():
 
 def test_the_gateway_routes_by_the_predictors_trees_evaluated_in_process():
     """The gateway fetches the trained TTFT trees and predicts each candidate itself: every pick among two workers is
-    decided by a prediction, and still is once the predictor is gone (the trees are kept); a gateway without a
-    predictor picks by load; one worker is no choice and is not counted."""
+    decided by a prediction, and still is once the predictor is gone (the trees are kept); a gateway that reports to
+    the same predictor without --slo-routing (the default) picks by load; one worker is no choice and is not
+    counted."""
     async def main():
         slo, _ = await trained_slo()
         workers = [await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4)) for _ in range(2)]
         addresses = [w.server.address for w in workers]
-        gateway = await start_gateway(GatewayConfig(port=0, workers=addresses, slo_address=slo.server.address))
-        plain = await start_gateway(GatewayConfig(port=0, workers=addresses))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=addresses, slo_address=slo.server.address,
+                                                    slo_routing=True))
+        plain = await start_gateway(GatewayConfig(port=0, workers=addresses, slo_address=slo.server.address))
 
         def routed(gw, by: str) -> float:
             return gw.metrics.registry.get_sample_value("cotserve_gateway_routed_total", {"model": "cotserve-demo", "by": by}) or 0.0
