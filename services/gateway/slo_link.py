@@ -1,7 +1,8 @@
 """The gateway's link to the SLO predictor: it records one metrics window per second per (model,
 worker, SLA class) and every finished request, reports them, keeps each model's latest forecast,
-and routes by predicted TTFT: it fetches the predictor's trained trees of TTFT's 90th percentile when they
-change and evaluates them itself for each candidate worker (cotserve.common.latency: no call per request).
+and, when asked (`--slo-routing`; least loaded otherwise), routes by predicted TTFT: it fetches the predictor's
+trained trees of TTFT's 90th percentile when they change and evaluates them itself for each candidate worker
+(cotserve.common.latency: no call per request).
 It acts on BATCH as an urgent class's forecast rises: holding BATCH arrivals in the gateway (`hold_batch`)
 and, when configured, pausing the model's running BATCH on its workers (`steer_pauses`, worker PauseBatch).
 
