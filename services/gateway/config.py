@@ -80,11 +80,12 @@ class GatewayConfig(TlsSettings):
     """Hold BATCH in the gateway while an urgent class's forecast is over the threshold (from --slo-throttle-from x
     threshold, a share rising to all at it), drawn again at every forecast refresh. Off by default: in the latest
     full run of `cotserve bench slo` every holding rule was worse than none on two or three seeds of three, and in
-    none of the seven before it was a rule never worse."""
+    none of the six before it was a rule never worse."""
     slo_routing: bool = False
     """Route among a model's workers by predicted TTFT (the predictor's trained trees, fetched when they change and
-    evaluated in the gateway) instead of least loaded. Off by default: `cotserve bench slo-routing` runs of the last
-    two rounds ranged from 27% better to 33% worse at p90 TTFT than least loaded, and that worse in the latest."""
+    evaluated in the gateway) instead of least loaded. Off by default: `cotserve bench slo-routing` runs since the
+    seat guard (`slo_link.finds_a_seat`) ranged from 15% better to 33% worse at p90 TTFT than least loaded, the
+    latest the worst."""
     slo_predict_budget_ms: float = 5.0
     """Milliseconds routing waits for a latency prediction from a predictor whose trees this gateway cannot evaluate
     itself (another build's features), before using the load heuristic."""
