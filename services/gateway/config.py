@@ -83,9 +83,9 @@ class GatewayConfig(TlsSettings):
     none of the six before it was a rule never worse."""
     slo_routing: bool = False
     """Route among a model's workers by predicted TTFT (the predictor's trained trees, fetched when they change and
-    evaluated in the gateway) instead of least loaded. Off by default: `cotserve bench slo-routing` runs since the
-    seat guard (`slo_link.finds_a_seat`) ranged from 15% better to 33% worse at p90 TTFT than least loaded, the
-    latest the worst."""
+    evaluated in the gateway) instead of least loaded. Off by default: in `cotserve bench slo-routing` it was 42%
+    better at p90 TTFT than least loaded with a worker short of seats, and 33% worse with a worker busy with traffic
+    from elsewhere (the same build, the same hour)."""
     slo_predict_budget_ms: float = 5.0
     """Milliseconds routing waits for a latency prediction from a predictor whose trees this gateway cannot evaluate
     itself (another build's features), before using the load heuristic."""
