@@ -333,17 +333,24 @@ def outcomes(out: dict) -> dict[str, VariantOutcome]:
             for name, r in out["replays"].items()}
 
 
-def _train(slo_addr: str, state: Path, out: dict) -> bool:
-    """Export what the predictor recorded, evaluate and train on it, save the models under `state`; into `out` the
-    counts and the evaluation (or why it could not train: then False)."""
+def recorded(slo_addr: str) -> tuple[list, list]:
+    """Everything the predictor on `slo_addr` recorded: its metrics windows and request observations."""
     import grpc
 
     from cotserve.slo.history import export_all
-    from cotserve.slo.model import Untrained, evaluate, evaluate_folds
     from cotserve.slo.v1 import slo_pb2_grpc
 
     with grpc.insecure_channel(slo_addr) as ch:
         windows, requests, _ = export_all(slo_pb2_grpc.SloServiceStub(ch))
+    return windows, requests
+
+
+def _train(slo_addr: str, state: Path, out: dict) -> bool:
+    """Export what the predictor recorded, evaluate and train on it, save the models under `state`; into `out` the
+    counts and the evaluation (or why it could not train: then False)."""
+    from cotserve.slo.model import Untrained, evaluate, evaluate_folds
+
+    windows, requests = recorded(slo_addr)
     out["windows"], out["requests"] = len(windows), len(requests)
     try:
         out["folds"] = evaluate_folds(windows, FOLDS)

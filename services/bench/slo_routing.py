@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from cotserve.bench.isolation import RequestRecord, _one
-from cotserve.bench.slo import LoadResult
+from cotserve.bench.slo import LoadResult, recorded
 from cotserve.bench.throughput import prompt_of_tokens
 from cotserve.common.clitools import run_loop
 from cotserve.common.sampling import SlaClass
@@ -141,18 +141,8 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
                         out.setdefault("spans", {}).setdefault(name, []).append((began * 1000, time.time() * 1000))
                         _pool(out, r, name, result, flooded.rate(), routed_by(metrics_port))
                         time.sleep(2.5)  # its last observations reach the predictor before it stops
-            out["by_worker"] = by_worker(_observations(slo_addr), out["spans"], out["workers"])
+            out["by_worker"] = by_worker(recorded(slo_addr)[1], out["spans"], out["workers"])
     return out
-
-
-def _observations(slo_addr: str) -> list:
-    import grpc
-
-    from cotserve.slo.history import export_all
-    from cotserve.slo.v1 import slo_pb2_grpc
-
-    with grpc.insecure_channel(slo_addr) as ch:
-        return export_all(slo_pb2_grpc.SloServiceStub(ch))[1]
 
 
 def by_worker(requests, spans: dict[str, list[tuple[float, float]]], workers: list[str]) -> dict[str, list[tuple]]:
@@ -166,7 +156,7 @@ def by_worker(requests, spans: dict[str, list[tuple[float, float]]], workers: li
         for i, w in enumerate(workers):
             ttft = [r.ttft_ms for r in mine if r.worker == w]
             rows.append((f"worker {i}" + (" (slowed)" if i == 0 else ""), len(ttft), len(ttft) / max(1, len(mine)),
-                         percentile(ttft, 50) if ttft else 0.0, percentile(ttft, 90) if ttft else 0.0))
+                         percentile(ttft, 50, empty=0.0), percentile(ttft, 90, empty=0.0)))
         out[name] = rows
     return out
 
@@ -252,15 +242,11 @@ async def _prompts(address: str) -> tuple[list[str], list[int]]:
 def train_latency(slo_addr: str, state: Path, out: dict, train_fraction: float = 0.7) -> bool:
     """Fit the latency model on the first 70% of the recorded requests, its TTFT MAPE (overall and by load level) on
     the rest into `out`, then refit on all of them and save it under `state`; False (and why) when it cannot."""
-    import grpc
     import numpy as np
 
-    from cotserve.slo.history import export_all
     from cotserve.slo.model import LatencyModel, Untrained, held_out_latency, latency_data
-    from cotserve.slo.v1 import slo_pb2_grpc
 
-    with grpc.insecure_channel(slo_addr) as ch:
-        windows, requests, _ = export_all(slo_pb2_grpc.SloServiceStub(ch))
+    windows, requests = recorded(slo_addr)
     X, log_ttft, log_tpot, t = latency_data(windows, requests)
     out["observations"] = len(X)
     try:
