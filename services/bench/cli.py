@@ -118,6 +118,11 @@ def bench_isolation(
                                              "(--no-batch-yields-to-urgent-prompts), the scheduler before BATCH yielded."),
     compare_stagger: bool = typer.Option(True, help="Also run the flood with held streams writing in step with each "
                                          "other (--no-stream-stagger), the design before their writes were spread."),
+    session: bool = typer.Option(True, help="Tenant B's client sends its requests as streams of one Session call "
+                                 "(AsyncClient(multiplex=True)); --no-session: a GenerateStream call each. The flood "
+                                 "is a call per request either way."),
+    compare_per_call: bool = typer.Option(True, help="Also run the flood with SLA on and tenant B a call per request "
+                                          "(with --session), the client before Session."),
 ) -> None:
     """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
     from cotserve.bench.baseline import service_pids
@@ -127,27 +132,30 @@ def bench_isolation(
     console = wide_console()
     worker_common = ("--max-num-seqs", str(max_num_seqs))
     runs = [
-        ("B alone", 0, worker_common, ()),
-        ("B + flood, SLA on", flood_concurrency, worker_common, ()),
+        ("B alone", 0, worker_common, (), session),
+        ("B + flood, SLA on", flood_concurrency, worker_common, (), session),
         ("B + flood, FIFO", flood_concurrency, (*worker_common, "--scheduling", "fifo", "--batch-stream-interval", "1"),
-         ("--no-admission",)),
+         ("--no-admission",), session),
     ]
+    if compare_per_call and session:  # the client before: B's requests a call each
+        runs.append(("B + flood, SLA on, B a call per request", flood_concurrency, worker_common, (), False))
     if compare_batch_interval:  # the design before: BATCH streamed token by token as every class
         runs.append(("B + flood, SLA on, BATCH per token", flood_concurrency,
-                     (*worker_common, "--batch-stream-interval", "1"), ()))
+                     (*worker_common, "--batch-stream-interval", "1"), (), session))
     if compare_batch_yield:  # the scheduler before: BATCH decodes in the step of an urgent prompt
         runs.append(("B + flood, SLA on, BATCH not yielding", flood_concurrency,
-                     (*worker_common, "--no-batch-yields-to-urgent-prompts"), ()))
+                     (*worker_common, "--no-batch-yields-to-urgent-prompts"), (), session))
     if compare_stagger:
-        runs.append(("B + flood, SLA on, writes not spread", flood_concurrency, (*worker_common, "--no-stream-stagger"), ()))
+        runs.append(("B + flood, SLA on, writes not spread", flood_concurrency, (*worker_common, "--no-stream-stagger"),
+                     (), session))
     results = []
-    for name, flood, wargs, gargs in runs:
+    for name, flood, wargs, gargs, b_session in runs:
         children, _ = stack(model, free_port(), None, full=False, worker_extra=wargs, gateway_extra=gargs)
         with running(children):
             console.print(f"{name}: {duration_s:.0f} s ...", style="dim")
             result = run_loop(drive(children[-1].address, duration_s=duration_s, flood_concurrency=flood,
                                        interactive_rps=interactive_rps, realtime_rps=realtime_rps,
-                                       pids=service_pids(children)))
+                                       pids=service_pids(children), multiplex=b_session))
             result.name = name
             results.append(result)
     console.print(summarize(results))

@@ -21,11 +21,13 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 def _traced(full_method: str) -> bool:
     """Not traced: health checks, reflection, and the gateway's twice-a-second polls of each worker's
     Stats/Info (they are not requests, and would bury the request traces at the receiver); nor a worker's Multiplex
-    call, which lives as long as the gateway's connection: each stream it carries has its own spans
-    (`worker/multiplex.py`, `gateway/multiplex.py`)."""
+    call, which lives as long as the gateway's connection, nor a gateway's Session call, which lives as long as a
+    client's: each stream they carry has its own spans (`common/multiplex.py`, `gateway/multiplex.py`)."""
     service, _, method = full_method.strip("/").rpartition("/")
     if service == "grpc.health.v1.Health" or service.startswith("grpc.reflection"):
         return False
+    if service == "cotserve.gateway.v1.GatewayService":
+        return method != "Session"
     return not (service == "cotserve.worker.v1.WorkerService" and method in ("Stats", "Info", "Multiplex"))
 
 
@@ -69,6 +71,11 @@ so that a request's trace reads the same either way."""
 MULTIPLEXED_GENERATE_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": "cotserve.worker.v1.WorkerService",
                                    "rpc.method": "Generate"}
 """The rpc.* attributes the gRPC instrumentation gives a Generate call's spans."""
+SESSION_GENERATE_STREAM = "/cotserve.gateway.v1.GatewayService/GenerateStream"
+"""The name of a stream's span on a gateway's Session call: a GenerateStream call's, as the worker's streams are named
+for Generate."""
+SESSION_GENERATE_STREAM_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": "cotserve.gateway.v1.GatewayService",
+                                      "rpc.method": "GenerateStream"}
 
 
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),

@@ -70,7 +70,7 @@ class WorkerHandle:
         """Start `request` on this worker (a stream of its Multiplex call, or a call of its own); read the answer
         with the stream's `pending()`, and `close()` it however that ends."""
         if self.streams is None:
-            return CallStream(self.stub, request, timeout_s)
+            return CallStream(self.stub.Generate(request, timeout=timeout_s))
         return await self.streams.open(request, timeout_s)
 
     @property

@@ -13,10 +13,12 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import RelayedError
 from cotserve.common.metrics import MetricsServer, serve_metrics
+from cotserve.common.multiplex import MultiplexCall
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.gateway.config import GatewayConfig
 from cotserve.gateway.http import OpenAIServer
+from cotserve.gateway.session import session_call
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import Resolver, WorkerPool, resolve_dns
 from cotserve.gateway.processors import Processors
@@ -69,10 +71,25 @@ async def collect(chunks: AsyncIterator[gateway_pb2.GenerateStreamResponse]) -> 
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
-    """The gateway's gRPC API: each call handed to the relay with its servicer context as the `Call`."""
+    """The gateway's gRPC API: each call handed to the relay with its servicer context as the `Call` (a Session's
+    streams each with a `session.SessionStream`)."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: Relay, traced: bool = False) -> None:
         self.relay = relay
+        self.traced = traced
+        self.mux_calls: set[MultiplexCall] = set()  # the Session calls open now (each adds and removes itself)
+        self.draining = False
+
+    async def Session(self, requests: AsyncIterator[gateway_pb2.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> None:
+        await session_call(self, context, self.relay.tracer if self.traced else None).serve(requests)
+
+    def drain(self) -> None:
+        """The server is stopping: Session calls refuse new streams (UNAVAILABLE) and end once the streams they
+        carry have."""
+        self.draining = True
+        for call in list(self.mux_calls):
+            call.drain()
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         async for chunk in self.relay.counted(request, context):
@@ -114,6 +131,7 @@ class RunningGateway:
     processors: Processors | None = None
     slo: SloLink | None = None
     http: OpenAIServer | None = None
+    servicer: GatewayServicer | None = None
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.server.stop(grace_s)
@@ -169,10 +187,11 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
                                     max_pause_ms=cfg.slo_max_pause_ms, credentials=upstream), pool)
     relay = Relay(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope,
                   cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.worker_wait_s)
-    servicer = GatewayServicer(relay)
+    servicer = GatewayServicer(relay, traced=tracer_provider is not None)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider, max_message_bytes=cfg.max_request_bytes, tls=cfg)
+    server.on_stop.append(servicer.drain)  # long-lived Session calls end with their streams, not at the grace period
     metrics_server = serve_metrics(metrics.registry, cfg.host, cfg.metrics_port)
     await server.start()
     http = None
@@ -200,7 +219,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
              ", ".join(f"{w.address}={w.model or '?'}" for w in pool.workers))
     if http is not None:
         log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", cfg.host, http.port)
-    return RunningGateway(server, pool, metrics, metrics_server, quota, processors, slo, http)
+    return RunningGateway(server, pool, metrics, metrics_server, quota, processors, slo, http, servicer)
 
 
 async def serve(cfg: GatewayConfig) -> None:

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import InvalidArgument, Unavailable
 from cotserve.common.metrics import MetricsServer, serve_metrics
+from cotserve.common.multiplex import MultiplexCall
 from cotserve.common.sampling import SlaClass
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.streams import coalesce
@@ -32,7 +33,7 @@ from cotserve.worker.engine_process import EngineDied, EngineProcess
 from cotserve.worker.sizing import engine_config, resolve_device, set_torch_threads
 from cotserve.worker.metrics import worker_registry
 from cotserve.worker.moe_control import PolicyFollower
-from cotserve.worker.multiplex import MultiplexCall
+from cotserve.worker.multiplex import multiplex_call
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.scheduler import MAX_BATCH_PAUSE_S
@@ -276,7 +277,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return span
 
     async def Multiplex(self, requests: AsyncIterator[worker_pb2.MultiplexRequest], context: grpc.aio.ServicerContext) -> None:
-        await MultiplexCall(self, context, self.tracer if self._traced else None).serve(requests)
+        await multiplex_call(self, context, self.tracer if self._traced else None).serve(requests)
 
     def drain(self) -> None:
         """The server is stopping: Multiplex calls refuse new streams (UNAVAILABLE, so the gateway sends them to

@@ -75,6 +75,39 @@ def test_gateway_and_worker_spans_form_one_trace():
     assert set(by_id) == {s.context.span_id for s in (root, queue_span, client_span, worker_span, *phases)}
 
 
+def test_a_session_stream_is_traced_as_its_own_call_would_be_and_the_session_not_at_all():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    async def main():
+        worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4), provider)
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address]), provider)
+        try:
+            exporter.clear()
+            async with AsyncClient(gateway.server.address, multiplex=True) as client:
+                for prompt in ("37+48-12=", "5*6+1="):
+                    chunks = [c async for c in client.stream(prompt, max_new_tokens=8, ignore_eos=True)]
+                    assert sum(len(c.token_ids) for c in chunks) == 8
+        finally:
+            await gateway.stop()
+            await worker.stop()
+
+    asyncio.run(main())
+    spans = [s for s in exporter.get_finished_spans() if not s.name.endswith(("/Stats", "/Info"))]
+    assert not [s for s in spans if "Session" in s.name or "Multiplex" in s.name]  # the long-lived calls: no spans
+    roots = [s for s in spans if s.parent is None]
+    assert [r.name for r in roots] == ["generate cotserve-demo"] * 2  # one trace per stream, named as a call's
+    for root in roots:
+        assert root.kind == SpanKind.SERVER and root.attributes["cotserve.component"] == "gateway"
+        assert root.attributes["rpc.method"] == "GenerateStream" and root.attributes["cotserve.ttft_ms"] > 0
+        trace_spans = [s for s in spans if s.context.trace_id == root.context.trace_id]
+        (client_span,) = [s for s in trace_spans if s.kind == SpanKind.CLIENT]
+        (worker_span,) = [s for s in trace_spans if s.kind == SpanKind.SERVER and s is not root]
+        assert client_span.parent.span_id == root.context.span_id
+        assert worker_span.parent.span_id == client_span.context.span_id
+
+
 def test_otlp_exporter_only_when_the_endpoint_is_set():
     assert make_tracer_provider("x", env={}) is None  # no instrumentation: nothing would receive its spans
     provider = make_tracer_provider("x", env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
@@ -98,3 +131,6 @@ def test_health_reflection_and_worker_polls_are_not_traced_requests_are():
     assert not traced("/cotserve.worker.v1.WorkerService/Stats") and not traced(b"/cotserve.worker.v1.WorkerService/Info")
     assert traced("/cotserve.worker.v1.WorkerService/Generate") and traced(b"/cotserve.gateway.v1.GatewayService/GenerateStream")
     assert traced("/cotserve.gateway.v1.GatewayService/Stats")  # only the worker's polls are skipped
+    # the long-lived calls that carry requests as streams (each stream has its own spans)
+    assert not traced("/cotserve.worker.v1.WorkerService/Multiplex")
+    assert not traced(b"/cotserve.gateway.v1.GatewayService/Session")

@@ -20,6 +20,228 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class SessionRequest(_message.Message):
+    """One message of a Session call's caller: a stream opened or cancelled."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def open(self) -> Global___SessionOpen:
+        """Starts a stream."""
+
+    @_builtins.property
+    def cancel(self) -> Global___SessionCancel:
+        """Cancels an open stream."""
+
+    def __init__(
+        self,
+        *,
+        open: Global___SessionOpen | None = ...,
+        cancel: Global___SessionCancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "kind", b"kind", "open", b"open"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["open", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___SessionRequest: _TypeAlias = SessionRequest  # noqa: Y015
+
+@_typing.final
+class SessionOpen(_message.Message):
+    """A GenerateStream request opened on a Session call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """The caller's id for the stream, unique among the call's open streams."""
+    timeout_ms: _builtins.int
+    """The stream's deadline, milliseconds from now (0: none): past it the stream ends with DEADLINE_EXCEEDED."""
+    @_builtins.property
+    def request(self) -> Global___GenerateStreamRequest:
+        """What a GenerateStream call would carry."""
+
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """W3C trace context (traceparent, tracestate) of the caller's span, as gRPC metadata would carry it."""
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        request: Global___GenerateStreamRequest | None = ...,
+        timeout_ms: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "stream_id", b"stream_id", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionOpen: _TypeAlias = SessionOpen  # noqa: Y015
+
+@_typing.final
+class SessionCancel(_message.Message):
+    """Ends an open stream as a client's cancel would: the gateway cancels the request and sends nothing more for it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """The id the stream was opened with (an id not open on the call is ignored: the stream has ended)."""
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stream_id", b"stream_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionCancel: _TypeAlias = SessionCancel  # noqa: Y015
+
+@_typing.final
+class SessionResponse(_message.Message):
+    """What the gateway sends on a Session call: the chunks ready since its last message, of any streams."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def chunks(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionChunk]:
+        """In the order they were ready; each stream's chunks in its order, its end after its last chunk."""
+
+    def __init__(
+        self,
+        *,
+        chunks: _abc.Iterable[Global___SessionChunk] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionResponse: _TypeAlias = SessionResponse  # noqa: Y015
+
+@_typing.final
+class SessionChunk(_message.Message):
+    """A chunk of one stream, or its end."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """The stream it belongs to (the id it was opened with)."""
+    @_builtins.property
+    def response(self) -> Global___GenerateStreamResponse:
+        """A GenerateStream call's message; unset on the stream's end."""
+
+    @_builtins.property
+    def end(self) -> Global___SessionEnd:
+        """Set on the stream's last message, after its last chunk: how it ended."""
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        response: Global___GenerateStreamResponse | None = ...,
+        end: Global___SessionEnd | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "response", b"response", "stream_id", b"stream_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionChunk: _TypeAlias = SessionChunk  # noqa: Y015
+
+@_typing.final
+class SessionEnd(_message.Message):
+    """How a stream ended: OK, or the status, message and trailers a GenerateStream call would have failed with."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TrailersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TRAILERS_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    """A grpc.StatusCode name: OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, DEADLINE_EXCEEDED, ..."""
+    message: _builtins.str
+    """The status message (empty when OK): names the field and the allowed range for INVALID_ARGUMENT."""
+    @_builtins.property
+    def trailers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The call's trailing metadata it would have had (retry-after-ms with RESOURCE_EXHAUSTED, error-id with INTERNAL)."""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        trailers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "trailers", b"trailers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionEnd: _TypeAlias = SessionEnd  # noqa: Y015
+
+@_typing.final
 class GenerateStreamRequest(_message.Message):
     """A generation request as a client sends it."""
 

@@ -55,6 +55,11 @@ class GatewayServiceStub:
                 request_serializer=cotserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=cotserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/cotserve.gateway.v1.GatewayService/Session',
+                request_serializer=cotserve_dot_gateway_dot_v1_dot_gateway__pb2.SessionRequest.SerializeToString,
+                response_deserializer=cotserve_dot_gateway_dot_v1_dot_gateway__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -89,6 +94,16 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Many GenerateStream requests over one long-lived call (the SDK's AsyncClient with multiplex on): each opened by
+        a SessionRequest with an id the caller picks, its chunks and its end sent back tagged with that id, whatever is
+        ready sent together in one SessionResponse. The call's metadata (the API key) holds for every stream on it.
+        Cancelling one stream (or the whole call) frees its worker's KV pages at the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +126,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=cotserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.FromString,
                     response_serializer=cotserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=cotserve_dot_gateway_dot_v1_dot_gateway__pb2.SessionRequest.FromString,
+                    response_serializer=cotserve_dot_gateway_dot_v1_dot_gateway__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +242,33 @@ class GatewayService:
             '/cotserve.gateway.v1.GatewayService/Tokenize',
             cotserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeRequest.SerializeToString,
             cotserve_dot_gateway_dot_v1_dot_gateway__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cotserve.gateway.v1.GatewayService/Session',
+            cotserve_dot_gateway_dot_v1_dot_gateway__pb2.SessionRequest.SerializeToString,
+            cotserve_dot_gateway_dot_v1_dot_gateway__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

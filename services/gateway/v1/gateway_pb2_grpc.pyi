@@ -41,6 +41,12 @@ class GatewayServiceStub:
     """Lists the models the gateway can route to."""
     Tokenize: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.TokenizeRequest, _gateway_pb2.TokenizeResponse]
     """Tokenizes text with a model's tokenizer."""
+    Session: _grpc.StreamStreamMultiCallable[_gateway_pb2.SessionRequest, _gateway_pb2.SessionResponse]
+    """Many GenerateStream requests over one long-lived call (the SDK's AsyncClient with multiplex on): each opened by
+    a SessionRequest with an id the caller picks, its chunks and its end sent back tagged with that id, whatever is
+    ready sent together in one SessionResponse. The call's metadata (the API key) holds for every stream on it.
+    Cancelling one stream (or the whole call) frees its worker's KV pages at the next step.
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -55,6 +61,12 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """Lists the models the gateway can route to."""
     Tokenize: _aio.UnaryUnaryMultiCallable[_gateway_pb2.TokenizeRequest, _gateway_pb2.TokenizeResponse]  # type: ignore[assignment]
     """Tokenizes text with a model's tokenizer."""
+    Session: _aio.StreamStreamMultiCallable[_gateway_pb2.SessionRequest, _gateway_pb2.SessionResponse]  # type: ignore[assignment]
+    """Many GenerateStream requests over one long-lived call (the SDK's AsyncClient with multiplex on): each opened by
+    a SessionRequest with an id the caller picks, its chunks and its end sent back tagged with that id, whatever is
+    ready sent together in one SessionResponse. The call's metadata (the API key) holds for every stream on it.
+    Cancelling one stream (or the whole call) frees its worker's KV pages at the next step.
+    """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """What clients call. The API key travels as `authorization: Bearer ...` metadata."""
@@ -90,5 +102,17 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.TokenizeResponse, _abc.Awaitable[_gateway_pb2.TokenizeResponse]]:
         """Tokenizes text with a model's tokenizer."""
+
+    @_abc_1.abstractmethod
+    def Session(
+        self,
+        request_iterator: _MaybeAsyncIterator[_gateway_pb2.SessionRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_pb2.SessionResponse], _abc.AsyncIterator[_gateway_pb2.SessionResponse]]:
+        """Many GenerateStream requests over one long-lived call (the SDK's AsyncClient with multiplex on): each opened by
+        a SessionRequest with an id the caller picks, its chunks and its end sent back tagged with that id, whatever is
+        ready sent together in one SessionResponse. The call's metadata (the API key) holds for every stream on it.
+        Cancelling one stream (or the whole call) frees its worker's KV pages at the next step.
+        """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
