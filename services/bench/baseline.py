@@ -264,12 +264,23 @@ class GatewayRun:
     ttft: tuple[list[float], ...] | None
     prompt: str
     prompt_ids: list[int]
+    session: bool = True
+
+    @property
+    def label(self) -> str:
+        return run_label(self.interval, self.session)
+
+
+def run_label(interval: int | None, session: bool) -> str:
+    """How a run through the gateway went: its stream interval, and the client's calls when not one Session."""
+    return ", ".join(([] if interval is None else [f"stream interval {interval}"]) + ([] if session else ["a call per request"]))
 
 
 def run_through_gateway(model_dir: Path, address: str | None, interval: int | None, load: Load, ttft_rounds: int,
-                        say: Callable[[str], None]) -> GatewayRun:
-    """The load through `address`, or through a worker (`--stream-interval interval`) + gateway started here;
-    with `ttft_rounds`, then the TTFT pairs against the worker directly and a bare relay."""
+                        say: Callable[[str], None], session: bool = True) -> GatewayRun:
+    """The load through `address`, or through a worker (`--stream-interval interval`) + gateway started here, from
+    an SDK client with every request a stream of one Session call (`session`) or a GenerateStream call each; with
+    `ttft_rounds`, then the TTFT pairs against the worker directly and a bare relay."""
     from cotserve.bench.isolation import cpu_seconds
     from cotserve.bench.throughput import prompt_of_tokens, run_level
     from cotserve.common.procs import free_port, running
@@ -293,10 +304,11 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
                 ids = await c.tokenize(prompt)
                 await c.generate(prompt, max_new_tokens=4)
             cpu_before.update(cpu_seconds(procs))
-            return prompt, ids, await run_level(gateway, load.concurrency, prompt, load.max_new_tokens, load.requests)
+            return prompt, ids, await run_level(gateway, load.concurrency, prompt, load.max_new_tokens, load.requests,
+                                                multiplex=session)
 
-        label = "" if interval is None else f", stream interval {interval}"
-        say(f"cotserve: {load.requests} requests at concurrency {load.concurrency}{label} ...")
+        label = run_label(interval, session)
+        say(f"cotserve: {load.requests} requests at concurrency {load.concurrency}{', ' + label if label else ''} ...")
         prompt, ids, level = run_loop(measure())
         cpu = {name: v - cpu_before[name] for name, v in cpu_seconds(procs).items()}
         ttft = None
@@ -304,7 +316,7 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
             say(f"TTFT: {ttft_rounds} requests one at a time each: worker direct, a bare relay, the gateway, a gateway "
                 "calling the worker per request ...")
             ttft = ttft_four_ways(gateway, children[0].address, prompt, ttft_rounds)
-    return GatewayRun(interval, level, cpu, ttft, prompt, ids)
+    return GatewayRun(interval, level, cpu, ttft, prompt, ids, session)
 
 
 def service_pids(children: list) -> dict[str, int]:
@@ -345,7 +357,7 @@ def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
         c = Table(title=f"CPU time per generated token ({runs[0].level.output_tokens} tokens per run)")
         c.add_column("process")
         for r in runs:
-            c.add_column(f"CPU ms/token, stream interval {r.interval}", justify="right")
+            c.add_column(f"CPU ms/token, {r.label}", justify="right")
         for name in runs[0].cpu:
             c.add_row(name, *(f"{r.cpu.get(name, 0.0) * 1000 / max(1, r.level.output_tokens):.3f}" for r in runs))
         console.print(c)
@@ -419,6 +431,20 @@ def engine_table(rows: list[tuple[int, str, BaselineResult]], batches: list[int]
     return e
 
 
+def print_ratios(console, runs: list[GatewayRun], engine_as_worker: BaselineResult, engine_only: BaselineResult,
+                 static: BaselineResult, worker_threads: int) -> None:
+    """Each run through the gateway against the engine alone (on the worker's threads, on all) and transformers'
+    static batch."""
+    for run in runs:
+        label = f" ({run.label})" if run.label else ""
+        rate = run.level.output_tokens_per_s
+        console.print(f"end to end{label} / engine only on {worker_threads} thread{'s' * (worker_threads > 1)} (as in the "
+                      f"worker): {rate / engine_as_worker.output_tokens_per_s:.2f}, on all {torch.get_num_threads()}: "
+                      f"{rate / engine_only.output_tokens_per_s:.2f}; / transformers static batch: "
+                      f"{rate / static.output_tokens_per_s:.2f}")
+    console.print("(the serving overhead's share of the engine's rate is one minus the first figure)", style="dim")
+
+
 def print_summary(console, load: Load, model_dir: Path, runs: list[GatewayRun], others: list[BaselineResult]) -> None:
     """Every system's output tok/s, and the first run's rate as a ratio of each."""
     from rich.table import Table
@@ -428,8 +454,8 @@ def print_summary(console, load: Load, model_dir: Path, runs: list[GatewayRun], 
     for col in ("system", "requests", "output tok/s", "cotserve ratio (first row)"):
         t.add_column(col, justify="right")
     for r in runs:
-        label = "" if r.interval is None else f", stream interval {r.interval}"
-        t.add_row(f"cotserve via gateway, concurrency {load.concurrency}{label}", str(r.level.num_requests),
+        t.add_row(f"cotserve via gateway, concurrency {load.concurrency}{', ' + r.label if r.label else ''}",
+                  str(r.level.num_requests),
                   f"{r.level.output_tokens_per_s:.1f}", f"{first / r.level.output_tokens_per_s:.2f}x")
     for b in others:
         t.add_row(b.name, str(b.num_requests), f"{b.output_tokens_per_s:.1f}", f"{first / b.output_tokens_per_s:.2f}x")

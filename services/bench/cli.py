@@ -56,6 +56,10 @@ def bench_baseline(
     ttft_rounds: int = typer.Option(50, help="Requests (one at a time) for the gateway-added TTFT, per path; 0: skip."),
     stream_intervals: str = typer.Option("1,8", help="The workers' --stream-interval for the runs through the gateway, "
                                          "one stack started per value (ignored with --address)."),
+    session: bool = typer.Option(True, help="The load's client sends its requests as streams of one Session call "
+                                 "(AsyncClient(multiplex=True)); --no-session: a GenerateStream call each."),
+    compare_per_call: bool = typer.Option(True, help="With --session, also run the first stream interval with a "
+                                          "GenerateStream call per request (the client before Session)."),
 ) -> None:
     """Same workload through cotserve, through cotserve's engine alone and through transformers' generate; prints
     cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process (per stream
@@ -73,8 +77,11 @@ def bench_baseline(
     batches = int_list(engine_batches, "1,8,32") if engine_batches.strip() else []
     intervals: list[int | None] = [None] if address is not None else list(int_list(stream_intervals, "1,8"))
     load = b.Load(concurrency, prompt_tokens, max_new_tokens, requests)
-    runs = [b.run_through_gateway(model_dir, address, interval, load, ttft_rounds if n == 0 else 0, say)
-            for n, interval in enumerate(intervals)]
+    plan = [(interval, session) for interval in intervals]
+    if session and compare_per_call:
+        plan.insert(1, (intervals[0], False))
+    runs = [b.run_through_gateway(model_dir, address, interval, load, ttft_rounds if n == 0 else 0, say, session=s)
+            for n, (interval, s) in enumerate(plan)]
     ids = runs[0].prompt_ids
     b.print_gateway_runs(console, runs)
     # the engine alone on every core, and on the threads a worker's engine process takes here (all cores but
@@ -90,14 +97,7 @@ def bench_baseline(
     say(f"transformers: {requests} requests in static batches of {concurrency} ...")
     static = b.run_transformers(model_dir, ids, max_new_tokens, requests, concurrency)
     b.print_summary(console, load, model_dir, runs, [engine_only, engine_as_worker, single, static])
-    for run in runs:
-        label = "" if run.interval is None else f" (stream interval {run.interval})"
-        rate = run.level.output_tokens_per_s
-        console.print(f"end to end{label} / engine only on {worker_threads} thread{'s' * (worker_threads > 1)} (as in the "
-                      f"worker): {rate / engine_as_worker.output_tokens_per_s:.2f}, on all {torch.get_num_threads()}: "
-                      f"{rate / engine_only.output_tokens_per_s:.2f}; / transformers static batch: "
-                      f"{rate / static.output_tokens_per_s:.2f}")
-    console.print("(the serving overhead's share of the engine's rate is one minus the first figure)", style="dim")
+    b.print_ratios(console, runs, engine_as_worker, engine_only, static, worker_threads)
     b.print_ceiling(console, model_dir, load, worker_threads, engine_as_worker)
     if engine_rows:
         ceilings = b.linear_ceilings(model_dir, prompt_tokens, max_new_tokens, batches, torch.get_num_threads())

@@ -59,12 +59,14 @@ async def prompt_of_tokens(client: AsyncClient, num_tokens: int, model: str = ""
 
 
 async def run_level(address: str, concurrency: int, prompt: str, max_new_tokens: int, num_requests: int,
-                    model: str = "") -> LevelResult:
+                    model: str = "", multiplex: bool = False) -> LevelResult:
+    """`num_requests` streamed requests, `concurrency` at a time, through the SDK (`multiplex`: as streams of one
+    Session call, `AsyncClient(multiplex=True)`; else a GenerateStream call each)."""
     ttft: list[float] = []
     itl: list[float] = []
     tokens = 0
     sem = asyncio.Semaphore(concurrency)
-    async with AsyncClient(address, timeout_s=600) as client:
+    async with AsyncClient(address, timeout_s=600, multiplex=multiplex) as client:
 
         async def one() -> None:
             nonlocal tokens

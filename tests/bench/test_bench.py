@@ -52,11 +52,15 @@ def test_baseline_command_prints_ratios_against_transformers():
         assert f"cotserve via gateway, concurrency 2, stream interval {interval}" in out.stdout
         assert re.search(rf"end to end \(stream interval {interval}\) / engine only on \d+ threads? \(as in the worker\): "
                          r"[\d.]+, on all \d+: [\d.]+; / transformers static batch: [\d.]+", out.stdout), out.stdout
-    # six ratio cells (two gateway runs, the engine on all cores and on the worker's, transformers twice),
+    # the first interval again with a GenerateStream call per request (the others from one Session call)
+    assert "cotserve via gateway, concurrency 2, stream interval 1, a call per request" in out.stdout
+    assert re.search(r"end to end \(stream interval 1, a call per request\) / engine only", out.stdout), out.stdout
+    # seven ratio cells (three gateway runs, the engine on all cores and on the worker's, transformers twice),
     # and FP8 / native, native / per operation, native / torch layer ops, native / compiled, native / eager of the
     # engine at batch 3
-    assert out.stdout.count("x │") == 11
+    assert out.stdout.count("x │") == 12
     assert "CPU ms/token, stream interval 1" in out.stdout and "CPU ms/token, stream interval 2" in out.stdout
+    assert "CPU ms/token, stream interval 1, a call per request" in out.stdout
     # engine only, batch 3: each kernel setting, and the linear layers' ceiling
     assert re.search(r"│\s+3 │\s+\d+ │\s+\d+ │\s+\d+ │\s+\d+ │\s+\d+ │\s+\d+ │\s+[\d.]+x │\s+[\d.]+x │\s+[\d.]+x │\s+[\d.]+x │"
                      r"\s+[\d.]+x │\s+\d+ │"

@@ -16,10 +16,15 @@ from cotserve.worker.config import WorkerConfig
 from cotserve.worker.server import start_worker
 
 
-def test_gateway_and_worker_spans_form_one_trace():
+def in_memory() -> tuple[TracerProvider, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def test_gateway_and_worker_spans_form_one_trace():
+    provider, exporter = in_memory()
 
     async def main():
         worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4), provider)
@@ -76,9 +81,7 @@ def test_gateway_and_worker_spans_form_one_trace():
 
 
 def test_a_session_stream_is_traced_as_its_own_call_would_be_and_the_session_not_at_all():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider, exporter = in_memory()
 
     async def main():
         worker = await start_worker(WorkerConfig(port=0, max_num_seqs=4), provider)
