@@ -213,27 +213,35 @@ async def ttft_direct_relay_gateway(gateway: str, relay: str, worker: str, promp
     """Time to first token (ms) of one request at a time, interleaved, each path called the same way (a plain
     grpc.aio stub, so that no client library's own work is counted): straight to the worker, through a bare relay
     (the same call one grpc.aio hop further, a call per request), through the gateway (what the gateway adds: auth,
-    validation, admission, routing, tracing, metrics, one more hop: a stream of its Multiplex call to the worker), and
-    through a gateway that calls the worker per request (`--no-worker-multiplex`)."""
+    validation, admission, routing, tracing, metrics, one more hop: a stream of its Multiplex call to the worker),
+    through a gateway that calls the worker per request (`--no-worker-multiplex`); and over long-lived calls at
+    both ends: a stream of the worker's Multiplex call against a stream of the gateway's Session."""
     import grpc
 
-    from cotserve.bench.throughput import first_token_ms
+    from cotserve.bench.throughput import first_mux_token_ms, first_token_ms
+    from cotserve.common.multiplex_client import MultiplexClient
     from cotserve.common.v1 import common_pb2
+    from cotserve.gateway.multiplex import worker_kind
     from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+    from cotserve.sdk.client import _session_kind
     from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
     sampling = common_pb2.SamplingParams(max_new_tokens=1, ignore_eos=True)
-    samples: tuple[list[float], ...] = ([], [], [], [])
+    samples: tuple[list[float], ...] = ([], [], [], [], [], [])
     async with (grpc.aio.insecure_channel(worker) as wch, grpc.aio.insecure_channel(relay) as rch,
                 grpc.aio.insecure_channel(gateway) as gch, grpc.aio.insecure_channel(per_call_gateway) as pch):
         wstub = worker_pb2_grpc.WorkerServiceStub(wch)
         rstub, gstub = gateway_pb2_grpc.GatewayServiceStub(rch), gateway_pb2_grpc.GatewayServiceStub(gch)
         pstub = gateway_pb2_grpc.GatewayServiceStub(pch)
         request = gateway_pb2.GenerateStreamRequest(prompt=prompt, sampling=sampling)
-        paths = (lambda: first_token_ms(wstub.Generate(worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling))),
+        wrequest = worker_pb2.GenerateRequest(prompt_text=prompt, sampling=sampling)
+        worker_mux, session = MultiplexClient(worker_kind(wstub)), MultiplexClient(_session_kind(gstub, None))
+        paths = (lambda: first_token_ms(wstub.Generate(wrequest)),
                  lambda: first_token_ms(rstub.GenerateStream(request)),
                  lambda: first_token_ms(gstub.GenerateStream(request)),
-                 lambda: first_token_ms(pstub.GenerateStream(request)))
+                 lambda: first_token_ms(pstub.GenerateStream(request)),
+                 lambda: first_mux_token_ms(worker_mux, wrequest),
+                 lambda: first_mux_token_ms(session, request))
         for _ in range(5):  # warm every path (connections, caches)
             for path in paths:
                 await path()
@@ -256,7 +264,7 @@ class Load:
 @dataclass(slots=True)
 class GatewayRun:
     """One run through a gateway: its level, CPU seconds per process (a stack started here), the TTFT samples
-    (ms, one request at a time: worker direct, a bare relay, the gateway), and the prompt used."""
+    (ms, one request at a time, `ttft_paths`), and the prompt used."""
 
     interval: int | None
     level: Any
@@ -314,8 +322,8 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
         ttft = None
         if children and ttft_rounds > 0:
             say(f"TTFT: {ttft_rounds} requests one at a time each: worker direct, a bare relay, the gateway, a gateway "
-                "calling the worker per request ...")
-            ttft = ttft_four_ways(gateway, children[0].address, prompt, ttft_rounds)
+                "calling the worker per request, the worker's Multiplex, the gateway's Session ...")
+            ttft = ttft_paths(gateway, children[0].address, prompt, ttft_rounds)
     return GatewayRun(interval, level, cpu, ttft, prompt, ids, session)
 
 
@@ -331,9 +339,10 @@ def service_pids(children: list) -> dict[str, int]:
     return procs
 
 
-def ttft_four_ways(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[list[float], ...]:
+def ttft_paths(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[list[float], ...]:
     """TTFT (ms) straight to the worker, through a bare grpc.aio relay (`bench/relay.py`: the hop alone), through
-    the gateway, and through a second gateway calling the worker per request, one request at a time, interleaved."""
+    the gateway, through a second gateway calling the worker per request, and on long-lived calls at both ends (the
+    worker's Multiplex, the gateway's Session), one request at a time, interleaved (`ttft_direct_relay_gateway`)."""
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
     relay_addr = f"127.0.0.1:{free_port()}"
@@ -363,7 +372,7 @@ def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
         console.print(c)
     ttft = next((r.ttft for r in runs if r.ttft is not None), None)
     if ttft is not None:
-        direct, relay, via, per_call = (sorted(x) for x in ttft)
+        direct, relay, via, per_call, worker_mux, session = (sorted(x) for x in ttft)
         p50 = [percentile(x, 50) for x in (direct, relay, via, per_call)]
         added = p50[2] - p50[0]
         console.print(f"TTFT p50, one request at a time: worker direct {p50[0]:.2f} ms, via a bare gRPC relay {p50[1]:.2f} ms "
@@ -373,6 +382,11 @@ def print_gateway_runs(console, runs: list[GatewayRun]) -> None:
                       f"(--no-worker-multiplex) it adds {p50[3] - p50[0]:.2f} ms; p90 {percentile(direct, 90):.2f} / "
                       f"{percentile(relay, 90):.2f} / {percentile(via, 90):.2f} / {percentile(per_call, 90):.2f} ms",
                       soft_wrap=True)
+        mux_added = percentile(session, 50) - percentile(worker_mux, 50)
+        console.print(f"TTFT p50 over long-lived calls at both ends: the worker's Multiplex {percentile(worker_mux, 50):.2f} "
+                      f"ms, the gateway's Session {percentile(session, 50):.2f} ms: the gateway adds {mux_added:.2f} ms "
+                      f"(goal <= 1 ms: {'met' if mux_added <= 1 else 'NOT met'}); p90 {percentile(worker_mux, 90):.2f} / "
+                      f"{percentile(session, 90):.2f} ms", soft_wrap=True)
 
 
 KERNEL_SETTINGS = (("native", "auto", "auto", "auto", True, "auto"),

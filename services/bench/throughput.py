@@ -39,6 +39,19 @@ async def first_token_ms(stream: AsyncIterable) -> float:
     return ((first or time.perf_counter()) - start) * 1000
 
 
+async def first_mux_token_ms(client, request) -> float:
+    """`first_token_ms` for a request opened as a stream of a multiplexed call (`common/multiplex_client`)."""
+    start = time.perf_counter()
+    stream = await client.open(request, None)
+    try:
+        first = None
+        while await stream.pending() is not None:
+            first = first or time.perf_counter()
+        return ((first or time.perf_counter()) - start) * 1000
+    finally:
+        stream.close()
+
+
 async def prompt_of_tokens(client: AsyncClient, num_tokens: int, model: str = "") -> str:
     """A text that the served model's tokenizer turns into exactly (or, failing that, just under) `num_tokens` tokens."""
     def text(k: int) -> str:

@@ -74,6 +74,9 @@ def test_baseline_command_prints_ratios_against_transformers():
                      r"\(one more hop, a call per request: \+-?[\d.]+ ms\), via the gateway [\d.]+ ms: the gateway adds "
                      r"-?[\d.]+ ms \(goal <= 1 ms: (met|NOT met)\), -?[\d.]+ ms over the bare relay; calling the worker "
                      r"per request \(--no-worker-multiplex\) it adds -?[\d.]+ ms", out.stdout), out.stdout
+    # and with both ends on long-lived calls: the worker's Multiplex against the gateway's Session
+    assert re.search(r"TTFT p50 over long-lived calls at both ends: the worker's Multiplex [\d.]+ ms, the gateway's "
+                     r"Session [\d.]+ ms: the gateway adds -?[\d.]+ ms \(goal <= 1 ms: (met|NOT met)\)", out.stdout), out.stdout
     for process in ("worker (gRPC front)", "worker (engine process)", "gateway", "load generator (this process)"):
         assert process in out.stdout
 
