@@ -120,7 +120,7 @@ class MuxStream:
         self._wake()
 
     def _expire(self) -> None:
-        """The deadline passed with the stream still open (the worker ends it too; whichever is first)."""
+        """The deadline passed with the stream still open (the server ends it too; whichever is first)."""
         if not self.ended:
             self.error = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             self.close()

@@ -18,12 +18,12 @@ from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.gateway.config import GatewayConfig
 from cotserve.gateway.http import OpenAIServer
-from cotserve.gateway.session import session_call
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import Resolver, WorkerPool, resolve_dns
 from cotserve.gateway.processors import Processors
 from cotserve.gateway.quota import QuotaEnforcer
 from cotserve.gateway.relay import Relay
+from cotserve.gateway.session import session_call
 from cotserve.gateway.slo_link import SloLink, SloLinkConfig
 from cotserve.gateway.tenants import TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc

@@ -12,7 +12,11 @@ call costs its process several trips through gRPC's completion queue and the eve
 and a wave of them delays every call behind it; neither a higher CPU priority for the gateway or the client nor the
 engine's moved it. A request opened on a Session is one message on a call already accepted: in the same setup
 (`/tmp` prototype, the flood still a call per request, interleaved), INTERACTIVE TTFT p99 22 and 15 ms on a Session
-against 37 and 31 ms per call; p50 5.5 against 6.2.
+against 37 and 31 ms per call; p50 5.5 against 6.2. `cotserve bench isolation` (tenant B on a Session, the flood a
+call per request), five runs: p99 under the flood 1.11-1.59x alone against 2.05-2.72x with B a call per request.
+At concurrency 32 the gateway writes every stream's ready chunks in one message: `cotserve bench baseline` at stream
+interval 1, 9.3-10.6k tok/s against 6.5-7.3k a call per request (README: the isolation paragraph of "SLA classes,
+tenants, quotas and metrics", and "The model worker").
 
 The call's metadata authenticates every stream on it (one API key, one tenant per Session); each stream has its own
 deadline (its open's `timeout_ms`), its own span, and its end carries the status, message and trailers
