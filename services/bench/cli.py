@@ -362,6 +362,8 @@ def bench_slo_routing(
     slowed: str = typer.Option("flood", help="How the first worker is slowed: flood (streams sent straight to it, "
                                "not through the gateway) or max-seqs (--max-num-seqs 4: requests queue there)."),
     rounds: int = typer.Option(2, min=1, help="Rounds of the two routings, in alternating order (pooled in the report)."),
+    session: bool = typer.Option(True, help="The load's client sends its requests as streams of one Session call "
+                                 "(AsyncClient(multiplex=True)); --no-session: a GenerateStream call each."),
 ) -> None:
     """Routing by predicted TTFT against least-loaded routing, among three workers of which one is slowed."""
     from cotserve.bench.slo_routing import SLOWED, print_report, run
@@ -370,7 +372,7 @@ def bench_slo_routing(
         raise typer.BadParameter(f"{slowed!r}: must be one of {', '.join(SLOWED)}", param_hint="--slowed")
     console = wide_console()
     out = run(model, train_s, eval_s, load, seed, progress=lambda m: console.print(m, style="dim"), slowed=slowed,
-              rounds=rounds)
+              rounds=rounds, session=session)
     if not print_report(out, console):
         raise typer.Exit(1)
 

@@ -70,13 +70,15 @@ def flood(worker: str, streams: int, prompt_ids: list[int], stop, served) -> Non
     run_loop(main())
 
 
-async def drive(address: str, seconds: float, rate: float, prompts: list[str], seed: int) -> LoadResult:
-    """Poisson arrivals at `rate` requests/s, classes drawn by `SHARE`, prompts of mixed lengths."""
+async def drive(address: str, seconds: float, rate: float, prompts: list[str], seed: int,
+                multiplex: bool = True) -> LoadResult:
+    """Poisson arrivals at `rate` requests/s, classes drawn by `SHARE`, prompts of mixed lengths; each a stream of
+    one Session call (`multiplex`) or a call of its own."""
     rng = random.Random(seed)
     run = LoadResult(seconds)
     tasks = []
     classes, weights = list(SHARE), list(SHARE.values())
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, multiplex=multiplex) as client:
         start = next_at = time.perf_counter()
         while next_at < start + seconds:
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
@@ -90,7 +92,7 @@ async def drive(address: str, seconds: float, rate: float, prompts: list[str], s
 
 
 def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: int, progress, slowed: str = "flood",
-        rounds: int = 2) -> dict:
+        rounds: int = 2, session: bool = True) -> dict:
     from cotserve.bench.slo import CAPACITY_CONCURRENCY, capacity, predictor_child
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
@@ -125,7 +127,7 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
             out["capacity_rps"] = run_loop(capacity(gw.address, prompts[:1], concurrency=3 * CAPACITY_CONCURRENCY))
             rate = out["rate_rps"] = load * out["capacity_rps"]
             progress(f"capacity of the three: {out['capacity_rps']:.1f} INTERACTIVE-sized requests/s; recording {train_s:.0f} s at {rate:.0f} requests/s, least-loaded routing, for the latency model ...")
-            out["recorded"] = run_loop(drive(gw.address, train_s, rate, prompts, seed))
+            out["recorded"] = run_loop(drive(gw.address, train_s, rate, prompts, seed, session))
             time.sleep(2.5)  # the last observations reach the predictor
             if not train_latency(slo_addr, state, out):
                 return out
@@ -137,7 +139,7 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
                         progress(f"round {r + 1} of {rounds}: {eval_s:.0f} s at {rate:.0f} requests/s, routing: {name} ...")
                         flooded.mark()
                         began = time.time()
-                        result = run_loop(drive(gw.address, eval_s, rate, prompts, seed + 1 + r))
+                        result = run_loop(drive(gw.address, eval_s, rate, prompts, seed + 1 + r, session))
                         out.setdefault("spans", {}).setdefault(name, []).append((began * 1000, time.time() * 1000))
                         _pool(out, r, name, result, flooded.rate(), routed_by(metrics_port))
                         time.sleep(2.5)  # its last observations reach the predictor before it stops
