@@ -1,7 +1,8 @@
 """The gateway's `Session` (`gateway/session.py`) as the SDK uses it (`AsyncClient(multiplex=True)`): the answers are
 a GenerateStream call's to the token, each stream fails alone with the status (and trailers) its own call would have
-had, a cancel or a deadline reaches the worker, and a gateway without Session (an older build) is called per
-request. Real worker and gateway, in this process."""
+had, a cancel or a deadline reaches the worker, the call's API key is checked (and its tenant's classes) for every
+stream, and a gateway without Session (an older build) is called per request. Real worker and gateway, in this
+process."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 
 from cotserve.bench.relay import BareRelay
 from cotserve.gateway.v1 import gateway_pb2_grpc
-from cotserve.sdk import AsyncClient, DeadlineExceeded, InvalidArgument, ResourceExhausted
+from cotserve.gateway.tenants import add_key
+from cotserve.sdk import AsyncClient, DeadlineExceeded, InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated
 from cotserve.worker.v1 import worker_pb2_grpc
 from tests.gateway.test_multiplex import PROMPTS, wait_idle, worker_and_gateway
 
@@ -134,5 +136,27 @@ def test_a_gateway_without_session_is_called_per_request():
                     again = await streamed(client, "12+30=", max_new_tokens=8, ignore_eos=True, timeout_s=30)
                 assert [t for c in first for t in c.token_ids] == [t for c in again for t in c.token_ids]
                 assert len([t for c in first for t in c.token_ids]) == 8
+
+    asyncio.run(main())
+
+
+def test_a_session_is_one_tenant_and_its_key_is_checked_for_every_stream(tmp_path):
+    path = tmp_path / "tenants.toml"
+    key = add_key(path, "acme")  # INTERACTIVE and BATCH, no limits (no Redis)
+
+    async def main():
+        async with worker_and_gateway(max_num_seqs=8, tenants_file=path) as (_, gateway):
+            address = gateway.server.address
+            async with AsyncClient(address, multiplex=True, api_key="cs-not-a-key") as stranger:
+                with pytest.raises(Unauthenticated):
+                    await streamed(stranger, "1+1=", max_new_tokens=2)
+            async with AsyncClient(address, multiplex=True, api_key=key) as acme:
+                assert sum(len(c.token_ids) for c in await streamed(acme, "1+1=", max_new_tokens=3)) == 3
+                with pytest.raises(PermissionDenied):  # the tenant's classes hold for each stream
+                    await streamed(acme, "1+1=", max_new_tokens=2, sla="realtime")
+                with pytest.raises(Unauthenticated):  # another key for one request: a call of its own, with that key
+                    await streamed(acme, "1+1=", max_new_tokens=2, api_key="cs-someone-else")
+                assert sum(len(c.token_ids) for c in await streamed(acme, "2+2=", max_new_tokens=3)) == 3
+                assert len(gateway.servicer.mux_calls) == 1
 
     asyncio.run(main())
