@@ -95,9 +95,9 @@ async def _flood_loop(client: AsyncClient, stop: asyncio.Event, prompt: str, max
             await asyncio.sleep(0.1)
 
 
-async def flood(address: str, concurrency: int, multiplex: bool = False) -> None:
-    """Tenant A's flood as a process of its own (`python -m cotserve.bench.isolation ADDRESS CONCURRENCY
-    [session]`, its streams on one Session call with `session`, a call each without): it prints
+async def flood(address: str, concurrency: int) -> None:
+    """Tenant A's flood as a process of its own (`python -m cotserve.bench.isolation ADDRESS CONCURRENCY`), a call
+    per request (a neighbour as it comes): it prints
     "ready" once its streams run; a line "start" on stdin zeroes its token count, "stop" prints the count and ends.
     Apart from B's client, so that B's times are not the benchmark's own event loop relaying A's tokens (the two
     still share the machine's cores, as a real tenant's neighbours do)."""
@@ -108,7 +108,7 @@ async def flood(address: str, concurrency: int, multiplex: bool = False) -> None
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    async with AsyncClient(address, multiplex=multiplex) as client:
+    async with AsyncClient(address) as client:
         stop = asyncio.Event()
         tasks = [asyncio.create_task(_flood_loop(client, stop, flood_prompt, 96, tokens)) for _ in range(concurrency)]
         print("ready", flush=True)
@@ -130,13 +130,11 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def drive(address: str, *, duration_s: float, flood_concurrency: int, interactive_rps: float,
-                realtime_rps: float, seed: int = 0, pids: dict[str, int] | None = None, multiplex: bool = True,
-                flood_multiplex: bool = False) -> RunResult:
+                realtime_rps: float, seed: int = 0, pids: dict[str, int] | None = None, multiplex: bool = True) -> RunResult:
     """Tenant B's load for `duration_s` against `address`, with tenant A's flood (its own process) when
     `flood_concurrency` > 0: the seconds, B's records by class, A's tokens and the CPU seconds of each process in
     `pids` (and of the two clients) in B's window. With `multiplex` tenant B's client sends its requests as streams
-    of one Session call (`AsyncClient(multiplex=True)`), otherwise as a call each; the flood is a call per request
-    (a neighbour as it comes) unless `flood_multiplex`."""
+    of one Session call (`AsyncClient(multiplex=True)`), otherwise as a call each; the flood is a call per request."""
     import os
     import sys
 
@@ -146,8 +144,7 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
     proc = None
     if flood_concurrency:
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "cotserve.bench.isolation", address,
-                                                    str(flood_concurrency), *(["session"] if flood_multiplex else []),
-                                                    stdin=asyncio.subprocess.PIPE,
+                                                    str(flood_concurrency), stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE)
     try:
         if proc is not None:
@@ -237,4 +234,4 @@ def goals(alone: RunResult, on: RunResult, fifo: RunResult) -> list[str]:
 if __name__ == "__main__":
     import sys
 
-    run_loop(flood(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["session"]))
+    run_loop(flood(sys.argv[1], int(sys.argv[2])))

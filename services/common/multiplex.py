@@ -53,6 +53,14 @@ class MultiplexHost(Protocol):
     mux_calls: set
 
 
+def drain_calls(host: MultiplexHost) -> None:
+    """The server is stopping: `host`'s multiplexed calls refuse new streams (UNAVAILABLE) and end once the streams
+    they carry have."""
+    host.draining = True
+    for call in list(host.mux_calls):
+        call.drain()
+
+
 class MultiplexCall:
     """One multiplexed call: its open streams (a task each) and the chunks ready for its next message. `run(open)`
     is the handler of one stream's request: its responses, in order; an exception ends the stream with its status."""

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import RelayedError
 from cotserve.common.metrics import MetricsServer, serve_metrics
-from cotserve.common.multiplex import MultiplexCall
+from cotserve.common.multiplex import MultiplexCall, drain_calls
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.gateway.config import GatewayConfig
@@ -87,9 +87,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def drain(self) -> None:
         """The server is stopping: Session calls refuse new streams (UNAVAILABLE) and end once the streams they
         carry have."""
-        self.draining = True
-        for call in list(self.mux_calls):
-            call.drain()
+        drain_calls(self)
 
     async def GenerateStream(self, request: gateway_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         async for chunk in self.relay.counted(request, context):

@@ -161,7 +161,7 @@ class Client(_Base):
         self.close()
 
 
-def _session_kind(stub: gateway_pb2_grpc.GatewayServiceStub, metadata) -> ClientKind:
+def session_kind(stub: gateway_pb2_grpc.GatewayServiceStub, metadata) -> ClientKind:
     """The gateway's `Session` as the SDK calls it (the client's API key on the call), and a GenerateStream call
     where the gateway has none. The SDK records no spans (no span name); a stream's open carries the caller's own
     trace context, if it has one."""
@@ -191,7 +191,7 @@ class AsyncClient(_Base):
         creds = _credentials(tls, root_certificates, client_cert, client_key)
         self._channel = grpc.aio.secure_channel(address, creds) if creds is not None else grpc.aio.insecure_channel(address)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
-        self._session = (MultiplexClient(_session_kind(self._stub, self._call_opts(None, None)["metadata"]),
+        self._session = (MultiplexClient(session_kind(self._stub, self._call_opts(None, None)["metadata"]),
                                          address=f"gateway {address}") if multiplex else None)
 
     async def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None,

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import InvalidArgument, Unavailable
 from cotserve.common.metrics import MetricsServer, serve_metrics
-from cotserve.common.multiplex import MultiplexCall
+from cotserve.common.multiplex import MultiplexCall, drain_calls
 from cotserve.common.sampling import SlaClass
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.streams import coalesce
@@ -282,9 +282,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def drain(self) -> None:
         """The server is stopping: Multiplex calls refuse new streams (UNAVAILABLE, so the gateway sends them to
         another worker) and end once the streams they carry have."""
-        self.draining = True
-        for call in list(self.mux_calls):
-            call.drain()
+        drain_calls(self)
 
     async def Generate(self, request: worker_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext | None) -> AsyncIterator[worker_pb2.GenerateResponse]:
