@@ -323,7 +323,8 @@ def bench_slo(
                                             "drain); default 30, 25 with --quick."),
     seed: int = typer.Option(0, help="Seed of the first run's arrivals."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated BATCH rules to replay, off among them: off, off again, "
-                                           "all-or-nothing, proportional, pause (running BATCH paused on the worker); "
+                                           "no BATCH (the same load without its BATCH arrivals: the misses no BATCH rule can cut), all-or-nothing, "
+                                           "proportional, pause (running BATCH paused on the worker); "
                                            "default all of them, off and proportional with --quick."),
 ) -> None:
     """The SLO predictor on a real stack: forecast quality against a queue-depth baseline, then misses with and without acting on it."""

@@ -4,6 +4,7 @@ served model can take."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -38,6 +39,23 @@ def test_arrivals_per_tick_are_poisson_and_not_capped():
         assert statistics.mean(counts) == pytest.approx(mean, rel=0.05)
         assert statistics.variance(counts) == pytest.approx(mean, rel=0.1)
     assert max(poisson(rng, 30.0) for _ in range(100)) > 30
+
+
+def test_the_load_without_batch_sends_the_same_interactive_requests_and_no_batch():
+    """The replay without BATCH (the floor under any BATCH rule) must differ from off's in BATCH alone: the same
+    INTERACTIVE requests at the same ticks with the same prompts, over bursts and a surge."""
+    from cotserve.bench.slo import arrivals
+
+    short, long = ["s1", "s2", "s3"], ["L"]
+    full = list(arrivals(60.0, 200.0, short, long, seed=3, cycle_s=20.0))
+    bare = list(arrivals(60.0, 200.0, short, long, seed=3, cycle_s=20.0, batch=False))
+    assert [t for t, _ in full] == [t for t, _ in bare] == list(range(600))
+    assert [[a for a in sent if a[0] == SlaClass.INTERACTIVE] for _, sent in full] == [sent for _, sent in bare]
+    n_batch = sum(cls == SlaClass.BATCH for _, sent in full for cls, _ in sent)
+    n_inter = sum(len(sent) for _, sent in bare)
+    assert n_batch > 1000 and n_inter > 2000  # both classes present (about 0.25 and 0.5 x 200 a second over the cycle)
+    assert any(p == "L" for _, sent in bare for _, p in sent)  # the surge's long prompts are INTERACTIVE's
+    assert all(p in short for _, sent in full for cls, p in sent if cls == SlaClass.BATCH)
 
 
 def test_served_share_compares_replays_of_different_sizes():
@@ -139,7 +157,7 @@ def test_a_rule_is_judged_worse_beyond_noise_only_by_more_than_off_differed_from
     def replays(off, again, rule):
         return {"off": _replay(off[0], 100, 50.0, 1000, off[1]), "off again": _replay(again[0], 100, 50.0, 1000, again[1]),
                 "all-or-nothing": _replay(rule[0], 100, 50.0, 1000, rule[1]), "proportional": _replay(rule[0], 100, 50.0, 1000, rule[1]),
-                "pause": _replay(rule[0], 100, 50.0, 1000, rule[1])}
+                "pause": _replay(rule[0], 100, 50.0, 1000, rule[1]), "no BATCH": _replay(0, 100, 50.0, 1000)}
 
     runs = [
         _run(0, replays((10, 1900), (14, 1950), (12, 1940))),  # worse than off, but less than off differed from itself
@@ -157,6 +175,33 @@ def test_a_rule_is_judged_worse_beyond_noise_only_by_more_than_off_differed_from
     assert "NOT met: proportional: never worse than off (misses and p99 TTFT): worse on 2 of 3 seeds, by more than " \
            "off's own run-to-run gap on 1" in text
     assert "off again: never worse" not in text  # the second off run is the yardstick, not a rule
+
+
+def test_the_replay_without_batch_bounds_what_a_batch_rule_can_cut_and_is_not_judged_as_a_rule():
+    from rich.console import Console
+
+    from cotserve.bench.slo import FULL, NO_BATCH, outcomes
+    from cotserve.bench.slo_report import most_cut, print_report, rules
+
+    def replays(off, bare, rule):
+        out = {v: _replay(rule, 100, 50.0, 1000) for v in FULL.variants}
+        out["off"], out["off again"], out[NO_BATCH] = _replay(off, 100, 50.0, 1000), _replay(off, 100, 50.0, 1000), _replay(bare, 100, 50.0, 1000)
+        return out
+
+    runs = [_run(0, replays(20, 18, 2)),   # INTERACTIVE's own misses: 2 of 20 were BATCH's, a 10% cut at most
+            _run(2, replays(10, 1, 1)),    # BATCH's: up to a 90% cut
+            _run(4, replays(0, 0, 0))]     # nothing missed: nothing to cut
+    per_seed = [outcomes(r) for r in runs]
+    assert [round(most_cut(s), 2) for s in per_seed[:2]] == [0.1, 0.9] and math.isnan(most_cut(per_seed[2]))
+    assert NO_BATCH not in rules(FULL) and NO_BATCH in FULL.variants
+    console = Console(record=True, width=400)
+    assert print_report(runs, FULL, console)
+    text = " ".join(console.export_text().split())
+    assert ("INTERACTIVE misses against off's, and the most of off's misses a BATCH rule could cut: 18.0% vs 20.0%: 10%, "
+            "1.0% vs 10.0%: 90%, 0.0% vs 0.0%: n/a") in text
+    assert ("met: all-or-nothing: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens on 2 of them "
+            "(within a BATCH rule's reach, no BATCH missing <= 20% of off's misses, on 1)") in text
+    assert "no BATCH: never worse" not in text
 
 
 def test_report_without_a_trained_seed_says_why_and_fails():
@@ -181,4 +226,4 @@ def test_bench_slo_refuses_variants_without_off_or_unknown_naming_the_allowed_on
     result = CliRunner().invoke(app, ["bench", "slo", "--variants", given])
     assert result.exit_code == 2
     text = " ".join(result.output.replace("│", " ").split())
-    assert "give off and any of off, off again, all-or-nothing, proportional, pause" in text
+    assert "give off and any of off, off again, no BATCH, all-or-nothing, proportional, pause" in text
