@@ -254,12 +254,14 @@ class Mode:
     replay_s: float
     cycle_s: float
     variants: tuple[str, ...]
-    capacity_s: float = 8.0  # the closed-loop capacity measurement before the recording (before the replays: twice this)
+    capacity_s: float = 8.0  # the closed-loop capacity measurement before the recording
+    replay_capacity_s: float = 16.0  # the one before the replays (their shared load: longer, so that it moves less)
 
 
 FULL = Mode(600.0, 120.0, 30.0, tuple(ADMISSION_VARIANTS))  # 30 s cycles: up to 20 violation onsets a recording (360 s
 # recordings gave 14 over 3 seeds, neighbouring cycles' violations running together, short of the 20 the evaluation needs)
-QUICK = Mode(100.0, 20.0, 25.0, ("off", "proportional"), capacity_s=5.0)  # under 3 minutes on 2 cores: four cycles
+QUICK = Mode(100.0, 20.0, 25.0, ("off", "proportional"), capacity_s=5.0, replay_capacity_s=5.0)  # under 3 minutes on 2
+# cores (183-186 s with a 10 s measurement before the replays and a 2 s wait before off's: 449330b): four cycles
 # recorded (the forecaster needs 120 labelled seconds of the first 70%: 75 s gave 87), replays up to the burst's end
 # (100 s of 30 s cycles and 30 s replays took 191-218 s, and put the only surge in the held-out stretch: TTFT MAPE 215%
 # on prompts the latency model had never seen)
@@ -277,7 +279,7 @@ def predictor_child(address: str, state: Path):
 def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
     """One seed: record `mode.duration_s` of load, train and evaluate on it, then replay `mode.replay_s` of the same
     load's shape (seed + 1) under each admission variant, each against a fresh gateway, all at one load: scaled to
-    the capacity measured just before the replays (twice `capacity_s`, through a gateway the predictor does not see).
+    the capacity measured just before the replays (`replay_capacity_s`, through a gateway the predictor does not see).
     Not the recording's measurement: on these shared cores the stack's speed drifts over the tens of minutes a seed
     takes (two replays without admission 15 and 17 minutes after it missed INTERACTIVE's target in 20.8% and 42.2% of
     requests). Nor one measurement per replay, as 0a27313 did: back-to-back 8 s measurements differed by up to 30%
@@ -310,11 +312,12 @@ def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
             if not _train(slo_addr, state, out):
                 return out
         with running([gateway_child(None)]) as (plain,):  # unseen by the predictor: no forecast moves
-            replay_cap = out["replay_capacity_rps"] = run_loop(capacity(plain.address, short, 2 * mode.capacity_s))
+            replay_cap = out["replay_capacity_rps"] = run_loop(capacity(plain.address, short, mode.replay_capacity_s))
         with running([slo_child()]):  # loads the models just saved
             for name in mode.variants:
                 with running([gateway_child(ADMISSION_VARIANTS[name])]) as (gw,):
-                    time.sleep(2)  # the gateway's first forecasts (it asks every second)
+                    if ADMISSION_VARIANTS[name] != _OFF:
+                        time.sleep(2)  # the gateway's first forecasts (it asks every second), for a rule to act on
                     progress(f"seed {seed}: replaying {mode.replay_s:.0f} s of bursty load at {replay_cap:.1f} requests/s "
                              f"of capacity, BATCH admission {name} ...")
                     out["replays"][name] = run_loop(drive(gw.address, mode.replay_s, replay_cap, short, long, seed + 1,
