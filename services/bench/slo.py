@@ -260,8 +260,8 @@ class Mode:
 
 FULL = Mode(600.0, 120.0, 30.0, tuple(ADMISSION_VARIANTS))  # 30 s cycles: up to 20 violation onsets a recording (360 s
 # recordings gave 14 over 3 seeds, neighbouring cycles' violations running together, short of the 20 the evaluation needs)
-QUICK = Mode(100.0, 20.0, 25.0, ("off", "proportional"), capacity_s=5.0, replay_capacity_s=5.0)  # under 3 minutes on 2
-# cores (183-186 s with a 10 s measurement before the replays and a 2 s wait before off's: 449330b): four cycles
+QUICK = Mode(100.0, 20.0, 25.0, ("off", "proportional"), capacity_s=4.0, replay_capacity_s=4.0)  # under 3 minutes on 2
+# cores (177-179 s with 5 s measurements; 183-186 s with 10 s before the replays and a 2 s wait before off's): four cycles
 # recorded (the forecaster needs 120 labelled seconds of the first 70%: 75 s gave 87), replays up to the burst's end
 # (100 s of 30 s cycles and 30 s replays took 191-218 s, and put the only surge in the held-out stretch: TTFT MAPE 215%
 # on prompts the latency model had never seen)
