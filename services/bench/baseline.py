@@ -218,7 +218,7 @@ async def ttft_direct_relay_gateway(gateway: str, relay: str, worker: str, promp
     both ends: a stream of the worker's Multiplex call against a stream of the gateway's Session."""
     import grpc
 
-    from cotserve.bench.throughput import first_mux_token_ms, first_token_ms
+    from cotserve.bench.throughput import first_token_ms, mux_messages
     from cotserve.common.multiplex_client import MultiplexClient
     from cotserve.common.v1 import common_pb2
     from cotserve.gateway.multiplex import worker_kind
@@ -240,8 +240,8 @@ async def ttft_direct_relay_gateway(gateway: str, relay: str, worker: str, promp
                  lambda: first_token_ms(rstub.GenerateStream(request)),
                  lambda: first_token_ms(gstub.GenerateStream(request)),
                  lambda: first_token_ms(pstub.GenerateStream(request)),
-                 lambda: first_mux_token_ms(worker_mux, wrequest),
-                 lambda: first_mux_token_ms(session, request))
+                 lambda: first_token_ms(mux_messages(worker_mux, wrequest)),
+                 lambda: first_token_ms(mux_messages(session, request)))
         for _ in range(5):  # warm every path (connections, caches)
             for path in paths:
                 await path()

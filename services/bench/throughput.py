@@ -7,7 +7,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable
+from typing import AsyncIterable, AsyncIterator
 
 from cotserve.common.stats import percentile
 from cotserve.sdk import AsyncClient
@@ -39,15 +39,13 @@ async def first_token_ms(stream: AsyncIterable) -> float:
     return ((first or time.perf_counter()) - start) * 1000
 
 
-async def first_mux_token_ms(client, request) -> float:
-    """`first_token_ms` for a request opened as a stream of a multiplexed call (`common/multiplex_client`)."""
-    start = time.perf_counter()
+async def mux_messages(client, request) -> AsyncIterator[list]:
+    """`request` opened as a stream of a multiplexed call (`common/multiplex_client`) when first read, its messages as
+    they come; the stream closed however the reading ends. For `first_token_ms`, whose clock then counts the open."""
     stream = await client.open(request, None)
     try:
-        first = None
-        while await stream.pending() is not None:
-            first = first or time.perf_counter()
-        return ((first or time.perf_counter()) - start) * 1000
+        while (batch := await stream.pending()) is not None:
+            yield batch
     finally:
         stream.close()
 
