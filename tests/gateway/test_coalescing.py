@@ -64,7 +64,7 @@ def test_a_slow_reader_of_the_worker_gets_every_token_in_order_in_fewer_chunks(d
 
 def test_a_stream_interval_sends_tokens_in_groups_on_both_hops_from_the_first_token_on(demo_worker):
     """`--stream-interval 8`: a reader that keeps up still gets the tokens 8 or more to a message through the
-    gateway (the worker holds them; the gateway passes them through), the first one alone and at once; the
+    gateway (the worker holds them; the gateway passes them through), the first not held back; the
     tokens, texts and logprobs are those of a worker that writes every token."""
     from tests.conftest import start_gateway, start_worker, stop_process
 
@@ -89,9 +89,9 @@ def test_a_stream_interval_sends_tokens_in_groups_on_both_hops_from_the_first_to
     assert [lp for c in chunks for lp in c.logprobs] == pytest.approx([lp for c in every for lp in c.logprobs], abs=1e-4)
     assert "".join(c.text for c in chunks) == "".join(c.text for c in every)
     sizes = [len(c.token_ids) for c in chunks]
-    # the first write is not held back for the interval: it carries what the engine produced before the stream's
-    # task ran (one token on an idle machine, a few under load); test_a_held_stream_... checks the rule exactly
-    assert sizes[0] < 8, sizes
+    # the first write is not held back for the interval, but it carries what the engine produced before the
+    # stream's task ran: one token on an idle machine, 9 on a loaded CI machine, so its size is not checked here;
+    # test_a_held_stream_... checks the rule exactly
     # the second message: the stream's phase (1..8 tokens: streams' writes are spread over the steps); the
     # others 8 or more to a message, but where the reasoning part ends (one write, two chunks) and at the end
     assert sum(1 for n in sizes[2:] if n < 8) <= 3, sizes
@@ -113,7 +113,8 @@ def test_batch_streams_go_out_eight_tokens_at_a_time_by_default(demo_worker):
     assert [t for c in batch for t in c.token_ids] == [t for c in interactive for t in c.token_ids]
     assert "".join(c.text for c in batch) == "".join(c.text for c in interactive)
     sizes = [len(c.token_ids) for c in batch]
-    assert sizes[0] < 8 and sum(1 for n in sizes[2:] if n < 8) <= 3 and len(batch) <= 4 + (NEW_TOKENS - 1) // 8, sizes
+    # (the first message's size depends on the machine's load, as in the test above)
+    assert sum(1 for n in sizes[2:] if n < 8) <= 3 and len(batch) <= 4 + (NEW_TOKENS - 1) // 8, sizes
 
 
 @pytest.mark.parametrize("phase", range(1, 9))
