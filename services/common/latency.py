@@ -32,7 +32,10 @@ CLASS_INDEX = {pb: i for i, pb in enumerate(SLA_PB.values())}
 # first-order estimate of the wait that the trees refine (they cannot form a product from two splits). A
 # worker's seats (the most sequences it runs at once) turn counts into how full it is: four of this gateway's
 # requests in flight fill a worker of four seats and not one of 32 (`in_flight_per_seat`; `busy_per_seat`
-# from its own running and waiting, every client's).
+# from its own running and waiting, every client's). What no count shows: a worker stalled right now (a long step,
+# another client's burst, a process starved of its core), which the requests sent in the next 100 ms all pay for;
+# `oldest_wait_ms` (how long the oldest of this gateway's requests without a first token has waited) and `silent_ms`
+# (how long since it last read anything from the worker while it has requests there) see it as it happens.
 #
 # The TTFT models predict TTFT as a multiple of `estimate_ms` (the last feature), not in milliseconds: a queueing
 # estimate of the wait (`ttft_estimate_ms`). Trees predict a constant per leaf: fit to milliseconds they cannot
@@ -43,7 +46,8 @@ LATENCY_FEATURES = ("prompt_tokens", "max_new_tokens", "is_realtime", "is_intera
                     "w_in_flight", "w_queue", "w_waiting", "w_kv_used", "w_arrivals", "w_tokens_per_s",
                     "w_utilization", "w_ttft_p50", "w_itl_p50", "waiting_ahead", "prefill_tokens_ahead",
                     "prefill_tokens_to_first", "w_running", "w_step_ms", "w_gen_tokens_per_s", "steps_ahead_ms",
-                    "w_seats", "in_flight_per_seat", "busy_per_seat", "w_first_tokens", "queued_ahead", "estimate_ms")
+                    "w_seats", "in_flight_per_seat", "busy_per_seat", "w_first_tokens", "queued_ahead", "oldest_wait_ms",
+                    "silent_ms", "estimate_ms")
 ESTIMATE = len(LATENCY_FEATURES) - 1  # the row's `estimate_ms`
 TTFT_TARGET = "TTFT / estimate_ms"
 """What the TTFT models predict (the saved model and `GetLatencyModel` name it; a gateway or predictor of another
@@ -73,7 +77,7 @@ def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, sta
             state.worker_running, state.worker_step_ms, state.worker_tokens_per_s,
             state.worker_step_ms * (1 + state.waiting_for_first_token + state.worker_waiting),
             seats, state.in_flight * per_seat, (state.worker_running + state.worker_waiting) * per_seat,
-            state.first_tokens, state.queued_ahead,
+            state.first_tokens, state.queued_ahead, state.oldest_wait_ms, state.silent_ms,
             ttft_estimate_ms(state.worker_step_ms, state.waiting_for_first_token, state.queued_ahead, state.first_tokens)]
 
 

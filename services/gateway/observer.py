@@ -57,8 +57,11 @@ class AttemptObserver:
         w = self.worker
         per_byte = self.slo.tokens_per_byte_of(self.model) if self.slo is not None else DEFAULT_TOKENS_PER_BYTE
         self.prefill_tokens = max(1, round(self.prompt_bytes * per_byte))
+        if not w.in_flight:  # silence counts from here, not from the last request before an idle spell
+            w.last_heard = self.sent_at
         w.in_flight += 1
         w.waiting_for_first_token += 1
+        w.waiting_since[self] = self.sent_at
         w.prefill_tokens_ahead += self.prefill_tokens
         if self.slo is not None:
             self.slo.arrival(self.model, self.worker.address, self.sla)
@@ -75,6 +78,7 @@ class AttemptObserver:
 
     def chunk(self, chunk: worker_pb2.GenerateResponse, out: gateway_pb2.GenerateStreamResponse, now: float) -> None:
         """A chunk read at `now` and its client form `out` (the last chunk's usage and timing are filled in here)."""
+        self.worker.last_heard = now
         if chunk.index == 0:  # inter-token latency of one sample (the others arrive in the same steps)
             if self.first_at is not None:
                 self._tokens(max(1, len(chunk.token_ids)), now)
@@ -103,6 +107,7 @@ class AttemptObserver:
         """The request no longer waits for its first token (it has it, or the attempt ended without)."""
         if self.prefill_tokens:
             self.worker.waiting_for_first_token -= 1
+            self.worker.waiting_since.pop(self, None)
             self.worker.prefill_tokens_ahead -= self.prefill_tokens
             self.prefill_tokens = 0
 

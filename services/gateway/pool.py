@@ -62,6 +62,9 @@ class WorkerHandle:
     in_flight: int = 0  # requests this gateway has open on the worker
     waiting_for_first_token: int = 0  # of those, the ones without a first token yet
     prefill_tokens_ahead: int = 0  # their prompt tokens (estimated): prefill work a new request waits behind
+    waiting_since: dict = field(default_factory=dict)  # those attempts (their observers) -> when each was sent
+    # (monotonic s), oldest first: how long the oldest has waited is a stall that no poll has reported yet
+    last_heard: float = 0.0  # monotonic s of the last chunk read from the worker, or of a send to it with nothing in flight
     failed_polls: int = 0  # polls in a row that failed
     admission: Admission = field(default_factory=Admission)
     streams: WorkerStreams | None = None  # its Multiplex call (None: a Generate call per request)

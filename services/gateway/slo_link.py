@@ -53,11 +53,18 @@ def counts_now(worker, sla: SlaClass) -> slo_pb2.MetricsWindow:
     """What this gateway counts on `worker` now for a new request of `sla`, in the fields a latency prediction's
     candidate carries them: its requests in flight and queued there, the queue ahead of `sla`, and the requests sent
     without a first token yet with their prompt tokens. The one place both the routing rows and the request
-    observations the latency model learns from take them, so the two cannot drift apart."""
+    observations the latency model learns from take them, so the two cannot drift apart. With them, how long the
+    oldest of those has waited and how long the worker has been silent (nothing read from it while this gateway has
+    requests there): a worker stalled by a long step, another client's load or a starved process shows in these
+    before any window or Stats poll reports it."""
+    now = time.monotonic()
+    oldest = next(iter(worker.waiting_since.values()), None)
     return slo_pb2.MetricsWindow(in_flight=worker.in_flight, queue_depth=queued(worker),
                                  queued_ahead=worker.admission.queued_ahead(sla),
                                  waiting_for_first_token=worker.waiting_for_first_token,
-                                 prefill_tokens_ahead=worker.prefill_tokens_ahead)
+                                 prefill_tokens_ahead=worker.prefill_tokens_ahead,
+                                 oldest_wait_ms=(now - oldest) * 1000 if oldest is not None else 0.0,
+                                 silent_ms=(now - worker.last_heard) * 1000 if worker.in_flight else 0.0)
 
 
 @dataclass(slots=True)
@@ -195,7 +202,8 @@ class SloLink:
             max_new_tokens=max_new_tokens, completion_tokens=completion_tokens, ttft_ms=ttft_ms, tpot_ms=tpot_ms,
             in_flight_at_start=at_start.in_flight, queued_at_start=at_start.queue_depth,
             waiting_for_first_token_at_start=at_start.waiting_for_first_token,
-            prefill_tokens_ahead_at_start=at_start.prefill_tokens_ahead, queued_ahead_at_start=at_start.queued_ahead))
+            prefill_tokens_ahead_at_start=at_start.prefill_tokens_ahead, queued_ahead_at_start=at_start.queued_ahead,
+            oldest_wait_ms_at_start=at_start.oldest_wait_ms, silent_ms_at_start=at_start.silent_ms))
 
     def roll(self, start_unix_ms: int) -> list[slo_pb2.MetricsWindow]:
         """Close the second that began at `start_unix_ms`: one window per (model, healthy worker, class)."""
@@ -445,6 +453,7 @@ class SloLink:
         now = counts_now(w, sla)  # assigned field by field: MergeFrom would keep the window's count where now's is 0
         window.in_flight, window.queue_depth, window.queued_ahead = now.in_flight, now.queue_depth, now.queued_ahead
         window.waiting_for_first_token, window.prefill_tokens_ahead = now.waiting_for_first_token, now.prefill_tokens_ahead
+        window.oldest_wait_ms, window.silent_ms = now.oldest_wait_ms, now.silent_ms
         return window
 
     async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):

@@ -144,7 +144,7 @@ def test_gateway_carries_on_when_the_predictor_is_down():
 
 def handle(address: str, window: slo_pb2.MetricsWindow):
     return SimpleNamespace(address=address, in_flight=window.in_flight, waiting_for_first_token=0, prefill_tokens_ahead=0,
-                           stats=None, info=None,
+                           waiting_since={}, last_heard=time.monotonic(), stats=None, info=None,
                            admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth},
                                                      queued_ahead=lambda cls: window.queue_depth))
 
@@ -405,12 +405,55 @@ def test_each_request_reports_its_place_in_the_prefill_line_and_the_line_empties
             assert later, "all four were sent after the one before had its first token"
             # prompt tokens ahead are estimated from bytes (64 bytes at 0.25 tokens a byte before any request finished)
             assert all(r.prefill_tokens_ahead_at_start == 16 * r.waiting_for_first_token_at_start for r in later)
+            # and how long the oldest of those had waited (none waiting: 0); the worker was in the middle of them
+            assert obs[0].oldest_wait_ms_at_start == 0 and all(r.oldest_wait_ms_at_start > 0 for r in later)
         finally:
             await gateway.stop()
             await worker.stop()
             await slo.stop()
 
     asyncio.run(main())
+
+
+def test_the_counts_say_how_long_the_oldest_request_has_waited_and_how_long_the_worker_has_been_silent():
+    """`counts_now` (what routing rows and request observations carry): the age of the oldest request sent to the
+    worker without a first token, and the time since anything was read from the worker while requests are in
+    flight there; a send to an idle worker starts the silence, a first token moves the oldest on, and an idle
+    worker is neither waited on nor silent."""
+    from opentelemetry.trace import INVALID_SPAN
+
+    from cotserve.gateway.metrics import GatewayMetrics
+    from cotserve.gateway.observer import AttemptObserver
+    from cotserve.gateway.pool import WorkerHandle, WorkerPool
+    from cotserve.gateway.slo_link import counts_now
+    from cotserve.worker.v1 import worker_pb2
+
+    worker = WorkerHandle("w", None, None)
+    worker.last_heard = time.monotonic() - 60  # a minute-old chunk of an earlier request: not a silence now
+    metrics = GatewayMetrics(WorkerPool([]))
+    I = SlaClass.INTERACTIVE
+
+    def attempt() -> AttemptObserver:
+        a = AttemptObserver(metrics, None, INVALID_SPAN, "m", I, worker, time.monotonic(), 64, 16)
+        a.sent(0.0)
+        return a
+
+    first = attempt()
+    time.sleep(0.2)
+    second = attempt()
+    time.sleep(0.1)
+    now = counts_now(worker, I)
+    assert now.waiting_for_first_token == 2 and 300 <= now.oldest_wait_ms < 1000 and 300 <= now.silent_ms < 1000
+    first.chunk(worker_pb2.GenerateResponse(token_ids=[1]), None, time.monotonic())  # its first token
+    now = counts_now(worker, I)
+    assert now.waiting_for_first_token == 1 and 100 <= now.oldest_wait_ms < 300 and now.silent_ms < 100
+    second.chunk(worker_pb2.GenerateResponse(token_ids=[1]), None, time.monotonic())
+    time.sleep(0.15)
+    now = counts_now(worker, I)
+    assert (now.waiting_for_first_token, now.oldest_wait_ms) == (0, 0.0) and 150 <= now.silent_ms < 1000
+    first.done()
+    second.done()
+    assert (counts_now(worker, I).oldest_wait_ms, counts_now(worker, I).silent_ms) == (0.0, 0.0) and not worker.waiting_since
 
 
 def test_a_request_that_queued_in_the_gateway_reports_the_state_its_worker_was_chosen_in():
