@@ -3,10 +3,18 @@
 - REALTIME is never queued here: it goes straight to the worker, whose scheduler lets it in at
   the next step.
 - INTERACTIVE has an in-flight limit that follows its inter-token latency target. Every Stats
-  poll, with enough recent samples, `limit = clamp(round(target_ms / p95_ms * limit), 2, 32)`:
+  poll, with enough recent samples, `limit = clamp(round(target_ms / p95_ms * limit), 2, ceiling)`:
   multiplicative in both directions, so it converges in a few polls when load changes, and it
   reacts to the latency users see (measured here, per token) rather than to a proxy. Chosen over
-  AIMD because the additive increase would take tens of polls to climb from 2 to 32.
+  AIMD because the additive increase would take tens of polls to climb from 2 to the ceiling.
+  The ceiling is twice the worker's seats (its `max_num_seqs`; 32 until its Info says): a full
+  batch running and one waiting in the worker, whose scheduler refills a finished sequence's seat
+  in the same step, where a request queued here waits for the stream's end to reach the gateway
+  first. A fixed 32 held a worker of 64 seats to half of them while its inter-token p95 was 5-8 ms
+  against a 100 ms target: open-loop INTERACTIVE alone at 0.8 of the capacity measured through the
+  gateway missed its TTFT target in 31-55% of requests (the gateway's queue full, some turned away),
+  with a ceiling of 128 in none (`/tmp` driver of `bench slo`'s load functions, 15 s steady runs, four
+  pairs alternated; without admission at all, none either).
 - BATCH is admitted only while the worker has spare KV blocks and no urgent work waiting (there
   or in this gateway's INTERACTIVE queue), up to a large limit (128 by default), restarted slowly after urgent
   work queued here: its in-flight ceiling drops to `batch_restart_limit` (8) the moment an INTERACTIVE request has
@@ -39,13 +47,17 @@ class QueueDeadlineExceeded(Exception):
     """The request's deadline passed while it waited in the gateway; it never reached a worker."""
 
 
+INTERACTIVE_CEILING_PER_SEAT = 2  # INTERACTIVE in flight per seat of the worker at most (by default): a batch waiting
+UNKNOWN_SEATS_CEILING = 32  # INTERACTIVE's default ceiling while the worker's seats are unknown
+
+
 @dataclass(slots=True)
 class AdmissionConfig:
     enabled: bool = True  # False: every request goes straight to its worker (a benchmark baseline)
     targets: dict[SlaClass, SlaTarget] = field(default_factory=sla_targets)
     interactive_initial_limit: int = 8
     interactive_min_limit: int = 2
-    interactive_max_limit: int = 32
+    interactive_max_limit: int = 0  # INTERACTIVE's ceiling; 0: `INTERACTIVE_CEILING_PER_SEAT` x the worker's seats
     batch_limit: int = 128
     batch_restart_limit: int = 8  # BATCH's in-flight ceiling once INTERACTIVE queued here (doubles every quiet poll)
     batch_min_free_kv_fraction: float = 0.1
@@ -61,6 +73,7 @@ class WorkerLoad:
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
     num_waiting_urgent: int = 0
+    seats: int = 0  # the most sequences the worker runs at once (its Info's max_num_seqs; 0: not known yet)
 
 
 class Admission:
@@ -156,6 +169,14 @@ class Admission:
             self.limit[SlaClass.BATCH] = min(cfg.batch_limit, max(1, 2 * self.limit[SlaClass.BATCH]))
         self._restrained = bool(self.queues[SlaClass.INTERACTIVE])  # still queued: the next poll is not a quiet one either
 
+    def interactive_ceiling(self) -> int:
+        """The most INTERACTIVE requests in flight on the worker however low its inter-token latency: the configured
+        `interactive_max_limit`, else `INTERACTIVE_CEILING_PER_SEAT` x its seats (`UNKNOWN_SEATS_CEILING` until known)."""
+        if self.config.interactive_max_limit:
+            return self.config.interactive_max_limit
+        seats = self.load.seats
+        return INTERACTIVE_CEILING_PER_SEAT * seats if seats else UNKNOWN_SEATS_CEILING
+
     def queued_ahead(self, cls: SlaClass) -> int:
         """Requests queued here that a new request of `cls` would wait behind: its own class's queue and, for BATCH,
         INTERACTIVE's too (BATCH starts only while no INTERACTIVE waits); REALTIME is never queued."""
@@ -193,5 +214,5 @@ class Admission:
             target = cfg.targets[SlaClass.INTERACTIVE].itl_p95_ms
             current = self.limit[SlaClass.INTERACTIVE]
             wanted = round(target / p95 * current)
-            self.limit[SlaClass.INTERACTIVE] = min(cfg.interactive_max_limit, max(cfg.interactive_min_limit, wanted))
+            self.limit[SlaClass.INTERACTIVE] = min(self.interactive_ceiling(), max(cfg.interactive_min_limit, wanted))
         self.pump()

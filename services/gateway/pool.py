@@ -203,7 +203,8 @@ class WorkerPool:
             log.info("worker %s in rotation: %s rev %s", w.address, w.info.model_name, w.info.model_revision)
         w.healthy = True
         s = w.stats
-        w.admission.on_stats(WorkerLoad(s.kv_blocks_free, s.kv_blocks_free + s.kv_blocks_used, s.num_waiting_urgent_seqs))
+        w.admission.on_stats(WorkerLoad(s.kv_blocks_free, s.kv_blocks_free + s.kv_blocks_used, s.num_waiting_urgent_seqs,
+                                        w.info.max_num_seqs if w.info is not None else 0))
 
     def mark_down(self, w: WorkerHandle) -> None:
         """Called when a request saw the worker fail; the next good poll brings it back."""

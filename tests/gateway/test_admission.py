@@ -196,6 +196,18 @@ def test_interactive_limit_follows_the_itl_target(p95, start, expected):
     assert a.limit[I] == expected
 
 
+@pytest.mark.parametrize("seats,configured,expected", [(64, 0, 128), (4, 0, 8), (0, 0, 32), (64, 40, 40)])
+def test_interactive_limit_climbs_to_twice_the_workers_seats_unless_configured(seats, configured, expected):
+    """Far under its ITL target, INTERACTIVE may fill the worker's seats and a batch waiting there (a fixed 32 held a
+    64-seat worker to half its seats); 32 while the worker's seats are unknown; `interactive_max_limit` when set."""
+    a = make(interactive_initial_limit=8, interactive_max_limit=configured)
+    for _ in range(3):  # x10 a poll
+        for _ in range(40):
+            a.observe_itl(I, 10.0)
+        a.on_stats(WorkerLoad(90, 100, 0, seats))
+    assert a.limit[I] == expected and a.interactive_ceiling() == expected
+
+
 def test_too_few_samples_leave_the_limit_alone():
     a = make(interactive_initial_limit=8)
     for _ in range(5):
