@@ -117,7 +117,9 @@ class LoadResult:
 
 async def _batch(client: AsyncClient, prompt: str, rec: RequestRecord, result: LoadResult, give_up_at: float) -> None:
     """A BATCH request as a well-behaved client sends it: deferred (RESOURCE_EXHAUSTED), it waits
-    the `retry-after-ms` the gateway sent (with jitter) and tries again, until `give_up_at`."""
+    the `retry-after-ms` the gateway sent (with jitter) and tries again, until `give_up_at`: a retry that would
+    come after it is not made (a full queue's retry-after can be minutes: waiting it out held a replay's end 20
+    minutes past its last arrival)."""
     start = time.perf_counter()
     while True:
         retry_after_ms = None
@@ -133,12 +135,13 @@ async def _batch(client: AsyncClient, prompt: str, rec: RequestRecord, result: L
             return
         if retry_after_ms is None:
             return
-        if time.perf_counter() > give_up_at:
+        wait_s = retry_after_ms / 1000 * random.uniform(0.5, 1.5)
+        if time.perf_counter() + wait_s > give_up_at:
             rec.error = "RESOURCE_EXHAUSTED"
             return
         result.deferrals += 1
         rec.tokens = 0
-        await asyncio.sleep(retry_after_ms / 1000 * random.uniform(0.5, 1.5))
+        await asyncio.sleep(wait_s)
 
 
 CAPACITY_CONCURRENCY = 64  # the worker's default --max-num-seqs: a full batch, so the rate is the saturated one

@@ -227,3 +227,32 @@ def test_bench_slo_refuses_variants_without_off_or_unknown_naming_the_allowed_on
     assert result.exit_code == 2
     text = " ".join(result.output.replace("│", " ").split())
     assert "give off and any of off, off again, no BATCH, all-or-nothing, proportional, pause" in text
+
+
+def test_a_batch_request_gives_up_at_once_when_the_retry_after_would_end_past_its_deadline():
+    """A deferred BATCH request waits the gateway's retry-after and tries again, but not when that wait would end
+    after `give_up_at`: it gives up then (a full queue's retry-after can be minutes, which held a replay's end 20
+    minutes past its last arrival). A gateway stand-in that defers every try: with 0.2 s to go a 50 ms retry-after
+    is waited out (more than one try), a 10-minute one is not (one try, no wait)."""
+    import time
+
+    import grpc
+
+    from cotserve.bench.slo import _batch
+    from cotserve.sdk import ResourceExhausted
+
+    class Deferring:
+        def __init__(self, retry_after_ms: int) -> None:
+            self.retry_after_ms, self.tries = retry_after_ms, 0
+
+        async def stream(self, *args, **kwargs):
+            self.tries += 1
+            raise ResourceExhausted(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", self.retry_after_ms)
+            yield  # an async generator, as the client's stream is
+
+    for retry_after_ms, more_than_one in ((50, True), (600_000, False)):
+        client, rec, result = Deferring(retry_after_ms), RequestRecord(), LoadResult(1.0)
+        started = time.perf_counter()
+        asyncio.run(_batch(client, "p", rec, result, started + 0.2))
+        assert rec.error == "RESOURCE_EXHAUSTED" and rec.ttft_ms is None and time.perf_counter() - started < 1.0
+        assert (client.tries > 1) == more_than_one and result.deferrals == client.tries - 1
