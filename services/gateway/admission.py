@@ -12,9 +12,10 @@
   in the same step, where a request queued here waits for the stream's end to reach the gateway
   first. A fixed 32 held a worker of 64 seats to half of them while its inter-token p95 was 5-8 ms
   against a 100 ms target: open-loop INTERACTIVE alone at 0.8 of the capacity measured through the
-  gateway missed its TTFT target in 31-55% of requests (the gateway's queue full, some turned away),
-  with a ceiling of 128 in none (`/tmp` driver of `bench slo`'s load functions, 15 s steady runs, four
-  pairs alternated; without admission at all, none either).
+  gateway missed its TTFT target in 28-55% of requests (the gateway's queue full, some turned away),
+  with a ceiling of 128 in none (`/tmp` driver of `bench slo`'s load functions, 15 s steady runs
+  alternated with the other gateways on one worker: six runs with 32, two with 128; without admission
+  at all, none in four).
 - BATCH is admitted only while the worker has spare KV blocks and no urgent work waiting (there
   or in this gateway's INTERACTIVE queue), up to a large limit (128 by default), restarted slowly after urgent
   work queued here: its in-flight ceiling drops to `batch_restart_limit` (8) the moment an INTERACTIVE request has
