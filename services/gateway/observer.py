@@ -60,7 +60,6 @@ class AttemptObserver:
         if not w.in_flight:  # silence counts from here, not from the last request before an idle spell
             w.last_heard = self.sent_at
         w.in_flight += 1
-        w.waiting_for_first_token += 1
         w.waiting_since[self] = self.sent_at
         w.prefill_tokens_ahead += self.prefill_tokens
         if self.slo is not None:
@@ -106,7 +105,6 @@ class AttemptObserver:
     def _prefilled(self) -> None:
         """The request no longer waits for its first token (it has it, or the attempt ended without)."""
         if self.prefill_tokens:
-            self.worker.waiting_for_first_token -= 1
             self.worker.waiting_since.pop(self, None)
             self.worker.prefill_tokens_ahead -= self.prefill_tokens
             self.prefill_tokens = 0

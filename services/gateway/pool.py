@@ -60,14 +60,19 @@ class WorkerHandle:
     stats: worker_pb2.StatsResponse | None = None
     healthy: bool = False
     in_flight: int = 0  # requests this gateway has open on the worker
-    waiting_for_first_token: int = 0  # of those, the ones without a first token yet
-    prefill_tokens_ahead: int = 0  # their prompt tokens (estimated): prefill work a new request waits behind
-    waiting_since: dict = field(default_factory=dict)  # those attempts (their observers) -> when each was sent
-    # (monotonic s), oldest first: how long the oldest has waited is a stall that no poll has reported yet
+    prefill_tokens_ahead: int = 0  # their prompt tokens (estimated) of those without a first token yet: prefill work
+    # a new request waits behind
+    waiting_since: dict = field(default_factory=dict)  # the attempts without a first token yet (their observers) ->
+    # when each was sent (monotonic s), oldest first: how long the oldest has waited is a stall no poll has reported yet
     last_heard: float = 0.0  # monotonic s of the last chunk read from the worker, or of a send to it with nothing in flight
     failed_polls: int = 0  # polls in a row that failed
     admission: Admission = field(default_factory=Admission)
     streams: WorkerStreams | None = None  # its Multiplex call (None: a Generate call per request)
+
+    @property
+    def waiting_for_first_token(self) -> int:
+        """Requests this gateway has open on the worker that have no first token yet."""
+        return len(self.waiting_since)
 
     async def open_stream(self, request: worker_pb2.GenerateRequest, timeout_s: float | None) -> MuxStream | CallStream:
         """Start `request` on this worker (a stream of its Multiplex call, or a call of its own); read the answer
