@@ -35,7 +35,9 @@ CLASS_INDEX = {pb: i for i, pb in enumerate(SLA_PB.values())}
 # from its own running and waiting, every client's). What no count shows: a worker stalled right now (a long step,
 # another client's burst, a process starved of its core), which the requests sent in the next 100 ms all pay for;
 # `oldest_wait_ms` (how long the oldest of this gateway's requests without a first token has waited) and `silent_ms`
-# (how long since it last read anything from the worker while it has requests there) see it as it happens.
+# (how long since it last read anything from the worker while it has requests there) see it as it happens. And
+# when this gateway's requests fill the worker's seats, a new one waits for a seat: `seat_wait_tokens`, the decode
+# tokens left of the one whose end frees it (the gateway's `seat_wait_tokens`), which no count of requests shows.
 #
 # The TTFT models predict TTFT as a multiple of `estimate_ms` (the last feature), not in milliseconds: a queueing
 # estimate of the wait (`ttft_estimate_ms`). Trees predict a constant per leaf: fit to milliseconds they cannot
@@ -47,7 +49,7 @@ LATENCY_FEATURES = ("prompt_tokens", "max_new_tokens", "is_realtime", "is_intera
                     "w_utilization", "w_ttft_p50", "w_itl_p50", "waiting_ahead", "prefill_tokens_ahead",
                     "prefill_tokens_to_first", "w_running", "w_step_ms", "w_gen_tokens_per_s", "steps_ahead_ms",
                     "w_seats", "in_flight_per_seat", "busy_per_seat", "w_first_tokens", "queued_ahead", "oldest_wait_ms",
-                    "silent_ms", "estimate_ms")
+                    "silent_ms", "seat_wait_tokens", "estimate_ms")
 ESTIMATE = len(LATENCY_FEATURES) - 1  # the row's `estimate_ms`
 TTFT_TARGET = "TTFT / estimate_ms"
 """What the TTFT models predict (the saved model and `GetLatencyModel` name it; a gateway or predictor of another
@@ -77,7 +79,7 @@ def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, sta
             state.worker_running, state.worker_step_ms, state.worker_tokens_per_s,
             state.worker_step_ms * (1 + state.waiting_for_first_token + state.worker_waiting),
             seats, state.in_flight * per_seat, (state.worker_running + state.worker_waiting) * per_seat,
-            state.first_tokens, state.queued_ahead, state.oldest_wait_ms, state.silent_ms,
+            state.first_tokens, state.queued_ahead, state.oldest_wait_ms, state.silent_ms, state.seat_wait_tokens,
             ttft_estimate_ms(state.worker_step_ms, state.waiting_for_first_token, state.queued_ahead, state.first_tokens)]
 
 

@@ -49,6 +49,7 @@ class AttemptObserver:
         self.sent_at = self.last_at = 0.0
         self.prefill_tokens = 0  # this request's prompt tokens (estimated) while it waits for its first token
         self.first_at: float | None = None
+        self.received = 0  # tokens read of its first sample: with max_new_tokens, how long it may hold its seat
         self.reasons: dict[int, str] = {}  # each sample's finish reason
 
     def sent(self, gateway_queue_ms: float) -> None:
@@ -59,7 +60,7 @@ class AttemptObserver:
         self.prefill_tokens = max(1, round(self.prompt_bytes * per_byte))
         if not w.in_flight:  # silence counts from here, not from the last request before an idle spell
             w.last_heard = self.sent_at
-        w.in_flight += 1
+        w.attempts[self] = None
         w.waiting_since[self] = self.sent_at
         w.prefill_tokens_ahead += self.prefill_tokens
         if self.slo is not None:
@@ -69,7 +70,7 @@ class AttemptObserver:
 
     def done(self) -> None:
         """The attempt is over, however it ended: the worker's slot and admission are given back."""
-        self.worker.in_flight -= 1
+        self.worker.attempts.pop(self, None)
         self._prefilled()
         if self.slo is not None:
             self.slo.done(self.model, self.worker.address, self.sla)
@@ -79,6 +80,7 @@ class AttemptObserver:
         """A chunk read at `now` and its client form `out` (the last chunk's usage and timing are filled in here)."""
         self.worker.last_heard = now
         if chunk.index == 0:  # inter-token latency of one sample (the others arrive in the same steps)
+            self.received += len(chunk.token_ids)
             if self.first_at is not None:
                 self._tokens(max(1, len(chunk.token_ids)), now)
             self.last_at = now

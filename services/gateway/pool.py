@@ -59,7 +59,8 @@ class WorkerHandle:
     info: worker_pb2.InfoResponse | None = None
     stats: worker_pb2.StatsResponse | None = None
     healthy: bool = False
-    in_flight: int = 0  # requests this gateway has open on the worker
+    attempts: dict = field(default_factory=dict)  # the requests this gateway has open on the worker (their attempts'
+    # observers, oldest first; values unused): who holds its seats, and how many decode tokens each has left
     prefill_tokens_ahead: int = 0  # their prompt tokens (estimated) of those without a first token yet: prefill work
     # a new request waits behind
     waiting_since: dict = field(default_factory=dict)  # the attempts without a first token yet (their observers) ->
@@ -68,6 +69,11 @@ class WorkerHandle:
     failed_polls: int = 0  # polls in a row that failed
     admission: Admission = field(default_factory=Admission)
     streams: WorkerStreams | None = None  # its Multiplex call (None: a Generate call per request)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests this gateway has open on the worker."""
+        return len(self.attempts)
 
     @property
     def waiting_for_first_token(self) -> int:

@@ -49,6 +49,29 @@ def queued(worker) -> int:
     return sum(len(q) for q in worker.admission.queues.values())
 
 
+def seat_wait_tokens(worker, sla: SlaClass) -> float:
+    """Decode tokens left before a batch seat frees on `worker` for a new request of `sla`: the seat line is this
+    gateway's requests there of classes at least as urgent (the worker gives a less urgent one's seat to a more urgent
+    arrival); when it fills the worker's seats with k to spare counting the new request, the new one waits for the
+    k-th of them to finish, and this is that one's tokens left to its max_new_tokens, fewest first among those with a
+    first token (a running request's length is known in advance up to an early stop). 0 with a seat free or the
+    seats unknown. One seat per request (samples of one request are not counted apart).
+
+    Offline, on two 300 s recordings of bench slo's load, held-out TTFT MAPE 32.4 -> 27.3% and 31.2 -> 23.6% (medium
+    load 44.8 -> 35.3%, 47.2 -> 31.1%): at medium load a request either finds a seat (tens of ms) or waits on the
+    decode of those holding them (a second), and no count of requests tells which; the same count of requests
+    ahead meant waits from 0 to the longest decode."""
+    seats = worker.info.max_num_seqs if worker.info is not None else 0
+    if not seats or len(worker.attempts) < seats:
+        return 0.0
+    line = [a for a in worker.attempts if a.sla <= sla]
+    k = len(line) + 1 - seats
+    if k <= 0:
+        return 0.0
+    left = sorted(max(a.max_new_tokens - a.received, 0) for a in line if a.first_at is not None)
+    return float(left[min(k, len(left)) - 1]) if left else 0.0
+
+
 def counts_now(worker, sla: SlaClass) -> slo_pb2.MetricsWindow:
     """What this gateway counts on `worker` now for a new request of `sla`, in the fields a latency prediction's
     candidate carries them: its requests in flight and queued there, the queue ahead of `sla`, and the requests sent
@@ -56,7 +79,7 @@ def counts_now(worker, sla: SlaClass) -> slo_pb2.MetricsWindow:
     observations the latency model learns from take them, so the two cannot drift apart. With them, how long the
     oldest of those has waited and how long the worker has been silent (nothing read from it while this gateway has
     requests there): a worker stalled by a long step, another client's load or a starved process shows in these
-    before any window or Stats poll reports it."""
+    before any window or Stats poll reports it. And the decode tokens before a seat frees for it (`seat_wait_tokens`)."""
     now = time.monotonic()
     oldest = next(iter(worker.waiting_since.values()), None)
     return slo_pb2.MetricsWindow(in_flight=worker.in_flight, queue_depth=queued(worker),
@@ -64,7 +87,8 @@ def counts_now(worker, sla: SlaClass) -> slo_pb2.MetricsWindow:
                                  waiting_for_first_token=worker.waiting_for_first_token,
                                  prefill_tokens_ahead=worker.prefill_tokens_ahead,
                                  oldest_wait_ms=(now - oldest) * 1000 if oldest is not None else 0.0,
-                                 silent_ms=(now - worker.last_heard) * 1000 if worker.in_flight else 0.0)
+                                 silent_ms=(now - worker.last_heard) * 1000 if worker.in_flight else 0.0,
+                                 seat_wait_tokens=seat_wait_tokens(worker, sla))
 
 
 @dataclass(slots=True)
@@ -203,7 +227,8 @@ class SloLink:
             in_flight_at_start=at_start.in_flight, queued_at_start=at_start.queue_depth,
             waiting_for_first_token_at_start=at_start.waiting_for_first_token,
             prefill_tokens_ahead_at_start=at_start.prefill_tokens_ahead, queued_ahead_at_start=at_start.queued_ahead,
-            oldest_wait_ms_at_start=at_start.oldest_wait_ms, silent_ms_at_start=at_start.silent_ms))
+            oldest_wait_ms_at_start=at_start.oldest_wait_ms, silent_ms_at_start=at_start.silent_ms,
+            seat_wait_tokens_at_start=at_start.seat_wait_tokens))
 
     def roll(self, start_unix_ms: int) -> list[slo_pb2.MetricsWindow]:
         """Close the second that began at `start_unix_ms`: one window per (model, healthy worker, class)."""
@@ -454,6 +479,7 @@ class SloLink:
         window.in_flight, window.queue_depth, window.queued_ahead = now.in_flight, now.queue_depth, now.queued_ahead
         window.waiting_for_first_token, window.prefill_tokens_ahead = now.waiting_for_first_token, now.prefill_tokens_ahead
         window.oldest_wait_ms, window.silent_ms = now.oldest_wait_ms, now.silent_ms
+        window.seat_wait_tokens = now.seat_wait_tokens
         return window
 
     async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):

@@ -94,6 +94,7 @@ def latency_data(windows, requests) -> tuple[np.ndarray, np.ndarray, np.ndarray,
         state.waiting_for_first_token, state.prefill_tokens_ahead = r.waiting_for_first_token_at_start, r.prefill_tokens_ahead_at_start
         state.queued_ahead = r.queued_ahead_at_start
         state.oldest_wait_ms, state.silent_ms = r.oldest_wait_ms_at_start, r.silent_ms_at_start
+        state.seat_wait_tokens = r.seat_wait_tokens_at_start
         X.append(latency_row(r.prompt_tokens, r.max_new_tokens, r.sla_class, state))
         ttft.append(math.log1p(r.ttft_ms))
         tpot.append(math.log1p(r.tpot_ms) if r.completion_tokens > 1 and r.tpot_ms > 0 else math.nan)

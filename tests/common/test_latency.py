@@ -66,13 +66,13 @@ def test_models_it_cannot_evaluate_are_refused_by_name():
 def test_a_row_is_the_window_with_the_requests_place_in_line_and_the_workers_own_load():
     w = slo_pb2.MetricsWindow(in_flight=3, worker_waiting=2, waiting_for_first_token=4, prefill_tokens_ahead=100,
                               worker_running=20, worker_step_ms=5.0, worker_tokens_per_s=4000.0, worker_max_num_seqs=4,
-                              oldest_wait_ms=120.0, silent_ms=45.0)
+                              oldest_wait_ms=120.0, silent_ms=45.0, seat_wait_tokens=13.0)
     row = dict(zip(LATENCY_FEATURES, latency_row(50, 16, common_pb2.SLA_CLASS_REALTIME, w)))
     assert len(row) == len(LATENCY_FEATURES)
     assert (row["is_realtime"], row["is_interactive"], row["prompt_tokens"], row["max_new_tokens"]) == (1, 0, 50, 16)
     assert row["prefill_tokens_to_first"] == 150 and row["w_running"] == 20 and row["w_gen_tokens_per_s"] == 4000
     assert row["steps_ahead_ms"] == 5.0 * (1 + 4 + 2)
-    assert (row["oldest_wait_ms"], row["silent_ms"]) == (120.0, 45.0)
+    assert (row["oldest_wait_ms"], row["silent_ms"], row["seat_wait_tokens"]) == (120.0, 45.0, 13.0)
     assert (row["w_seats"], row["in_flight_per_seat"], row["busy_per_seat"]) == (4, 0.75, 5.5)
     w.worker_max_num_seqs = 0  # seats unknown (a worker not yet asked for its Info): no per-seat signal, not a division by 0
     row = dict(zip(LATENCY_FEATURES, latency_row(50, 16, common_pb2.SLA_CLASS_REALTIME, w)))

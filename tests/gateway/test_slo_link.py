@@ -456,6 +456,84 @@ def test_the_counts_say_how_long_the_oldest_request_has_waited_and_how_long_the_
     assert (counts_now(worker, I).oldest_wait_ms, counts_now(worker, I).silent_ms) == (0.0, 0.0) and not worker.waiting_since
 
 
+def test_a_new_request_waits_on_the_decode_left_of_whoever_frees_its_seat():
+    """`seat_wait_tokens` (routing rows and request observations carry it): when this gateway's requests fill the
+    worker's seats, a new one waits for the k-th of its seat line to finish (k beyond the seats, counting itself), and
+    this is that one's tokens left to its max_new_tokens, fewest first among those with a first token; a less urgent
+    class is not in a more urgent one's line (it gives up its seat); a free seat or unknown seats: 0. The attempts
+    are real AttemptObservers fed real chunks."""
+    from opentelemetry.trace import INVALID_SPAN
+
+    from cotserve.gateway.metrics import GatewayMetrics
+    from cotserve.gateway.observer import AttemptObserver
+    from cotserve.gateway.pool import WorkerHandle, WorkerPool
+    from cotserve.gateway.slo_link import counts_now, seat_wait_tokens
+    from cotserve.worker.v1 import worker_pb2
+
+    worker = WorkerHandle("w", None, None, info=worker_pb2.InfoResponse(max_num_seqs=2))
+    metrics = GatewayMetrics(WorkerPool([]))
+    I, B = SlaClass.INTERACTIVE, SlaClass.BATCH
+
+    def attempt(sla: SlaClass, max_new: int, tokens: list[int]) -> AttemptObserver:
+        a = AttemptObserver(metrics, None, INVALID_SPAN, "m", sla, worker, time.monotonic(), 64, max_new)
+        a.sent(0.0)
+        for n in tokens:  # chunks of the first sample: n tokens each
+            a.chunk(worker_pb2.GenerateResponse(token_ids=list(range(n))), None, time.monotonic())
+        return a
+
+    one = attempt(I, 16, [1, 9])  # 10 read, 6 left
+    assert seat_wait_tokens(worker, I) == 0  # a seat is free
+    two = attempt(I, 16, [3])  # 13 left
+    assert worker.in_flight == 2 and seat_wait_tokens(worker, I) == 6 and counts_now(worker, I).seat_wait_tokens == 6
+    three = attempt(I, 16, [])  # no first token: holds a place in line, frees nothing it can be asked about
+    assert seat_wait_tokens(worker, I) == 13  # behind one more: the second to finish
+    batch = attempt(B, 32, [1])  # 31 left
+    assert seat_wait_tokens(worker, I) == 13  # BATCH gives INTERACTIVE its seat: not in its line
+    assert seat_wait_tokens(worker, B) == 31  # BATCH waits behind everyone: the third to finish of 6, 13, 31
+    one.chunk(worker_pb2.GenerateResponse(token_ids=[1, 2, 3, 4]), None, time.monotonic())  # 2 left
+    assert seat_wait_tokens(worker, B) == 31 and seat_wait_tokens(worker, I) == 13
+    two.done()
+    assert worker.in_flight == 3 and seat_wait_tokens(worker, I) == 2  # one ahead beyond the seats: the soonest
+    worker.info = None  # seats unknown
+    assert seat_wait_tokens(worker, I) == 0
+    for a in (one, three, batch):
+        a.done()
+    assert worker.in_flight == 0 and not worker.attempts and not worker.waiting_since
+
+
+def test_a_request_sent_when_the_seats_are_taken_reports_the_decode_it_waits_on():
+    """A real gateway and a two-seat worker: two long requests take the seats; one sent once both stream reports
+    tokens left of theirs (between 1 and their 192), and the two before it report none (seats were free)."""
+    async def main():
+        slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=2))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address))
+        try:
+            async with AsyncClient(gateway.server.address) as client:
+                started = int(time.time() * 1000)
+                streams = [client.stream("12+34-5=" * 8, max_new_tokens=192, ignore_eos=True, sla="interactive")
+                           for _ in range(2)]
+                firsts = [await s.__anext__() for s in streams]  # both have a first token: they hold the seats
+                assert all(f.token_ids for f in firsts)
+                await client.generate("1+1=", max_new_tokens=2, sla="interactive")
+                for s in streams:
+                    async for _ in s:
+                        pass
+                await asyncio.sleep(2.5)  # reported with the next window
+                async with grpc.aio.insecure_channel(slo.server.address) as ch:
+                    exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000))
+            obs = {r.max_new_tokens: [] for r in exported.requests}
+            for r in exported.requests:
+                obs[r.max_new_tokens].append(r.seat_wait_tokens_at_start)
+            assert obs[192] == [0, 0] and len(obs[2]) == 1 and 1 <= obs[2][0] < 192
+        finally:
+            await gateway.stop()
+            await worker.stop()
+            await slo.stop()
+
+    asyncio.run(main())
+
+
 def test_a_request_that_queued_in_the_gateway_reports_the_state_its_worker_was_chosen_in():
     """The latency model learns from what a routing decision sees: the counts when the gateway chose the worker, not
     when the request left the gateway's queue (by then the requests it waited behind had finished, and the wait was in

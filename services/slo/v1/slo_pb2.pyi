@@ -86,6 +86,7 @@ class MetricsWindow(_message.Message):
     QUEUED_AHEAD_FIELD_NUMBER: _builtins.int
     OLDEST_WAIT_MS_FIELD_NUMBER: _builtins.int
     SILENT_MS_FIELD_NUMBER: _builtins.int
+    SEAT_WAIT_TOKENS_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
     """Window start, Unix milliseconds."""
     model: _builtins.str
@@ -161,6 +162,13 @@ class MetricsWindow(_message.Message):
     """In a latency prediction's candidate: how long since this gateway last read anything from the worker for any of
     its requests, ms, while it has requests in flight there (0: none in flight; reported windows leave it 0).
     """
+    seat_wait_tokens: _builtins.float
+    """In a latency prediction's candidate, for a request of the candidate's class: decode tokens left before a batch
+    seat frees for it. Counted over this gateway's requests in flight on the worker of classes at least as urgent
+    (a less urgent one gives up its seat): when they fill the worker's seats (max_num_seqs) it waits for the k-th of
+    them to finish, k the ones beyond the seats counting itself, and this is that one's tokens left to its
+    max_new_tokens, fewest first among those with a first token (0: a seat is free; reported windows leave it 0).
+    """
     def __init__(
         self,
         *,
@@ -196,10 +204,11 @@ class MetricsWindow(_message.Message):
         queued_ahead: _builtins.int = ...,
         oldest_wait_ms: _builtins.float = ...,
         silent_ms: _builtins.float = ...,
+        seat_wait_tokens: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "oldest_wait_ms", b"oldest_wait_ms", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "prefill_tokens_ahead", b"prefill_tokens_ahead", "queue_depth", b"queue_depth", "queued_ahead", b"queued_ahead", "silent_ms", b"silent_ms", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "waiting_for_first_token", b"waiting_for_first_token", "worker", b"worker", "worker_max_num_seqs", b"worker_max_num_seqs", "worker_running", b"worker_running", "worker_step_ms", b"worker_step_ms", "worker_tokens_per_s", b"worker_tokens_per_s", "worker_waiting", b"worker_waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "oldest_wait_ms", b"oldest_wait_ms", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "prefill_tokens_ahead", b"prefill_tokens_ahead", "queue_depth", b"queue_depth", "queued_ahead", b"queued_ahead", "seat_wait_tokens", b"seat_wait_tokens", "silent_ms", b"silent_ms", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "waiting_for_first_token", b"waiting_for_first_token", "worker", b"worker", "worker_max_num_seqs", b"worker_max_num_seqs", "worker_running", b"worker_running", "worker_step_ms", b"worker_step_ms", "worker_tokens_per_s", b"worker_tokens_per_s", "worker_waiting", b"worker_waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -227,6 +236,7 @@ class RequestObservation(_message.Message):
     QUEUED_AHEAD_AT_START_FIELD_NUMBER: _builtins.int
     OLDEST_WAIT_MS_AT_START_FIELD_NUMBER: _builtins.int
     SILENT_MS_AT_START_FIELD_NUMBER: _builtins.int
+    SEAT_WAIT_TOKENS_AT_START_FIELD_NUMBER: _builtins.int
     start_unix_ms: _builtins.int
     """When the gateway chose the worker for it (after any hold), Unix milliseconds: the moment the *_at_start counts
     describe, as a routing decision sees them.
@@ -265,6 +275,8 @@ class RequestObservation(_message.Message):
     """How long the oldest of the requests counted in waiting_for_first_token_at_start had waited then, ms."""
     silent_ms_at_start: _builtins.float
     """How long since the gateway had last read anything from the worker then, ms (0: nothing in flight there)."""
+    seat_wait_tokens_at_start: _builtins.float
+    """The decode tokens left before a batch seat freed for it then (MetricsWindow.seat_wait_tokens)."""
     def __init__(
         self,
         *,
@@ -284,10 +296,11 @@ class RequestObservation(_message.Message):
         queued_ahead_at_start: _builtins.int = ...,
         oldest_wait_ms_at_start: _builtins.float = ...,
         silent_ms_at_start: _builtins.float = ...,
+        seat_wait_tokens_at_start: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "in_flight_at_start", b"in_flight_at_start", "max_new_tokens", b"max_new_tokens", "model", b"model", "oldest_wait_ms_at_start", b"oldest_wait_ms_at_start", "prefill_tokens_ahead_at_start", b"prefill_tokens_ahead_at_start", "prompt_tokens", b"prompt_tokens", "queued_ahead_at_start", b"queued_ahead_at_start", "queued_at_start", b"queued_at_start", "silent_ms_at_start", b"silent_ms_at_start", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "waiting_for_first_token_at_start", b"waiting_for_first_token_at_start", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "in_flight_at_start", b"in_flight_at_start", "max_new_tokens", b"max_new_tokens", "model", b"model", "oldest_wait_ms_at_start", b"oldest_wait_ms_at_start", "prefill_tokens_ahead_at_start", b"prefill_tokens_ahead_at_start", "prompt_tokens", b"prompt_tokens", "queued_ahead_at_start", b"queued_ahead_at_start", "queued_at_start", b"queued_at_start", "seat_wait_tokens_at_start", b"seat_wait_tokens_at_start", "silent_ms_at_start", b"silent_ms_at_start", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "tpot_ms", b"tpot_ms", "ttft_ms", b"ttft_ms", "waiting_for_first_token_at_start", b"waiting_for_first_token_at_start", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
