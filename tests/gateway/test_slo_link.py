@@ -9,6 +9,7 @@ predictor is down or slow, nothing fails."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
@@ -383,23 +384,40 @@ def test_a_forecast_that_holds_batch_also_restrains_the_workers_batch_ceiling():
     assert asyncio.run(main()) == [64, 64, 4, 64]
 
 
+@contextlib.asynccontextmanager
+async def reporting_stack(max_num_seqs: int):
+    """A predictor (no retraining), a worker of `max_num_seqs` seats and a gateway reporting to the predictor; yields
+    (gateway, exported): `await exported(since_ms)` waits for the next window's report and gives the request
+    observations the predictor has from `since_ms` on."""
+    slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
+    worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=max_num_seqs))
+    gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address))
+
+    async def exported(since_ms: int) -> list:
+        await asyncio.sleep(2.5)  # reported with the next window
+        async with grpc.aio.insecure_channel(slo.server.address) as ch:
+            answer = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=since_ms))
+        return list(answer.requests)
+
+    try:
+        yield gateway, exported
+    finally:
+        await gateway.stop()
+        await worker.stop()
+        await slo.stop()
+
+
 def test_each_request_reports_its_place_in_the_prefill_line_and_the_line_empties():
     """Requests sent together: each observation carries the requests (and their prompt tokens) that the gateway had
     sent the worker before it without a first token yet; when they are done the worker's line is empty again."""
     async def main():
-        slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
-        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address))
-        try:
+        async with reporting_stack(8) as (gateway, exported):
             async with AsyncClient(gateway.server.address) as client:
                 started = int(time.time() * 1000)
                 await asyncio.gather(*(client.generate("12+34-5=" * 8, max_new_tokens=4, sla="interactive") for _ in range(4)))
                 (handle,) = gateway.pool.workers
                 assert handle.waiting_for_first_token == 0 and handle.prefill_tokens_ahead == 0 and handle.in_flight == 0
-                await asyncio.sleep(2.5)  # reported with the next window
-                async with grpc.aio.insecure_channel(slo.server.address) as ch:
-                    exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000))
-            obs = sorted(exported.requests, key=lambda r: r.waiting_for_first_token_at_start)
+            obs = sorted(await exported(started - 1000), key=lambda r: r.waiting_for_first_token_at_start)
             assert len(obs) == 4 and obs[0].waiting_for_first_token_at_start == 0 and obs[0].prefill_tokens_ahead_at_start == 0
             later = [r for r in obs if r.waiting_for_first_token_at_start > 0]
             assert later, "all four were sent after the one before had its first token"
@@ -407,10 +425,6 @@ def test_each_request_reports_its_place_in_the_prefill_line_and_the_line_empties
             assert all(r.prefill_tokens_ahead_at_start == 16 * r.waiting_for_first_token_at_start for r in later)
             # and how long the oldest of those had waited (none waiting: 0); the worker was in the middle of them
             assert obs[0].oldest_wait_ms_at_start == 0 and all(r.oldest_wait_ms_at_start > 0 for r in later)
-        finally:
-            await gateway.stop()
-            await worker.stop()
-            await slo.stop()
 
     asyncio.run(main())
 
@@ -505,10 +519,7 @@ def test_a_request_sent_when_the_seats_are_taken_reports_the_decode_it_waits_on(
     """A real gateway and a two-seat worker: two long requests take the seats; one sent once both stream reports
     tokens left of theirs (between 1 and their 192), and the two before it report none (seats were free)."""
     async def main():
-        slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
-        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=2))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address))
-        try:
+        async with reporting_stack(2) as (gateway, exported):
             async with AsyncClient(gateway.server.address) as client:
                 started = int(time.time() * 1000)
                 streams = [client.stream("12+34-5=" * 8, max_new_tokens=192, ignore_eos=True, sla="interactive")
@@ -519,17 +530,10 @@ def test_a_request_sent_when_the_seats_are_taken_reports_the_decode_it_waits_on(
                 for s in streams:
                     async for _ in s:
                         pass
-                await asyncio.sleep(2.5)  # reported with the next window
-                async with grpc.aio.insecure_channel(slo.server.address) as ch:
-                    exported = await slo_pb2_grpc.SloServiceStub(ch).ExportWindows(slo_pb2.ExportWindowsRequest(since_unix_ms=started - 1000))
-            obs = {r.max_new_tokens: [] for r in exported.requests}
-            for r in exported.requests:
-                obs[r.max_new_tokens].append(r.seat_wait_tokens_at_start)
+            obs: dict[int, list[float]] = {}
+            for r in await exported(started - 1000):
+                obs.setdefault(r.max_new_tokens, []).append(r.seat_wait_tokens_at_start)
             assert obs[192] == [0, 0] and len(obs[2]) == 1 and 1 <= obs[2][0] < 192
-        finally:
-            await gateway.stop()
-            await worker.stop()
-            await slo.stop()
 
     asyncio.run(main())
 
