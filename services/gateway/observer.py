@@ -32,14 +32,14 @@ def to_client_chunk(chunk: worker_pb2.GenerateResponse) -> gateway_pb2.GenerateS
 class AttemptObserver:
     """One attempt of one request at one worker, from the moment it is sent (`start` is the request's arrival at the
     gateway, monotonic seconds; `held_s` how long of it the SLO predictor's BATCH hold kept the request before it
-    was routed)."""
+    was routed; `samples` how many batch seats it takes on the worker: its samples)."""
 
     def __init__(self, metrics: GatewayMetrics, slo: SloLink | None, span: Span, model: str, sla: SlaClass,
                  worker: WorkerHandle, start: float, prompt_bytes: int, max_new_tokens: int,
-                 held_s: float = 0.0) -> None:
+                 held_s: float = 0.0, samples: int = 1) -> None:
         self.m, self.slo, self.span = metrics, slo, span
         self.model, self.sla, self.worker, self.start, self.held_s = model, sla, worker, start, held_s
-        self.prompt_bytes, self.max_new_tokens = prompt_bytes, max_new_tokens
+        self.prompt_bytes, self.max_new_tokens, self.samples = prompt_bytes, max_new_tokens, samples
         self.ttft_h, self.itl_h = metrics.ttft.labels(model, sla.name), metrics.itl.labels(model, sla.name)
         # What the latency model learns from: the worker's state as the gateway saw it when it chose this worker
         # (what it predicts from when it routes), not when the request left its admission queue (by then the

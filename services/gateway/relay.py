@@ -45,6 +45,13 @@ class Call(Protocol):
     def time_remaining(self) -> float | None: ...
 
 
+def samples_of(request: worker_pb2.GenerateRequest) -> int:
+    """The most samples `request` may run at once: self-consistency's max_samples, else n (at least 1)."""
+    if request.reasoning.HasField("self_consistency"):
+        return max(1, request.reasoning.self_consistency.max_samples)
+    return max(1, request.sampling.n)
+
+
 def prompt_text(request) -> str:
     """What a request's prompt says: its text, or its chat messages' contents (what quotas and the SLO predictor
     count before the worker renders and tokenizes them)."""
@@ -161,8 +168,7 @@ class Relay:
             # Reserved on the prompt as sent: the pre-processor has not run yet (the refund settles on actual use).
             sp = wreq.sampling
             max_new = max_new_tokens_of(sp)
-            samples = wreq.reasoning.self_consistency.max_samples if wreq.reasoning.HasField("self_consistency") else (sp.n or 1)
-            grant = await self.quota.admit(tenant, token_reservation(prompt_text(wreq), max_new * samples))
+            grant = await self.quota.admit(tenant, token_reservation(prompt_text(wreq), max_new * samples_of(wreq)))
         renewer = asyncio.create_task(self._renew_lease(grant)) if grant is not None and grant.lease_id else None
         # With a post-processor the client sees only its output: token ids, logprobs and the worker's own
         # reasoning/answer split would give the rewritten text back, unless the tenant may have raw tokens.
@@ -270,7 +276,7 @@ class Relay:
             worker = await self._pick(model, sla, tried, prompt_bytes, max_new, call, span)
             tried.add(worker)
             observer = AttemptObserver(self.metrics, self.slo, span, model, sla, worker, start, prompt_bytes, max_new,
-                                       held_ms / 1000)
+                                       held_ms / 1000, samples_of(wreq))
             observer.sent(await self._admit(worker, sla, call))
             try:
                 async with aclosing(self._attempt(worker, wreq, observer, call)) as relay:

@@ -474,8 +474,8 @@ def test_a_new_request_waits_on_the_decode_left_of_whoever_frees_its_seat():
     """`seat_wait_tokens` (routing rows and request observations carry it): when this gateway's requests fill the
     worker's seats, a new one waits for the k-th of its seat line to finish (k beyond the seats, counting itself), and
     this is that one's tokens left to its max_new_tokens, fewest first among those with a first token; a less urgent
-    class is not in a more urgent one's line (it gives up its seat); a free seat or unknown seats: 0. The attempts
-    are real AttemptObservers fed real chunks."""
+    class is not in a more urgent one's line (it gives up its seat); a request of several samples holds a seat for
+    each; a free seat or unknown seats: 0. The attempts are real AttemptObservers fed real chunks."""
     from opentelemetry.trace import INVALID_SPAN
 
     from cotserve.gateway.metrics import GatewayMetrics
@@ -488,8 +488,8 @@ def test_a_new_request_waits_on_the_decode_left_of_whoever_frees_its_seat():
     metrics = GatewayMetrics(WorkerPool([]))
     I, B = SlaClass.INTERACTIVE, SlaClass.BATCH
 
-    def attempt(sla: SlaClass, max_new: int, tokens: list[int]) -> AttemptObserver:
-        a = AttemptObserver(metrics, None, INVALID_SPAN, "m", sla, worker, time.monotonic(), 64, max_new)
+    def attempt(sla: SlaClass, max_new: int, tokens: list[int], samples: int = 1) -> AttemptObserver:
+        a = AttemptObserver(metrics, None, INVALID_SPAN, "m", sla, worker, time.monotonic(), 64, max_new, samples=samples)
         a.sent(0.0)
         for n in tokens:  # chunks of the first sample: n tokens each
             a.chunk(worker_pb2.GenerateResponse(token_ids=list(range(n))), None, time.monotonic())
@@ -508,11 +508,27 @@ def test_a_new_request_waits_on_the_decode_left_of_whoever_frees_its_seat():
     assert seat_wait_tokens(worker, B) == 31 and seat_wait_tokens(worker, I) == 13
     two.done()
     assert worker.in_flight == 3 and seat_wait_tokens(worker, I) == 2  # one ahead beyond the seats: the soonest
+    group = attempt(I, 16, [5], samples=3)  # three samples of 11 tokens left: three seats
+    # INTERACTIVE's line holds five seats of two (one: 2 left, three: no first token, group: 11 x 3): the new one waits
+    # for the fourth to finish of 2, 11, 11, 11; BATCH's holds six, the fifth of 2, 11, 11, 11, 31
+    assert seat_wait_tokens(worker, I) == 11 and seat_wait_tokens(worker, B) == 31
     worker.info = None  # seats unknown
     assert seat_wait_tokens(worker, I) == 0
-    for a in (one, three, batch):
+    for a in (one, three, batch, group):
         a.done()
     assert worker.in_flight == 0 and not worker.attempts and not worker.waiting_since
+
+
+def test_a_request_takes_a_seat_for_each_of_its_samples():
+    """What the relay tells an attempt's observer it holds on the worker: self-consistency's max_samples, else n."""
+    from cotserve.gateway.relay import samples_of
+    from cotserve.worker.v1 import worker_pb2
+
+    assert samples_of(worker_pb2.GenerateRequest()) == 1
+    assert samples_of(worker_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(n=3))) == 3
+    voted = worker_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(n=1))
+    voted.reasoning.self_consistency.max_samples = 5
+    assert samples_of(voted) == 5
 
 
 def test_a_request_sent_when_the_seats_are_taken_reports_the_decode_it_waits_on():
