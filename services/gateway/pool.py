@@ -71,6 +71,11 @@ class WorkerHandle:
     streams: WorkerStreams | None = None  # its Multiplex call (None: a Generate call per request)
 
     @property
+    def seats(self) -> int:
+        """The most sequences the worker runs at once (its Info's max_num_seqs); 0 until its Info is known."""
+        return self.info.max_num_seqs if self.info is not None else 0
+
+    @property
     def in_flight(self) -> int:
         """Requests this gateway has open on the worker."""
         return len(self.attempts)
@@ -215,7 +220,7 @@ class WorkerPool:
         w.healthy = True
         s = w.stats
         w.admission.on_stats(WorkerLoad(s.kv_blocks_free, s.kv_blocks_free + s.kv_blocks_used, s.num_waiting_urgent_seqs,
-                                        w.info.max_num_seqs if w.info is not None else 0))
+                                        w.seats))
 
     def mark_down(self, w: WorkerHandle) -> None:
         """Called when a request saw the worker fail; the next good poll brings it back."""

@@ -62,7 +62,7 @@ def seat_wait_tokens(worker, sla: SlaClass) -> float:
     second), and no count of requests tells which. Two 300 s recordings of bench slo's load (seeds 0, 2) with this
     gateway, the latency model fit on the first 70%: held-out TTFT MAPE with the column blanked and not 30.4 -> 25.6%
     and 33.5 -> 26.3% (medium load 45.1 -> 33.1%, 53.5 -> 36.1%)."""
-    seats = worker.info.max_num_seqs if worker.info is not None else 0
+    seats = worker.seats
     if not seats or not worker.attempts:
         return 0.0
     line = [a for a in worker.attempts if a.sla <= sla]
@@ -110,7 +110,7 @@ def finds_a_seat(w) -> bool:
     because trees trained under least-loaded routing, which keeps requests off a worker with a queue, never saw one."""
     if w.stats is not None and w.stats.num_waiting_seqs > 0:
         return False
-    seats = w.info.max_num_seqs if w.info is not None else 0
+    seats = w.seats
     return not seats or w.in_flight < seats
 
 
@@ -262,7 +262,7 @@ class SloLink:
                     worker_waiting=s.num_waiting_seqs if s else 0,
                     worker_running=s.num_running_seqs if s else 0, worker_step_ms=s.step_latency_p50_ms if s else 0.0,
                     worker_tokens_per_s=s.generated_tokens_per_s if s else 0.0,
-                    worker_max_num_seqs=w.info.max_num_seqs if w.info is not None else 0,
+                    worker_max_num_seqs=w.seats,
                 ))
             windows.extend(per_class)
             self.last_worker_window[w.address] = worker_total(per_class, w.address, start_unix_ms)

@@ -145,7 +145,7 @@ def test_gateway_carries_on_when_the_predictor_is_down():
 
 def handle(address: str, window: slo_pb2.MetricsWindow):
     return SimpleNamespace(address=address, in_flight=window.in_flight, waiting_for_first_token=0, prefill_tokens_ahead=0,
-                           waiting_since={}, last_heard=time.monotonic(), stats=None, info=None,
+                           waiting_since={}, last_heard=time.monotonic(), stats=None, info=None, seats=0,
                            admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth},
                                                      queued_ahead=lambda cls: window.queue_depth))
 
@@ -183,7 +183,7 @@ def test_predictions_order_the_workers_with_a_free_seat_before_those_without():
 
     def worker(address: str, waiting: int, in_flight: int, seats: int):
         return SimpleNamespace(address=address, in_flight=in_flight, stats=worker_pb2.StatsResponse(num_waiting_seqs=waiting),
-                               info=SimpleNamespace(max_num_seqs=seats), admission=SimpleNamespace(can_start=lambda cls: True))
+                               seats=seats, admission=SimpleNamespace(can_start=lambda cls: True))
 
     async def main():
         link = SloLink(SloLinkConfig("127.0.0.1:1"), SimpleNamespace(workers=[]))
