@@ -270,13 +270,13 @@ class Relay:
                 self.metrics.batch_held.labels(model).observe(held_ms / 1000)
         tried: set[WorkerHandle] = set()
         sp = wreq.sampling
-        max_new = max_new_tokens_of(sp)
+        max_new, samples = max_new_tokens_of(sp), samples_of(wreq)
         prompt_bytes = len(prompt_text(wreq).encode())
         while True:
             worker = await self._pick(model, sla, tried, prompt_bytes, max_new, call, span)
             tried.add(worker)
             observer = AttemptObserver(self.metrics, self.slo, span, model, sla, worker, start, prompt_bytes, max_new,
-                                       held_ms / 1000, samples_of(wreq))
+                                       held_ms / 1000, samples)
             observer.sent(await self._admit(worker, sla, call))
             try:
                 async with aclosing(self._attempt(worker, wreq, observer, call)) as relay:
