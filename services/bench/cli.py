@@ -317,14 +317,15 @@ def bench_slo(
                               "over them and violation onsets are pooled."),
     duration_s: Optional[float] = typer.Option(None, min=10, help="Seconds of time-varying load to record and learn from "
                                                "(70% train, 30% held out); default 600, 100 with --quick."),
-    replay_s: Optional[float] = typer.Option(None, min=5, help="Seconds of bursty load replayed under each BATCH admission "
+    replay_s: Optional[float] = typer.Option(None, min=5, help="Seconds of bursty load replayed under each admission "
                                              "rule; default 120, 20 with --quick."),
     cycle_s: Optional[float] = typer.Option(None, min=6, help="Seconds of one load cycle (steady third, ramp third, burst, "
                                             "drain); default 30, 25 with --quick."),
     seed: int = typer.Option(0, help="Seed of the first run's arrivals."),
-    variants: Optional[str] = typer.Option(None, help="Comma-separated BATCH rules to replay, off among them: off, off again, "
+    variants: Optional[str] = typer.Option(None, help="Comma-separated admission rules to replay, off among them: off, off again, "
                                            "no BATCH (the same load without its BATCH arrivals: the misses no BATCH rule can cut), all-or-nothing, "
-                                           "proportional, pause (running BATCH paused on the worker); "
+                                           "proportional, pause (running BATCH paused on the worker), shed (INTERACTIVE that would queue "
+                                           "turned away when its predicted TTFT p90 is over 0.8x its target); "
                                            "default all of them, off and proportional with --quick."),
 ) -> None:
     """The SLO predictor on a real stack: forecast quality against a queue-depth baseline, then misses with and without acting on it."""

@@ -106,6 +106,12 @@ class GatewayConfig(TlsSettings):
     slo_max_pause_ms: int = 5_000
     """Longest BATCH stays paused in one go; then it runs for at least half as long before it may be paused again
     (so that BATCH streams keep moving through a long urgent burst)."""
+    slo_shed_over: float = 0.0
+    """Turn away (RESOURCE_EXHAUSTED, retry-after-ms) an INTERACTIVE request that would queue in this gateway and
+    whose TTFT p90, predicted by the SLO predictor's trees for the worker picked for it, is over this multiple of the
+    class's TTFT target, rather than queue it behind a backlog that makes it, and those after it, miss; 0 (the
+    default): never. A request turned away counts as a miss; what it buys is the backlog it does not add (`cotserve
+    bench slo`'s replay "shed" measures both)."""
     prefix_cache_scope: str = "tenant"
     """Who shares workers' prefix-cache blocks: tenant (only requests of the same tenant: a shared cache would
     leak one tenant's prompts to another through timing) or global (every request)."""
@@ -182,6 +188,8 @@ class GatewayConfig(TlsSettings):
             (self.poll_interval_s > 0, f"poll_interval_s: {self.poll_interval_s}, must be > 0"),
             (self.slo_retry_after_ms >= 1, f"slo_retry_after_ms: {self.slo_retry_after_ms}, must be >= 1"),
             (0 < self.slo_throttle_from <= 1, f"slo_throttle_from: {self.slo_throttle_from}, allowed (0, 1]"),
+            (self.slo_shed_over == 0 or 0.25 <= self.slo_shed_over <= 100,
+             f"slo_shed_over: {self.slo_shed_over}, allowed 0 (off) or 0.25..100"),
             (1_000 <= self.slo_max_pause_ms <= 60_000, f"slo_max_pause_ms: {self.slo_max_pause_ms}, allowed 1000..60000"),
             (self.slo_max_hold_ms >= 0, f"slo_max_hold_ms: {self.slo_max_hold_ms}, must be >= 0"),
             (self.slo_max_held >= 0, f"slo_max_held: {self.slo_max_held}, must be >= 0"),

@@ -274,6 +274,8 @@ class Relay:
         prompt_bytes = len(prompt_text(wreq).encode())
         while True:
             worker = await self._pick(model, sla, tried, prompt_bytes, max_new, call, span)
+            if self.slo is not None and not tried:
+                self.slo.shed(model, worker, sla, prompt_bytes, max_new)  # a retry is not turned away: it has waited
             tried.add(worker)
             observer = AttemptObserver(self.metrics, self.slo, span, model, sla, worker, start, prompt_bytes, max_new,
                                        held_ms / 1000, samples)

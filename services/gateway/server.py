@@ -182,7 +182,8 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
                                     predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms,
                                     throttle_from=cfg.slo_throttle_from, max_hold_ms=cfg.slo_max_hold_ms,
                                     max_held=cfg.slo_max_held, pause_batch=cfg.slo_pause_batch,
-                                    max_pause_ms=cfg.slo_max_pause_ms, credentials=upstream), pool)
+                                    max_pause_ms=cfg.slo_max_pause_ms, shed_over=cfg.slo_shed_over,
+                                    targets=cfg.targets, credentials=upstream), pool)
     relay = Relay(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope,
                   cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.worker_wait_s)
     servicer = GatewayServicer(relay, traced=tracer_provider is not None)

@@ -32,6 +32,7 @@ from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS
 
 from cotserve.common.sampling import SLA_PB, SlaClass
+from cotserve.common.sla import sla_targets
 from cotserve.common.stats import percentile
 from cotserve.common.v1 import common_pb2
 from cotserve.common.windows import worker_total
@@ -146,6 +147,8 @@ class SloLinkConfig:
     # for a while after a burst of urgent traffic has gone)
     pause_batch: bool = False     # pause the model's running BATCH on its workers while the forecast is over the threshold
     max_pause_ms: int = 5_000     # longest pause in one go; then at least half as long unpaused
+    shed_over: float = 0.0        # turn away an urgent request predicted (TTFT p90) over this x its target (0: never)
+    targets: dict = field(default_factory=sla_targets)  # each class's SLA targets (the gateway's --sla-target)
     credentials: Any = None  # grpc.ChannelCredentials for an SLO predictor that speaks TLS (None: plaintext)
 
 
@@ -177,6 +180,7 @@ class SloLink:
         self.pause_rest_until: dict[str, float] = {}  # model -> no pause before this (after one of max_pause_ms)
         self.pauses_asked = 0  # PauseBatch calls that started or renewed a pause and succeeded
         self.pause_failures = 0
+        self.shed_total = 0  # urgent requests turned away on their predicted TTFT (`shed`)
 
     # -- recording (called by the servicer) ----------------------------------------------
 
@@ -273,7 +277,7 @@ class SloLink:
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._report_forever(), name="cotserve-slo-report"),
                        asyncio.create_task(self._forecast_forever(), name="cotserve-slo-forecast")]
-        if self.cfg.routing:
+        if self.cfg.routing or self.cfg.shed_over:
             self._tasks.append(asyncio.create_task(self._fetch_model_forever(), name="cotserve-slo-latency-model"))
 
     async def stop(self) -> None:
@@ -483,12 +487,38 @@ class SloLink:
         window.seat_wait_tokens = now.seat_wait_tokens
         return window
 
+    def prompt_tokens_of(self, model: str, prompt_bytes: int) -> int:
+        """A prompt's tokens as this gateway guesses them before any worker tokenizes it (the model's bytes per token)."""
+        return max(1, round(prompt_bytes * self.tokens_per_byte_of(model)))
+
+    def shed(self, model: str, worker, sla: SlaClass, prompt_bytes: int, max_new_tokens: int) -> None:
+        """Turn away (ResourceExhausted) an INTERACTIVE request that would queue in this gateway for `worker` and whose
+        TTFT p90 there, by the fetched trees, is over `shed_over` x the class's TTFT target. Under an overload of its
+        own class a request that joins the backlog misses, and so does every one behind it until the backlog drains;
+        turned away, it leaves the backlog short enough for those after it (and its client free to go elsewhere).
+        Only a request that would queue: one that starts now waits on the worker's steps alone, and the predictions
+        over the line at light load were its outliers (a gateway's first second, a long prompt); REALTIME never
+        queues here (the worker seats it first), BATCH is held instead (`hold_batch`). Nothing is turned away
+        without trees or with `shed_over` 0. The retry-after is the predicted excess over the target."""
+        if (not self.cfg.shed_over or sla != SlaClass.INTERACTIVE or self.ttft_model is None
+                or (worker.admission.can_start(sla) and not worker.admission.queued_ahead(sla))):
+            return
+        target_ms = self.cfg.targets[sla].ttft_ms
+        row = latency_row(self.prompt_tokens_of(model, prompt_bytes), max_new_tokens, PB_CLASS[sla], self._state_now(worker, sla))
+        p90_ms = predicted_ttft_ms(self.ttft_model, row)
+        if p90_ms > self.cfg.shed_over * target_ms:
+            self.shed_total += 1
+            raise ResourceExhausted(
+                f"sla_class {sla.name}: shed: the SLO predictor puts this request's TTFT p90 on worker {worker.address} "
+                f"at {p90_ms:.0f} ms, over {self.cfg.shed_over:g} x the class's {target_ms:.0f} ms target; retry later "
+                "or elsewhere", trailers={"retry-after-ms": str(max(1, round(p90_ms - target_ms)))})
+
     async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):
         """The candidate with the lowest predicted TTFT, or None (fall back to the heuristic). Predicted here by the
         fetched trees (`fetch_model`); without them, by asking the predictor within the budget."""
         if not self.cfg.routing or len(candidates) < 2:
             return None  # off, or nothing to choose
-        prompt_tokens = max(1, round(prompt_bytes * self.tokens_per_byte_of(model)))
+        prompt_tokens = self.prompt_tokens_of(model, prompt_bytes)
         if self.ttft_model is not None:
             rows = [latency_row(prompt_tokens, max_new_tokens, PB_CLASS[sla], self._state_now(w, sla)) for w in candidates]
             ttft = [predicted_ttft_ms(self.ttft_model, row) for row in rows]

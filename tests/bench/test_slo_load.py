@@ -157,7 +157,8 @@ def test_a_rule_is_judged_worse_beyond_noise_only_by_more_than_off_differed_from
     def replays(off, again, rule):
         return {"off": _replay(off[0], 100, 50.0, 1000, off[1]), "off again": _replay(again[0], 100, 50.0, 1000, again[1]),
                 "all-or-nothing": _replay(rule[0], 100, 50.0, 1000, rule[1]), "proportional": _replay(rule[0], 100, 50.0, 1000, rule[1]),
-                "pause": _replay(rule[0], 100, 50.0, 1000, rule[1]), "no BATCH": _replay(0, 100, 50.0, 1000)}
+                "pause": _replay(rule[0], 100, 50.0, 1000, rule[1]), "shed": _replay(rule[0], 100, 50.0, 1000, rule[1]),
+                "no BATCH": _replay(0, 100, 50.0, 1000)}
 
     runs = [
         _run(0, replays((10, 1900), (14, 1950), (12, 1940))),  # worse than off, but less than off differed from itself
@@ -201,6 +202,8 @@ def test_the_replay_without_batch_bounds_what_a_batch_rule_can_cut_and_is_not_ju
             "1.0% vs 10.0%: 90%, 0.0% vs 0.0%: n/a") in text
     assert ("met: all-or-nothing: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens on 2 of them "
             "(within a BATCH rule's reach, no BATCH missing <= 20% of off's misses, on 1)") in text
+    # shedding acts on INTERACTIVE itself: the replay without BATCH bounds nothing it does
+    assert text.endswith("met: shed: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens on 2 of them")
     assert "no BATCH: never worse" not in text
 
 

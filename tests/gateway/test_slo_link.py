@@ -19,12 +19,14 @@ import pytest
 from cotserve.common import errors
 from cotserve.common.procs import free_port
 from cotserve.common.sampling import SlaClass
+from cotserve.common.sla import sla_targets
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.server import GatewayConfig, start_gateway
 from cotserve.gateway.slo_link import SloLink, SloLinkConfig, deferred_share
 from cotserve.common.latency import LATENCY_FEATURES, latency_row, predicted_ttft_ms
 from cotserve.common.windows import worker_total
 from cotserve.sdk import AsyncClient
+from cotserve.sdk import ResourceExhausted as SdkResourceExhausted
 from cotserve.slo.server import SloConfig, start_slo
 from cotserve.slo.v1 import slo_pb2, slo_pb2_grpc
 from cotserve.worker.config import WorkerConfig
@@ -665,5 +667,112 @@ def test_the_gateways_pause_flags_reach_its_link_and_a_bad_max_pause_names_the_r
             assert not gateway.slo.cfg.admission  # holding BATCH arrivals is opt-in (--slo-admission)
         finally:
             await gateway.stop()
+
+    asyncio.run(main())
+
+
+def waiting_handle(address: str, window: slo_pb2.MetricsWindow, can_start: bool):
+    """`handle`, where a new INTERACTIVE request can start at once or not (its class's in-flight limit reached)."""
+    w = handle(address, window)
+    w.admission.can_start = lambda cls: can_start
+    return w
+
+
+def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turned_away_and_nothing_else_is():
+    """--slo-shed-over: the fetched trees' TTFT p90 for the picked worker against shed_over x INTERACTIVE's target, for
+    a request that would queue in the gateway. With the line between the idle and the busy worker's predictions, one
+    for the busy worker is turned away (RESOURCE_EXHAUSTED naming the prediction, the factor and the target;
+    retry-after the predicted excess), one for the idle worker is not; nor one for the busy worker that would start
+    at once, nor BATCH or REALTIME, nor anything with the rule off or without trees."""
+    async def main():
+        slo, windows = await trained_slo()
+        busy = worker_total([max(windows, key=lambda w: w.queue_depth)], "busy:1")
+        idle = worker_total([min(windows, key=lambda w: w.queue_depth)], "idle:1")
+        busy_w, idle_w = handle("busy:1", busy), waiting_handle("idle:1", idle, can_start=False)
+        probe = SloLink(SloLinkConfig(slo.server.address), SimpleNamespace(workers=[]))
+        links = []
+        try:
+            await probe.fetch_model()
+            probe.last_worker_window = {"busy:1": busy, "idle:1": idle}
+            tokens = probe.prompt_tokens_of("m", 200)
+
+            def p90(w) -> float:
+                return predicted_ttft_ms(probe.ttft_model, latency_row(tokens, 64, I, probe._state_now(w, SlaClass.INTERACTIVE)))
+            p_busy, p_idle = p90(busy_w), p90(idle_w)
+            assert p_busy > 2 * p_idle
+            target = (p_busy * p_idle) ** 0.5 / 2  # shed_over 2: the line at twice this, between the two
+            targets = sla_targets([f"interactive={target}/100"])
+
+            def link_with(shed_over: float) -> SloLink:
+                link = SloLink(SloLinkConfig(slo.server.address, shed_over=shed_over, targets=targets), SimpleNamespace(workers=[]))
+                link.last_worker_window, link.ttft_model = probe.last_worker_window, probe.ttft_model
+                links.append(link)
+                return link
+
+            link = link_with(2.0)
+            with pytest.raises(errors.ResourceExhausted) as caught:
+                link.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+            assert (f"sla_class INTERACTIVE: shed: the SLO predictor puts this request's TTFT p90 on worker busy:1 at "
+                    f"{p_busy:.0f} ms, over 2 x the class's {target:.0f} ms target") in str(caught.value)
+            assert caught.value.trailers == {"retry-after-ms": str(round(p_busy - target))}
+            link.shed("m", idle_w, SlaClass.INTERACTIVE, 200, 64)
+            assert busy.queue_depth and not idle.queue_depth  # busy_w would queue behind its window's queue
+            low = link_with(2.0)
+            low.cfg.targets = sla_targets([f"interactive={p_idle / 4}/100"])  # the idle worker's prediction over the line
+            with pytest.raises(errors.ResourceExhausted):
+                low.shed("m", idle_w, SlaClass.INTERACTIVE, 200, 64)
+            low.shed("m", waiting_handle("idle:1", idle, can_start=True), SlaClass.INTERACTIVE, 200, 64)  # would not queue
+            for sla in (SlaClass.BATCH, SlaClass.REALTIME):
+                link.shed("m", busy_w, sla, 200, 64)
+            assert link.shed_total == 1
+            link_with(0.0).shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+            untrained = link_with(2.0)
+            untrained.ttft_model = None
+            untrained.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+        finally:
+            for link in (probe, *links):
+                await link.stop()
+            await slo.stop()
+
+    asyncio.run(main())
+
+
+def test_a_gateway_shedding_over_the_target_turns_away_interactive_that_would_queue_and_nothing_else():
+    """End to end through a real predictor, worker and gateway, INTERACTIVE's target a microsecond (every prediction
+    over it) and one INTERACTIVE request in flight at a time: while a long stream holds the one place, a second
+    INTERACTIVE request gets RESOURCE_EXHAUSTED with a retry-after at the client and reaches no worker; BATCH (never
+    shed) is served, and so is INTERACTIVE once the place is free (it would not queue). A bad factor names its range."""
+    with pytest.raises(ValueError, match=r"slo_shed_over: 0\.1, allowed 0 \(off\) or 0\.25\.\.100"):
+        GatewayConfig(workers=["127.0.0.1:1"], slo_shed_over=0.1).validate()
+
+    async def main():
+        slo, _ = await trained_slo()
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address,
+                                                    slo_shed_over=1.0, sla_target=("interactive=0.001/100",)))
+        admission = gateway.pool.workers[0].admission
+        admission.config.interactive_max_limit, admission.limit[SlaClass.INTERACTIVE] = 1, 1
+        try:
+            deadline = time.monotonic() + 10
+            while gateway.slo.ttft_model is None:  # fetched for shedding, though routing is off
+                assert time.monotonic() < deadline, "the gateway never fetched the latency model"
+                await asyncio.sleep(0.05)
+            async with AsyncClient(gateway.server.address) as client:
+                long = client.stream("1+1=", max_new_tokens=200, ignore_eos=True, sla="interactive")
+                first = await long.__anext__()
+                assert first.token_ids
+                with pytest.raises(SdkResourceExhausted) as caught:
+                    await client.generate("2+2=", max_new_tokens=4, sla="interactive")
+                assert "sla_class INTERACTIVE: shed" in str(caught.value) and caught.value.retry_after_ms >= 1
+                assert (await client.generate("3+3=", max_new_tokens=4, sla="batch")).text
+                async for _ in long:
+                    pass
+                assert (await client.generate("4+4=", max_new_tokens=4, sla="interactive")).text
+            assert gateway.slo.shed_total == 1
+            assert worker.engine.stats().num_requests_finished_total == 3  # all but the one turned away
+        finally:
+            await gateway.stop()
+            await worker.stop()
+            await slo.stop()
 
     asyncio.run(main())
