@@ -32,6 +32,8 @@ class GatewayMetrics:
         self.batch_held = Histogram("cotserve_gateway_batch_held_seconds",
                                     "Time BATCH requests were held on the SLO predictor's forecast (held ones only).",
                                     ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.shed = Counter("cotserve_gateway_shed", "INTERACTIVE requests turned away on their predicted TTFT "
+                            "(--slo-shed-over).", ["model"], registry=r)
         self.requests = Counter("cotserve_gateway_requests", "Requests by final status code and tenant.",
                                 (*_LABELS, "code", "tenant"), registry=r)
         self.routed = Counter("cotserve_gateway_routed", "Worker picks among several by what decided them: predicted_ttft "

@@ -15,7 +15,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, Unavailable
+from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
 from cotserve.common.sampling import (
     SlaClass, check_self_consistency, max_new_tokens_of, reasoning_from_pb, sampling_from_pb,
     sla_from_pb,
@@ -274,8 +274,13 @@ class Relay:
         prompt_bytes = len(prompt_text(wreq).encode())
         while True:
             worker = await self._pick(model, sla, tried, prompt_bytes, max_new, call, span)
-            if self.slo is not None and not tried:
-                self.slo.shed(model, worker, sla, prompt_bytes, max_new)  # a retry is not turned away: it has waited
+            if self.slo is not None and not tried:  # a retry is not turned away: it has waited already
+                try:
+                    self.slo.shed(model, worker, sla, prompt_bytes, max_new)
+                except ResourceExhausted as exc:
+                    self.metrics.shed.labels(model).inc()
+                    span.add_event("shed", {"cotserve.reason": str(exc), "cotserve.worker": worker.address})
+                    raise
             tried.add(worker)
             observer = AttemptObserver(self.metrics, self.slo, span, model, sla, worker, start, prompt_bytes, max_new,
                                        held_ms / 1000, samples)

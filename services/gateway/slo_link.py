@@ -499,7 +499,8 @@ class SloLink:
         Only a request that would queue: one that starts now waits on the worker's steps alone, and the predictions
         over the line at light load were its outliers (a gateway's first second, a long prompt); REALTIME never
         queues here (the worker seats it first), BATCH is held instead (`hold_batch`). Nothing is turned away
-        without trees or with `shed_over` 0. The retry-after is the predicted excess over the target."""
+        without trees or with `shed_over` 0. The retry-after is the predicted p90 itself: about when a backlog that
+        long has drained."""
         if (not self.cfg.shed_over or sla != SlaClass.INTERACTIVE or self.ttft_model is None
                 or (worker.admission.can_start(sla) and not worker.admission.queued_ahead(sla))):
             return
@@ -511,7 +512,7 @@ class SloLink:
             raise ResourceExhausted(
                 f"sla_class {sla.name}: shed: the SLO predictor puts this request's TTFT p90 on worker {worker.address} "
                 f"at {p90_ms:.0f} ms, over {self.cfg.shed_over:g} x the class's {target_ms:.0f} ms target; retry later "
-                "or elsewhere", trailers={"retry-after-ms": str(max(1, round(p90_ms - target_ms)))})
+                "or elsewhere", trailers={"retry-after-ms": str(max(1, round(p90_ms)))})
 
     async def pick(self, model: str, candidates: list, sla: SlaClass, prompt_bytes: int, max_new_tokens: int):
         """The candidate with the lowest predicted TTFT, or None (fall back to the heuristic). Predicted here by the

@@ -682,7 +682,7 @@ def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turn
     """--slo-shed-over: the fetched trees' TTFT p90 for the picked worker against shed_over x INTERACTIVE's target, for
     a request that would queue in the gateway. With the line between the idle and the busy worker's predictions, one
     for the busy worker is turned away (RESOURCE_EXHAUSTED naming the prediction, the factor and the target;
-    retry-after the predicted excess), one for the idle worker is not; nor one for the busy worker that would start
+    retry-after the predicted p90), one for the idle worker is not; nor one for the busy worker that would start
     at once, nor BATCH or REALTIME, nor anything with the rule off or without trees."""
     async def main():
         slo, windows = await trained_slo()
@@ -714,7 +714,7 @@ def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turn
                 link.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
             assert (f"sla_class INTERACTIVE: shed: the SLO predictor puts this request's TTFT p90 on worker busy:1 at "
                     f"{p_busy:.0f} ms, over 2 x the class's {target:.0f} ms target") in str(caught.value)
-            assert caught.value.trailers == {"retry-after-ms": str(round(p_busy - target))}
+            assert caught.value.trailers == {"retry-after-ms": str(round(p_busy))}
             link.shed("m", idle_w, SlaClass.INTERACTIVE, 200, 64)
             assert busy.queue_depth and not idle.queue_depth  # busy_w would queue behind its window's queue
             low = link_with(2.0)
@@ -769,6 +769,7 @@ def test_a_gateway_shedding_over_the_target_turns_away_interactive_that_would_qu
                     pass
                 assert (await client.generate("4+4=", max_new_tokens=4, sla="interactive")).text
             assert gateway.slo.shed_total == 1
+            assert gateway.metrics.registry.get_sample_value("cotserve_gateway_shed_total", {"model": "cotserve-demo"}) == 1
             assert worker.engine.stats().num_requests_finished_total == 3  # all but the one turned away
         finally:
             await gateway.stop()
