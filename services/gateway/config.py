@@ -79,8 +79,8 @@ class GatewayConfig(TlsSettings):
     slo_admission: bool = False
     """Hold BATCH in the gateway while an urgent class's forecast is over the threshold (from --slo-throttle-from x
     threshold, a share rising to all at it), drawn again at every forecast refresh. Off by default: in the latest
-    full run of `cotserve bench slo` every holding rule was worse than none on two or three seeds of three, and in
-    none of the six before it was a rule never worse."""
+    full run of `cotserve bench slo` both holding rules were worse than none on both seeds, as they were on two or
+    three seeds of three in the run before, and in none of the six before those was a holding rule never worse."""
     slo_routing: bool = False
     """Route among a model's workers by predicted TTFT (the predictor's trained trees, fetched when they change and
     evaluated in the gateway) instead of least loaded. Off by default: in `cotserve bench slo-routing` it was 42%
