@@ -1,16 +1,19 @@
 """The gateway's link to the SLO predictor: it records one metrics window per second per (model,
 worker, SLA class) and every finished request, reports them, keeps each model's latest forecast,
 and, when asked (`--slo-routing`; least loaded otherwise), routes by predicted TTFT: it fetches the predictor's
-trained trees of TTFT's 90th percentile when they change and evaluates them itself for each candidate worker
-(cotserve.common.latency: no call per request).
+trained trees of TTFT's 90th percentile when they change (for shedding too) and evaluates them itself for each
+candidate worker (cotserve.common.latency: no call per request).
 It acts on BATCH as an urgent class's forecast rises: holding BATCH arrivals in the gateway (`hold_batch`)
-and, when configured, pausing the model's running BATCH on its workers (`steer_pauses`, worker PauseBatch).
+and, when configured, pausing the model's running BATCH on its workers (`steer_pauses`, worker PauseBatch); and,
+when configured (`--slo-shed-over`), it turns away an INTERACTIVE request that would queue behind a backlog its
+predicted TTFT says it would miss its target in (`shed`).
 
 The predictor is advice, never a dependency: a report that fails is retried with the next one (a
 bounded backlog), a forecast that is missing, stale or untrained sheds nothing, and a predictor
 whose trees this gateway cannot use (another build's features) is asked per request instead,
 within a budget of a few ms, past which the load heuristic decides; after a failure it is not
-asked again for a few seconds. No request ever fails because of it.
+asked again for a few seconds. No request fails because it is down, slow or untrained (shedding needs its trees:
+without them nothing is turned away).
 """
 
 from __future__ import annotations
@@ -147,7 +150,7 @@ class SloLinkConfig:
     # for a while after a burst of urgent traffic has gone)
     pause_batch: bool = False     # pause the model's running BATCH on its workers while the forecast is over the threshold
     max_pause_ms: int = 5_000     # longest pause in one go; then at least half as long unpaused
-    shed_over: float = 0.0        # turn away an urgent request predicted (TTFT p90) over this x its target (0: never)
+    shed_over: float = 0.0        # turn away INTERACTIVE that would queue, predicted (TTFT p90) over this x its target
     targets: dict = field(default_factory=sla_targets)  # each class's SLA targets (the gateway's --sla-target)
     credentials: Any = None  # grpc.ChannelCredentials for an SLO predictor that speaks TLS (None: plaintext)
 
@@ -180,7 +183,7 @@ class SloLink:
         self.pause_rest_until: dict[str, float] = {}  # model -> no pause before this (after one of max_pause_ms)
         self.pauses_asked = 0  # PauseBatch calls that started or renewed a pause and succeeded
         self.pause_failures = 0
-        self.shed_total = 0  # urgent requests turned away on their predicted TTFT (`shed`)
+        self.shed_total = 0  # INTERACTIVE requests turned away on their predicted TTFT (`shed`)
 
     # -- recording (called by the servicer) ----------------------------------------------
 
@@ -499,7 +502,7 @@ class SloLink:
         Only a request that would queue: one that starts now waits on the worker's steps alone, and the predictions
         over the line at light load were its outliers (a gateway's first second, a long prompt); REALTIME never
         queues here (the worker seats it first), BATCH is held instead (`hold_batch`). Nothing is turned away
-        without trees or with `shed_over` 0. The retry-after is the predicted p90 itself: about when a backlog that
+        without trees, with `shed_over` 0, or with the gateway's admission off (nothing queues here then). The retry-after is the predicted p90 itself: about when a backlog that
         long has drained."""
         if (not self.cfg.shed_over or sla != SlaClass.INTERACTIVE or self.ttft_model is None
                 or (worker.admission.can_start(sla) and not worker.admission.queued_ahead(sla))):
