@@ -247,8 +247,8 @@ INTERACTIVE's misses with nothing left for a BATCH rule to act on, the floor und
 most is off's misses less these); all BATCH arrivals held while the forecast is over the
 threshold (`--slo-throttle-from 1`, the default); held in proportion from half the threshold; running BATCH paused on
 the worker while the forecast is over the threshold, arrivals let in (`--slo-pause-batch`); and, acting on
-INTERACTIVE itself rather than BATCH, an INTERACTIVE request that would queue in the gateway turned away when its predicted TTFT p90 is over 0.8 of the target
-(`--slo-shed-over 0.8`: in a 300 s recording's replays, 0.8 left 14 requests late and turned 376 away, 1.0 left 217
+INTERACTIVE itself rather than BATCH, an INTERACTIVE request that would queue in the gateway turned away when its
+predicted TTFT p90 is over 0.8 of the target (`--slo-shed-over 0.8`: in a 300 s recording's replays, 0.8 left 14 requests late and turned 376 away, 1.0 left 217
 late and turned 216 away, of 7,477; the run without admission between them had 708 late)."""
 BATCH_RULES = ("all-or-nothing", "proportional", "pause")  # what the replay without BATCH bounds (`most_cut`)
 NOISE_VARIANT = "off again"

@@ -103,12 +103,16 @@ class Admission:
             return spare and not urgent_waiting
         return True
 
+    def starts_now(self, cls: SlaClass) -> bool:
+        """Whether a request of `cls` arriving now would start at once rather than queue here (`acquire`'s rule)."""
+        return cls == SlaClass.REALTIME or not self.config.enabled or (not self.queues[cls] and self.can_start(cls))
+
     async def acquire(self, cls: SlaClass, timeout_s: float | None) -> float:
         """Wait for a slot; return the milliseconds spent queued here.
 
         Raises ResourceExhausted (queue full, with retry-after-ms) or QueueDeadlineExceeded."""
         start = time.monotonic()
-        if cls == SlaClass.REALTIME or not self.config.enabled or (not self.queues[cls] and self.can_start(cls)):
+        if self.starts_now(cls):
             self.in_flight[cls] += 1
             return 0.0
         queue = self.queues[cls]

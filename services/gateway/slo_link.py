@@ -502,10 +502,10 @@ class SloLink:
         Only a request that would queue: one that starts now waits on the worker's steps alone, and the predictions
         over the line at light load were its outliers (a gateway's first second, a long prompt); REALTIME never
         queues here (the worker seats it first), BATCH is held instead (`hold_batch`). Nothing is turned away
-        without trees, with `shed_over` 0, or with the gateway's admission off (nothing queues here then). The retry-after is the predicted p90 itself: about when a backlog that
-        long has drained."""
+        without trees, with `shed_over` 0, or with the gateway's admission off (nothing queues here then). The
+        retry-after is the predicted p90 itself: about when a backlog that long has drained."""
         if (not self.cfg.shed_over or sla != SlaClass.INTERACTIVE or self.ttft_model is None
-                or (worker.admission.can_start(sla) and not worker.admission.queued_ahead(sla))):
+                or worker.admission.starts_now(sla)):
             return
         target_ms = self.cfg.targets[sla].ttft_ms
         row = latency_row(self.prompt_tokens_of(model, prompt_bytes), max_new_tokens, PB_CLASS[sla], self._state_now(worker, sla))

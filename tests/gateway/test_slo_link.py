@@ -149,7 +149,8 @@ def handle(address: str, window: slo_pb2.MetricsWindow):
     return SimpleNamespace(address=address, in_flight=window.in_flight, waiting_for_first_token=0, prefill_tokens_ahead=0,
                            waiting_since={}, last_heard=time.monotonic(), stats=None, info=None, seats=0,
                            admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth},
-                                                     queued_ahead=lambda cls: window.queue_depth))
+                                                     queued_ahead=lambda cls: window.queue_depth,
+                                                     starts_now=lambda cls: not window.queue_depth))
 
 
 def test_routing_picks_the_lower_predicted_ttft_and_falls_back_within_its_budget():
@@ -675,6 +676,7 @@ def waiting_handle(address: str, window: slo_pb2.MetricsWindow, can_start: bool)
     """`handle`, where a new INTERACTIVE request can start at once or not (its class's in-flight limit reached)."""
     w = handle(address, window)
     w.admission.can_start = lambda cls: can_start
+    w.admission.starts_now = lambda cls: can_start and not window.queue_depth
     return w
 
 
