@@ -27,6 +27,27 @@ def test_a_cycle_is_steady_then_a_ramp_then_a_burst_or_surge_then_a_drain_at_any
         assert rates(19.9, cap)[0] == 30.0 and rates(47.9, cap)[0] == 90.0 and rates(48.1, cap)[0] == 10.0
 
 
+def test_the_burst_level_sets_interactives_burst_and_caps_its_ramp():
+    """`--burst`: INTERACTIVE's rate in the burst, x capacity; the ramp climbs to 0.8 or to a lower burst, never past
+    it; BATCH, the surge and the quiet phases are the default's. The arrivals follow it."""
+    from cotserve.bench.slo import arrivals
+
+    cap, cycle_s = 100.0, 30.0
+    at = lambda fraction, burst, cycle=0: rates((cycle + fraction) * cycle_s, cap, cycle_s, burst)  # noqa: E731
+    assert at(0.7, 0.7) == pytest.approx((70.0, 30.0, False)) and at(0.7, 1.2) == pytest.approx((120.0, 30.0, False))
+    assert at(0.65, 0.7)[0] == pytest.approx(68.0) and at(0.65, 1.2)[0] == pytest.approx(77.5)  # ramp: to 0.7, to 0.8
+    assert at(0.7, 0.7, cycle=1) == at(0.7, 0.9, cycle=1) == (40.0, 30.0, True)
+    assert at(0.1, 0.7) == at(0.1, 0.9) and at(0.9, 0.7) == at(0.9, 0.9)
+    assert rates(0.7 * cycle_s, cap, cycle_s) == at(0.7, 0.9)  # 0.9 by default
+
+    def interactive_in_bursts(burst: float) -> int:
+        ticks = arrivals(90.0, 200.0, ["s"], ["L"], seed=5, cycle_s=cycle_s, burst=burst)
+        return sum(cls == SlaClass.INTERACTIVE for t, sent in ticks if 0.67 <= (t * 0.1 / cycle_s) % 1 < 0.8
+                   and int(t * 0.1 // cycle_s) % 3 != 1 for cls, _ in sent)
+    low, high = interactive_in_bursts(0.5), interactive_in_bursts(1.0)
+    assert high / low == pytest.approx(2.0, rel=0.15)  # two bursts of ~4 s: ~400 and ~800 requests
+
+
 def test_arrivals_per_tick_are_poisson_and_not_capped():
     """A tick's count has the Poisson mean and variance at a burst's rate too (30 a tick: 300 requests/s); the 20
     Bernoulli trials a tick it replaced never gave more than 20."""
@@ -230,6 +251,17 @@ def test_bench_slo_refuses_variants_without_off_or_unknown_naming_the_allowed_on
     assert result.exit_code == 2
     text = " ".join(result.output.replace("│", " ").split())
     assert "give off and any of off, off again, no BATCH, all-or-nothing, proportional, pause" in text
+
+
+def test_bench_slo_refuses_a_burst_out_of_range_naming_it():
+    from typer.testing import CliRunner
+
+    from cotserve.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "slo", "--burst", "3"])
+    assert result.exit_code == 2
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "--burst" in text and "less than or equal to 2" in text
 
 
 def test_a_batch_request_gives_up_at_once_when_the_retry_after_would_end_past_its_deadline():
