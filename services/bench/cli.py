@@ -322,9 +322,10 @@ def bench_slo(
     cycle_s: Optional[float] = typer.Option(None, min=6, help="Seconds of one load cycle (steady third, ramp third, burst, "
                                             "drain); default 30, 25 with --quick."),
     seed: int = typer.Option(0, help="Seed of the first run's arrivals."),
-    burst: float = typer.Option(0.9, min=0.1, max=2.0, help="INTERACTIVE's rate in a burst, as a multiple of the measured "
-                                "capacity (BATCH adds 0.3x): 0.9, the default, overloads this VM's stack with INTERACTIVE "
-                                "alone; at 0.7 only BATCH overloads it, and its admission left INTERACTIVE no violation."),
+    burst: Optional[float] = typer.Option(None, min=0.1, max=2.0, help="INTERACTIVE's rate in a burst, as a multiple of the "
+                                          "measured capacity (BATCH adds 0.3x); default 0.9, which overloads this VM's stack "
+                                          "with INTERACTIVE alone; at 0.7 only BATCH overloads it, and its admission left "
+                                          "INTERACTIVE no violation."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated admission rules to replay, off among them: off, off again, "
                                            "no BATCH (the same load without its BATCH arrivals: the misses no BATCH rule can cut), all-or-nothing, "
                                            "proportional, pause (running BATCH paused on the worker), shed (INTERACTIVE that would queue "
@@ -346,7 +347,7 @@ def bench_slo(
             raise typer.BadParameter(f"{variants!r}: give off and any of {', '.join(ADMISSION_VARIANTS)}",
                                      param_hint="--variants")
     mode = dataclasses.replace(base, duration_s=duration_s or base.duration_s, replay_s=replay_s or base.replay_s,
-                               cycle_s=cycle_s or base.cycle_s, variants=chosen, burst=burst)
+                               cycle_s=cycle_s or base.cycle_s, variants=chosen, burst=burst or base.burst)
     console = wide_console()
     outs = []
     for n in range(seeds):

@@ -249,7 +249,7 @@ ADMISSION_VARIANTS: dict[str, tuple[str, ...]] = {
     "pause": (*_OFF, "--slo-pause-batch"),
     "shed": (*_OFF, "--slo-shed-over", "0.8"),
 }
-"""The replays' BATCH rules, as the gateway's flags: none; none again (the same replay twice: the run-to-run gap that
+"""The replays' admission rules, as the gateway's flags: none; none again (the same replay twice: the run-to-run gap that
 any rule's difference from off is to be read against); the same replay with its BATCH arrivals left out (`NO_BATCH`:
 INTERACTIVE's misses with nothing left for a BATCH rule to act on, the floor under any rule's: what a rule can cut at
 most is off's misses less these); all BATCH arrivals held while the forecast is over the
