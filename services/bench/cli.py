@@ -322,14 +322,14 @@ def bench_slo(
     cycle_s: Optional[float] = typer.Option(None, min=6, help="Seconds of one load cycle (steady third, ramp third, burst, "
                                             "drain); default 30, 25 with --quick."),
     seed: int = typer.Option(0, help="Seed of the first run's arrivals."),
-    burst: Optional[float] = typer.Option(None, min=0.1, max=2.0, help="INTERACTIVE's rate in a burst, as a multiple of the "
-                                          "measured capacity (BATCH adds 0.3x); default 0.9, which overloads this VM's stack "
-                                          "with INTERACTIVE alone; at 0.7 only BATCH overloads it, and its admission left "
-                                          "INTERACTIVE no violation."),
+    burst: Optional[float] = typer.Option(None, min=0.1, max=3.0, help="INTERACTIVE's rate in a burst, as a multiple of the "
+                                          "measured capacity (streamed requests, as the load sends them; BATCH adds 0.3x); "
+                                          "default 1.5, an overload of INTERACTIVE's own; at 0.9 the gateway's admission, "
+                                          "which queues BATCH behind INTERACTIVE, left INTERACTIVE no miss; 1.3 is the edge."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated admission rules to replay, off among them: off, off again, "
                                            "no BATCH (the same load without its BATCH arrivals: the misses no BATCH rule can cut), all-or-nothing, "
                                            "proportional, pause (running BATCH paused on the worker), shed (INTERACTIVE that would queue "
-                                           "turned away when its predicted TTFT p90 is over 0.8x its target); "
+                                           "turned away when its predicted TTFT p90 is over 0.8x its target), shed and pause (both); "
                                            "default all of them, off and proportional with --quick."),
 ) -> None:
     """The SLO predictor on a real stack: forecast quality against a queue-depth baseline, then misses with and without acting on it."""
@@ -362,8 +362,8 @@ def bench_slo_routing(
     train_s: float = typer.Option(90.0, min=10, help="Seconds of load recorded (least-loaded routing) to train the latency model on."),
     eval_s: float = typer.Option(60.0, min=5, help="Seconds of the same load's shape under each routing."),
     load: float = typer.Option(0.5, min=0.05, max=2.0, help="Arrival rate as a fraction of the three workers' measured capacity "
-                               "(measured with short INTERACTIVE requests: the mixed load is heavier, and at 0.7 its queues "
-                               "grew to seconds)."),
+                               "(measured with short INTERACTIVE requests, unary calls: the mixed, streamed load is heavier, and at 0.7 "
+                               "its queues grew to seconds)."),
     seed: int = typer.Option(0, help="Seed of the arrivals (the replays use SEED+1)."),
     slowed: str = typer.Option("flood", help="How the first worker is slowed: flood (streams sent straight to it, "
                                "not through the gateway) or max-seqs (--max-num-seqs 4: requests queue there)."),

@@ -107,9 +107,9 @@ class GatewayConfig(TlsSettings):
     """Longest BATCH stays paused in one go; then it runs for at least half as long before it may be paused again
     (so that BATCH streams keep moving through a long urgent burst)."""
     slo_shed_over: float = 0.0
-    """Turn away (RESOURCE_EXHAUSTED, retry-after-ms) an INTERACTIVE request that would queue in this gateway and
-    whose TTFT p90, predicted by the SLO predictor's trees for the worker picked for it, is over this multiple of the
-    class's TTFT target, rather than queue it behind a backlog that makes it, and those after it, miss; 0 (the
+    """While an urgent class's forecast is at or over the threshold, turn away (RESOURCE_EXHAUSTED, retry-after-ms) an
+    INTERACTIVE request that would queue in this gateway and whose TTFT p90, predicted by the SLO predictor's trees
+    for the worker picked for it, is over this multiple of the class's TTFT target, rather than queue it behind a backlog that makes it, and those after it, miss; 0 (the
     default): never. A request turned away counts as a miss; what it buys is the backlog it does not add (`cotserve
     bench slo`'s replay "shed" measures both)."""
     prefix_cache_scope: str = "tenant"

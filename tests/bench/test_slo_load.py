@@ -19,12 +19,12 @@ def test_a_cycle_is_steady_then_a_ramp_then_a_burst_or_surge_then_a_drain_at_any
     at = lambda fraction, cycle=0: rates((cycle + fraction) * cycle_s, cap, cycle_s)  # noqa: E731
     assert at(0.1) == (30.0, 10.0, False)                                   # steady
     assert at(0.5) == pytest.approx((55.0, 20.0, False))                    # half way up the ramp
-    assert at(0.7) == (90.0, 30.0, False)                                   # burst: 0.9 + 2 x 0.3 = 1.5 x capacity
+    assert at(0.7) == (150.0, 30.0, False)                                  # burst: 1.5 + 2 x 0.3 = 2.1 x capacity
     assert at(0.7, cycle=1) == (40.0, 30.0, True)                           # every third cycle: long prompts instead
     assert at(0.7, cycle=4) == (40.0, 30.0, True) and not at(0.7, cycle=2)[2]  # the second of three: in a training stretch
     assert at(0.9) == (10.0, 5.0, False)                                    # drain
     if cycle_s == 60.0:  # the 60 s cycle keeps its old boundaries: 20 s, 40 s, 48 s
-        assert rates(19.9, cap)[0] == 30.0 and rates(47.9, cap)[0] == 90.0 and rates(48.1, cap)[0] == 10.0
+        assert rates(19.9, cap)[0] == 30.0 and rates(47.9, cap)[0] == 150.0 and rates(48.1, cap)[0] == 10.0
 
 
 def test_the_burst_level_sets_interactives_burst_and_caps_its_ramp():
@@ -38,7 +38,7 @@ def test_the_burst_level_sets_interactives_burst_and_caps_its_ramp():
     assert at(0.65, 0.7)[0] == pytest.approx(68.0) and at(0.65, 1.2)[0] == pytest.approx(77.5)  # ramp: to 0.7, to 0.8
     assert at(0.7, 0.7, cycle=1) == at(0.7, 0.9, cycle=1) == (40.0, 30.0, True)
     assert at(0.1, 0.7) == at(0.1, 0.9) and at(0.9, 0.7) == at(0.9, 0.9)
-    assert rates(0.7 * cycle_s, cap, cycle_s) == at(0.7, 0.9)  # 0.9 by default
+    assert rates(0.7 * cycle_s, cap, cycle_s) == at(0.7, 1.5)  # 1.5 by default
 
     def interactive_in_bursts(burst: float) -> int:
         ticks = arrivals(90.0, 200.0, ["s"], ["L"], seed=5, cycle_s=cycle_s, burst=burst)
@@ -179,7 +179,7 @@ def test_a_rule_is_judged_worse_beyond_noise_only_by_more_than_off_differed_from
         return {"off": _replay(off[0], 100, 50.0, 1000, off[1]), "off again": _replay(again[0], 100, 50.0, 1000, again[1]),
                 "all-or-nothing": _replay(rule[0], 100, 50.0, 1000, rule[1]), "proportional": _replay(rule[0], 100, 50.0, 1000, rule[1]),
                 "pause": _replay(rule[0], 100, 50.0, 1000, rule[1]), "shed": _replay(rule[0], 100, 50.0, 1000, rule[1]),
-                "no BATCH": _replay(0, 100, 50.0, 1000)}
+                "shed and pause": _replay(rule[0], 100, 50.0, 1000, rule[1]), "no BATCH": _replay(0, 100, 50.0, 1000)}
 
     runs = [
         _run(0, replays((10, 1900), (14, 1950), (12, 1940))),  # worse than off, but less than off differed from itself
@@ -223,8 +223,10 @@ def test_the_replay_without_batch_bounds_what_a_batch_rule_can_cut_and_is_not_ju
             "1.0% vs 10.0%: 90%, 0.0% vs 0.0%: n/a") in text
     assert ("met: all-or-nothing: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens on 2 of them "
             "(within a BATCH rule's reach, no BATCH missing <= 20% of off's misses, on 1)") in text
-    # shedding acts on INTERACTIVE itself: the replay without BATCH bounds nothing it does
-    assert text.endswith("met: shed: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens on 2 of them")
+    # shedding acts on INTERACTIVE itself: the replay without BATCH bounds nothing it does, alone or with pause
+    assert "met: shed: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens on 2 of them met" in text
+    assert text.endswith("met: shed and pause: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens "
+                         "on 2 of them")
     assert "no BATCH: never worse" not in text
 
 
@@ -258,10 +260,10 @@ def test_bench_slo_refuses_a_burst_out_of_range_naming_it():
 
     from cotserve.cli import app
 
-    result = CliRunner().invoke(app, ["bench", "slo", "--burst", "3"])
+    result = CliRunner().invoke(app, ["bench", "slo", "--burst", "3.5"])
     assert result.exit_code == 2
     text = " ".join(result.output.replace("│", " ").split())
-    assert "--burst" in text and "less than or equal to 2" in text
+    assert "--burst" in text and "less than or equal to 3" in text
 
 
 def test_a_batch_request_gives_up_at_once_when_the_retry_after_would_end_past_its_deadline():
@@ -291,3 +293,35 @@ def test_a_batch_request_gives_up_at_once_when_the_retry_after_would_end_past_it
         asyncio.run(_batch(client, "p", rec, result, started + 0.2))
         assert rec.error == "RESOURCE_EXHAUSTED" and rec.ttft_ms is None and time.perf_counter() - started < 1.0
         assert (client.tries > 1) == more_than_one and result.deferrals == client.tries - 1
+
+
+def test_capacity_is_measured_with_the_loads_own_streamed_calls(monkeypatch):
+    """The bursts are multiples of the measured capacity, so it is measured with the calls the load sends: streams.
+    A gateway stand-in whose stream takes 20 ms and whose unary call 1 ms: four in flight give about 200 streams a
+    second, which is the capacity; unary calls (`streamed=False`, bench slo-routing's measure) give ten times as many."""
+    import types
+
+    from cotserve.bench import slo
+
+    class Client:
+        def __init__(self, address: str) -> None:
+            assert address == "gw"
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def stream(self, prompt, **kwargs):
+            assert kwargs["max_new_tokens"] == INTERACTIVE_NEW_TOKENS and kwargs["sla"] == "interactive"
+            await asyncio.sleep(0.02)
+            yield types.SimpleNamespace(token_ids=[1] * INTERACTIVE_NEW_TOKENS, timing=None)
+
+        async def generate(self, prompt, **kwargs):
+            await asyncio.sleep(0.001)
+
+    monkeypatch.setattr(slo, "AsyncClient", Client)
+    streamed = asyncio.run(slo.capacity("gw", ["p"], seconds=0.5, concurrency=4))
+    unary = asyncio.run(slo.capacity("gw", ["p"], seconds=0.5, concurrency=4, streamed=False))
+    assert 100 < streamed <= 200 and unary > 5 * streamed

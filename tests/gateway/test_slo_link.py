@@ -682,10 +682,11 @@ def waiting_handle(address: str, window: slo_pb2.MetricsWindow, can_start: bool)
 
 def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turned_away_and_nothing_else_is():
     """--slo-shed-over: the fetched trees' TTFT p90 for the picked worker against shed_over x INTERACTIVE's target, for
-    a request that would queue in the gateway. With the line between the idle and the busy worker's predictions, one
-    for the busy worker is turned away (RESOURCE_EXHAUSTED naming the prediction, the factor and the target;
-    retry-after the predicted p90), one for the idle worker is not; nor one for the busy worker that would start
-    at once, nor BATCH or REALTIME, nor anything with the rule off or without trees."""
+    a request that would queue in the gateway, while the model's forecast is at or over its threshold. With the line
+    between the idle and the busy worker's predictions, one for the busy worker is turned away (RESOURCE_EXHAUSTED
+    naming the prediction, the factor and the target; retry-after the predicted p90), one for the idle worker is not;
+    nor one for the busy worker that would start at once, nor BATCH or REALTIME, nor anything with the rule off,
+    without trees, or with the forecast under its threshold, stale or missing."""
     async def main():
         slo, windows = await trained_slo()
         busy = worker_total([max(windows, key=lambda w: w.queue_depth)], "busy:1")
@@ -708,6 +709,7 @@ def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turn
             def link_with(shed_over: float) -> SloLink:
                 link = SloLink(SloLinkConfig(slo.server.address, shed_over=shed_over, targets=targets), SimpleNamespace(workers=[]))
                 link.last_worker_window, link.ttft_model = probe.last_worker_window, probe.ttft_model
+                link.forecasts["m"] = (0.8, 0.7, time.monotonic())  # a miss forecast: shedding may act
                 links.append(link)
                 return link
 
@@ -731,6 +733,16 @@ def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turn
             untrained = link_with(2.0)
             untrained.ttft_model = None
             untrained.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+            calm = link_with(2.0)  # the same request as the one turned away above, under other forecasts
+            for forecast in ((0.69, 0.7, time.monotonic()), (0.9, 0.7, time.monotonic() - 60), None):
+                if forecast is None:
+                    del calm.forecasts["m"]
+                else:
+                    calm.forecasts["m"] = forecast
+                calm.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+            calm.forecasts["m"] = (0.7, 0.7, time.monotonic())  # at the threshold: turned away
+            with pytest.raises(errors.ResourceExhausted):
+                calm.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
         finally:
             for link in (probe, *links):
                 await link.stop()
@@ -741,7 +753,8 @@ def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turn
 
 def test_a_gateway_shedding_over_the_target_turns_away_interactive_that_would_queue_and_nothing_else():
     """End to end through a real predictor, worker and gateway, INTERACTIVE's target a microsecond (every prediction
-    over it) and one INTERACTIVE request in flight at a time: while a long stream holds the one place, a second
+    over it), a miss forecast (the one stand-in: this quiet stack's own forecast is low) and one INTERACTIVE request
+    in flight at a time: while a long stream holds the one place, a second
     INTERACTIVE request gets RESOURCE_EXHAUSTED with a retry-after at the client and reaches no worker; BATCH (never
     shed) is served, and so is INTERACTIVE once the place is free (it would not queue). A bad factor names its range."""
     with pytest.raises(ValueError, match=r"slo_shed_over: 0\.1, allowed 0 \(off\) or 0\.25\.\.100"):
@@ -759,6 +772,7 @@ def test_a_gateway_shedding_over_the_target_turns_away_interactive_that_would_qu
             while gateway.slo.ttft_model is None:  # fetched for shedding, though routing is off
                 assert time.monotonic() < deadline, "the gateway never fetched the latency model"
                 await asyncio.sleep(0.05)
+            gateway.slo.fresh_forecast = lambda model, now: (0.9, 0.7)
             async with AsyncClient(gateway.server.address) as client:
                 long = client.stream("1+1=", max_new_tokens=200, ignore_eos=True, sla="interactive")
                 first = await long.__anext__()
