@@ -297,8 +297,9 @@ def test_a_batch_request_gives_up_at_once_when_the_retry_after_would_end_past_it
 
 def test_capacity_is_measured_with_the_loads_own_streamed_calls(monkeypatch):
     """The bursts are multiples of the measured capacity, so it is measured with the calls the load sends: streams.
-    A gateway stand-in whose stream takes 20 ms and whose unary call 1 ms: four in flight give about 200 streams a
-    second, which is the capacity; unary calls (`streamed=False`, bench slo-routing's measure) give ten times as many."""
+    A gateway stand-in whose stream takes 20 ms and whose unary call returns at once: four in flight give at most 200
+    streams a second, which is the capacity; unary calls (`streamed=False`, bench slo-routing's measure) give many
+    times as many."""
     import types
 
     from cotserve.bench import slo
@@ -319,9 +320,9 @@ def test_capacity_is_measured_with_the_loads_own_streamed_calls(monkeypatch):
             yield types.SimpleNamespace(token_ids=[1] * INTERACTIVE_NEW_TOKENS, timing=None)
 
         async def generate(self, prompt, **kwargs):
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0)
 
     monkeypatch.setattr(slo, "AsyncClient", Client)
     streamed = asyncio.run(slo.capacity("gw", ["p"], seconds=0.5, concurrency=4))
     unary = asyncio.run(slo.capacity("gw", ["p"], seconds=0.5, concurrency=4, streamed=False))
-    assert 100 < streamed <= 200 and unary > 5 * streamed
+    assert 50 < streamed <= 210 and unary > 5 * streamed
