@@ -166,11 +166,12 @@ async def capacity(address: str, prompts: list[str], seconds: float = 8.0, concu
     async with AsyncClient(address) as client:
         async def loop(i: int) -> None:
             nonlocal done
+            prompt = prompts[i % len(prompts)]
             while time.perf_counter() < stop_at:
                 if streamed:
-                    await _one(client, prompts[i % len(prompts)], "interactive", INTERACTIVE_NEW_TOKENS, RequestRecord())
+                    await _one(client, prompt, "interactive", INTERACTIVE_NEW_TOKENS, RequestRecord())
                 else:
-                    await client.generate(prompts[i % len(prompts)], max_new_tokens=INTERACTIVE_NEW_TOKENS, ignore_eos=True, sla="interactive")
+                    await client.generate(prompt, max_new_tokens=INTERACTIVE_NEW_TOKENS, ignore_eos=True, sla="interactive")
                 done += 1
         start = time.perf_counter()
         await asyncio.gather(*(loop(i) for i in range(concurrency)))

@@ -110,8 +110,8 @@ class GatewayConfig(TlsSettings):
     """While an urgent class's forecast is at or over the threshold, turn away (RESOURCE_EXHAUSTED, retry-after-ms) an
     INTERACTIVE request that would queue in this gateway and whose TTFT p90, predicted by the SLO predictor's trees
     for the worker picked for it, is over this multiple of the class's TTFT target, rather than queue it behind a
-    backlog that makes it, and those after it, miss; 0 (the default): never. A request turned away counts as a miss; what it buys is the backlog it does not add (`cotserve
-    bench slo`'s replay "shed" measures both)."""
+    backlog that makes it, and those after it, miss; 0 (the default): never. A request turned away counts as a miss;
+    what it buys is the backlog it does not add (`cotserve bench slo`'s replay "shed" measures both)."""
     prefix_cache_scope: str = "tenant"
     """Who shares workers' prefix-cache blocks: tenant (only requests of the same tenant: a shared cache would
     leak one tenant's prompts to another through timing) or global (every request)."""

@@ -383,6 +383,11 @@ class SloLink:
             return None
         return f[0], f[1]
 
+    def miss_forecast(self, model: str, now: float) -> bool:
+        """Whether the model's fresh forecast is at or over its threshold (an urgent class is forecast to miss)."""
+        f = self.fresh_forecast(model, now)
+        return f is not None and f[0] >= f[1]
+
     def defer_share(self, model: str) -> tuple[float, float, float]:
         """(share of BATCH to defer now, forecast, threshold) from the model's fresh forecast; share 0 without one."""
         f = self.fresh_forecast(model, time.monotonic()) if self.cfg.admission else None
@@ -405,9 +410,7 @@ class SloLink:
     def pause_wanted(self, model: str, now: float) -> bool:
         """Whether `model`'s BATCH should be paused now: a fresh forecast at or over the threshold, urgent requests
         not idle, and not resting after a pause of `max_pause_ms` (which then ends for half as long)."""
-        f = self.fresh_forecast(model, now)
-        want = (f is not None and f[0] >= f[1] and not self.urgent_idle(model)
-                and now >= self.pause_rest_until.get(model, 0.0))
+        want = self.miss_forecast(model, now) and not self.urgent_idle(model) and now >= self.pause_rest_until.get(model, 0.0)
         since = self.pausing_since.get(model)
         if want and since is not None and now - since >= self.cfg.max_pause_ms / 1000:
             self.pause_rest_until[model] = now + self.cfg.max_pause_ms / 2000
@@ -510,8 +513,7 @@ class SloLink:
         if (not self.cfg.shed_over or sla != SlaClass.INTERACTIVE or self.ttft_model is None
                 or worker.admission.starts_now(sla)):
             return
-        forecast = self.fresh_forecast(model, time.monotonic())
-        if forecast is None or forecast[0] < forecast[1]:
+        if not self.miss_forecast(model, time.monotonic()):
             return
         target_ms = self.cfg.targets[sla].ttft_ms
         row = latency_row(self.prompt_tokens_of(model, prompt_bytes), max_new_tokens, PB_CLASS[sla], self._state_now(worker, sla))
