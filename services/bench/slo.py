@@ -11,12 +11,15 @@
    the TTFT/TPOT prediction MAPE; and judges the forecast by blocked cross-validation over the whole recording
    (`slo.model.evaluate_folds`: each fifth held out in turn), which holds out every violation onset once.
 4. Replays the same bursty load (the next seed) against the trained predictor under each admission variant
-   (`ADMISSION_VARIANTS`: off, off again for the run-to-run gap, all-or-nothing, proportional, pause), and reports
-   INTERACTIVE's target-miss rate and p99 TTFT, the output tokens served and BATCH's TTFT (the gateway holds
-   BATCH arrivals, or pauses running BATCH on the worker; a request it turns away, when its hold is full, is
+   (`ADMISSION_VARIANTS`: off, off again for the run-to-run gap, the load without BATCH, all-or-nothing,
+   proportional, pause, shed, shed and pause), and reports INTERACTIVE's target-miss rate and p99 TTFT, the output
+   tokens served and BATCH's TTFT (the gateway holds BATCH arrivals, pauses running BATCH on the worker, or turns
+   away INTERACTIVE predicted to miss; a BATCH request it turns away, when its hold is full, is
    retried after its `retry-after-ms` with jitter, as a client would, until 60 s after the load ends).
 5. Does all of it for several seeds (`--seeds`): the figures come with 95% intervals over seeds, and violation
    onsets, the forecast's unit, are pooled over seeds with a Wilson interval on the share foreseen.
+6. Bounds what any rule could do on each seed's replay (`miss_floor`): the report says where an 80% cut of off's
+   misses was out of every rule's reach.
 """
 
 from __future__ import annotations
@@ -220,18 +223,19 @@ run, so the measure is not quite the ceiling; with the margin the floor stays un
 def miss_floor(ticks, capacity: float, target_ms: float, margin: float = FLOOR_MARGIN) -> float:
     """The fewest INTERACTIVE target misses any admission rule could leave on these `arrivals` (a share of their
     INTERACTIVE requests): a fluid queue that starts INTERACTIVE requests at `margin` x `capacity` a second, with
-    BATCH out of its way throughout and each request costing one short request (a surge's long prompts cost more),
-    in which whatever is queued beyond `target_ms` of that rate cannot start in time in any order, so is counted
-    missed (turned away or late) and dropped. Every simplification favours the rules, so a rule that leaves fewer
-    misses than this does not exist: where the floor is over a fifth of off's misses, the 80% cut is out of reach of
-    any rule on that replay (the load's bursts carry more than the stack can serve in time), and only capacity helps.
-    NaN without INTERACTIVE arrivals."""
+    BATCH out of its way throughout, each request costing one short request (a surge's long prompts cost more) and
+    each tick's arrivals served within the tick yet timed from its end, in which whatever is queued beyond
+    `target_ms` of that rate at a tick's end cannot start in time in any order, so is counted
+    missed (turned away or late) and dropped. Every simplification favours the rules: unless the stack starts
+    INTERACTIVE faster than `margin` x its measured capacity, no rule leaves fewer misses, and where the floor is over
+    a fifth of off's misses the 80% cut is out of any rule's reach on that replay (the bursts carry more than the stack
+    can start in time; only capacity helps). NaN without INTERACTIVE arrivals."""
     rate = margin * capacity
     backlog = missed = total = 0.0
     for _, sent in ticks:
         arrived = sum(cls == SlaClass.INTERACTIVE for cls, _ in sent)
         total += arrived
-        backlog = max(0.0, backlog - rate * TICK_S) + arrived
+        backlog = max(0.0, backlog + arrived - rate * TICK_S)  # a tick's arrivals start within it and wait from its end
         over = max(0.0, backlog - rate * target_ms / 1000)
         missed, backlog = missed + over, backlog - over
     return missed / total if total else math.nan

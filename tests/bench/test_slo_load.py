@@ -237,13 +237,13 @@ def test_the_miss_floor_counts_what_no_order_of_service_could_start_within_the_t
 
     I, B = SlaClass.INTERACTIVE, SlaClass.BATCH
     burst = [(0, [(I, "p")] * 25 + [(B, "p")] * 40)] + [(t, []) for t in range(1, 31)]
-    # 10/s for 1 s holds 10 of the 25; the rest cannot start within 1 s: 15 of 25 missed
-    assert miss_floor(burst, 10.0, 1000.0, margin=1.0) == pytest.approx(0.6)
-    assert miss_floor(burst, 10.0, 1000.0, margin=2.0) == pytest.approx(0.2)   # 20 held: 5 missed
-    assert miss_floor(burst, 10.0, 500.0, margin=1.0) == pytest.approx(0.8)    # half the target: 5 held
-    # 9 a second for 3 s at 10/s, then 25 at once: the queue has drained (one a tick) before the burst
+    # 10/s: one of the 25 starts within their tick, 10 more within 1 s of its end; the other 14 cannot
+    assert miss_floor(burst, 10.0, 1000.0, margin=1.0) == pytest.approx(14 / 25)
+    assert miss_floor(burst, 10.0, 1000.0, margin=2.0) == pytest.approx(3 / 25)   # 2 + 20 in time
+    assert miss_floor(burst, 10.0, 500.0, margin=1.0) == pytest.approx(19 / 25)   # half the target: 1 + 5
+    # 9 a second for 3 s at 10/s, then 25 at once: each starts within its tick, nothing queued before the burst
     steady = [(t, [(I, "p")] * (1 if t % 10 else 0)) for t in range(30)] + burst
-    assert miss_floor(steady, 10.0, 1000.0, margin=1.0) == pytest.approx(15 / (27 + 25))
+    assert miss_floor(steady, 10.0, 1000.0, margin=1.0) == pytest.approx(14 / (27 + 25))
     assert math.isnan(miss_floor([(0, [(B, "p")])], 10.0, 1000.0))
     # the load itself: bursts at the capacity leave none; at 1.5x the floor is a few percent; more with less margin
     assert miss_floor(arrivals(90.0, 200.0, ["s"], ["L"], seed=1, cycle_s=30.0, burst=1.0), 200.0, 1000.0) == 0.0
