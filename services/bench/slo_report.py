@@ -50,11 +50,12 @@ def _reachable(per_seed: list[dict[str, VariantOutcome]], floors: list[float], v
     (`miss_floor`, any rule) at most a fifth of off's misses and, for a rule acting on BATCH with the replay without
     BATCH run, that replay's misses too; '' when neither was measured."""
     batch_bound = NO_BATCH in mode.variants and variant in BATCH_RULES
-    if not batch_bound and all(math.isnan(f) for f in floors):
+    floored = not all(math.isnan(f) for f in floors)
+    if not batch_bound and not floored:
         return ""
     tested = [(s, f) for s, f in zip(per_seed, floors) if s["off"].misses >= 0.05]
     within = sum((math.isnan(f) or f <= 0.2 * s["off"].misses) and (not batch_bound or most_cut(s) >= 0.8) for s, f in tested)
-    by = " and ".join(["the fluid floor"] * (not all(math.isnan(f) for f in floors)) + [NO_BATCH] * batch_bound)
+    by = " and ".join(["the fluid floor"] * floored + [NO_BATCH] * batch_bound)
     return f" (within reach, {by} leaving <= 20% of off's misses, on {within})"
 
 
