@@ -312,7 +312,8 @@ def bench_telemetry(
 def bench_slo(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder for the worker (default: the bundled demo model)."),
     quick: bool = typer.Option(False, "--quick", help="A short run (under 3 minutes a seed on 2 cores): 100 s recorded in 25 s cycles, 20 s replays, "
-                               "admission off and proportional only (the full mode: 600 s, 120 s, 30 s cycles, off twice and every rule)."),
+                               "admission off and shed and pause only (the gateway's default with the predictor; the full mode: 600 s, "
+                               "120 s, 30 s cycles, off twice and every rule)."),
     seeds: int = typer.Option(1, min=1, max=20, help="Independent runs (seeds SEED, SEED+2, ...): figures get 95% intervals "
                               "over them and violation onsets are pooled."),
     duration_s: Optional[float] = typer.Option(None, min=10, help="Seconds of time-varying load to record and learn from "

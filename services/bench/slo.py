@@ -280,15 +280,16 @@ async def _prompts(address: str) -> tuple[list[str], list[str]]:
 
 
 FOLDS = 5  # blocked cross-validation of the recording: every stretch held out once (`slo.model.evaluate_folds`)
-_OFF = ("--no-slo-admission",)
+_NO_HOLD, _NO_SHED, _NO_PAUSE = ("--no-slo-admission",), ("--slo-shed-over", "0"), ("--no-slo-pause-batch",)
+_OFF = (*_NO_HOLD, *_NO_SHED, *_NO_PAUSE)  # every rule named, each off (the gateway's defaults shed and pause)
 NO_BATCH = "no BATCH"
 ADMISSION_VARIANTS: dict[str, tuple[str, ...]] = {
     "off": _OFF, "off again": _OFF, NO_BATCH: _OFF,
-    "all-or-nothing": ("--slo-admission", "--slo-throttle-from", "1.0"),
-    "proportional": ("--slo-admission", "--slo-throttle-from", "0.5"),
-    "pause": (*_OFF, "--slo-pause-batch"),
-    "shed": (*_OFF, "--slo-shed-over", "0.8"),
-    "shed and pause": (*_OFF, "--slo-shed-over", "0.8", "--slo-pause-batch"),
+    "all-or-nothing": ("--slo-admission", "--slo-throttle-from", "1.0", *_NO_SHED, *_NO_PAUSE),
+    "proportional": ("--slo-admission", "--slo-throttle-from", "0.5", *_NO_SHED, *_NO_PAUSE),
+    "pause": (*_NO_HOLD, *_NO_SHED, "--slo-pause-batch"),
+    "shed": (*_NO_HOLD, "--slo-shed-over", "0.8", *_NO_PAUSE),
+    "shed and pause": (*_NO_HOLD, "--slo-shed-over", "0.8", "--slo-pause-batch"),  # the gateway's defaults
 }
 """The replays' admission rules, as the gateway's flags: none; none again (the same replay twice: the run-to-run gap that
 any rule's difference from off is to be read against); the same replay with its BATCH arrivals left out (`NO_BATCH`:
@@ -320,7 +321,7 @@ class Mode:
 
 FULL = Mode(600.0, 120.0, 30.0, tuple(ADMISSION_VARIANTS))  # 30 s cycles: up to 20 violation onsets a recording (360 s
 # recordings gave 14 over 3 seeds, neighbouring cycles' violations running together, short of the 20 the evaluation needs)
-QUICK = Mode(100.0, 20.0, 25.0, ("off", "proportional"), capacity_s=4.0, replay_capacity_s=4.0)  # under 3 minutes on 2
+QUICK = Mode(100.0, 20.0, 25.0, ("off", "shed and pause"), capacity_s=4.0, replay_capacity_s=4.0)  # under 3 minutes on 2
 # cores (177-179 s with 5 s measurements; 183-186 s with 10 s before the replays and a 2 s wait before off's): four cycles
 # recorded (the forecaster needs 120 labelled seconds of the first 70%: 75 s gave 87), replays up to the burst's end
 # (100 s of 30 s cycles and 30 s replays took 191-218 s, and put the only surge in the held-out stretch: TTFT MAPE 215%

@@ -116,7 +116,9 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
         addr = f"127.0.0.1:{free_port()}"
         worker_args = [a for w in workers for a in ("--worker", w.address)]
         return Child("gateway", addr, python_cli("serve", "gateway", "--port", addr.rsplit(":", 1)[1], *worker_args,
-                                                 "--slo", slo_addr, "--no-slo-admission", "--metrics-port", str(metrics_port),
+                                                 "--slo", slo_addr, "--metrics-port", str(metrics_port),
+                                                 # routing alone, no admission rule:
+                                                 "--no-slo-admission", "--slo-shed-over", "0", "--no-slo-pause-batch",
                                                  "--slo-routing" if routing else "--no-slo-routing"), grpc_ready(addr))
 
     out: dict = {"workers": [w.address for w in workers], "slow": workers[0].address, "slowed": slowed, "runs": {}}

@@ -4,9 +4,11 @@ and, when asked (`--slo-routing`; least loaded otherwise), routes by predicted T
 trained trees of TTFT's 90th percentile when they change (for shedding too) and evaluates them itself for each
 candidate worker (cotserve.common.latency: no call per request).
 It acts on BATCH as an urgent class's forecast rises: holding BATCH arrivals in the gateway (`hold_batch`)
-and, when configured, pausing the model's running BATCH on its workers (`steer_pauses`, worker PauseBatch); and,
-when configured (`--slo-shed-over`), while the forecast is over its threshold, it turns away an INTERACTIVE request
-that would queue behind a backlog its predicted TTFT says it would miss its target in (`shed`).
+and pausing the model's running BATCH on its workers (`steer_pauses`, worker PauseBatch); and, while the forecast
+is over its threshold, it turns away an INTERACTIVE request that would queue behind a backlog its predicted TTFT says
+it would miss its target in (`shed`). The gateway turns on pausing and shedding by default (`--slo-pause-batch`,
+`--slo-shed-over 0.8`) and holding arrivals only when asked; this config's defaults are all off (a link that only
+reports).
 
 The predictor is advice, never a dependency: a report that fails is retried with the next one (a
 bounded backlog), a forecast that is missing, stale or untrained sheds nothing, and a predictor

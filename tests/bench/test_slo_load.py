@@ -149,13 +149,13 @@ def test_report_pools_onsets_over_seeds_and_judges_each_seed_against_its_own_rep
     from cotserve.slo.model import pooled_events
 
     runs = [
-        _run(0, {"off": _replay(10, 100, 50.0, 1000), "proportional": _replay(1, 100, 40.0, 950)}),   # 10% -> 1%: cut 90%
-        _run(2, {"off": _replay(2, 100, 50.0, 1000), "proportional": _replay(3, 100, 40.0, 990)}),    # more misses: worse
-        _run(4, {"off": _replay(0, 100, 50.0, 1000), "proportional": _replay(0, 100, 80.0, 700)}),    # p99 up: worse
+        _run(0, {"off": _replay(10, 100, 50.0, 1000), "shed and pause": _replay(1, 100, 40.0, 950)}),   # 10% -> 1%: cut 90%
+        _run(2, {"off": _replay(2, 100, 50.0, 1000), "shed and pause": _replay(3, 100, 40.0, 990)}),    # more misses: worse
+        _run(4, {"off": _replay(0, 100, 50.0, 1000), "shed and pause": _replay(0, 100, 80.0, 700)}),    # p99 up: worse
     ]
     per_seed = [outcomes(r) for r in runs]
-    assert per_seed[0]["proportional"].misses == 0.01 and per_seed[0]["proportional"].tokens_ratio == 0.95
-    worse, cuts, beyond = verdicts(per_seed, "proportional")
+    assert per_seed[0]["shed and pause"].misses == 0.01 and per_seed[0]["shed and pause"].tokens_ratio == 0.95
+    worse, cuts, beyond = verdicts(per_seed, "shed and pause")
     assert worse == 2 and cuts == [True]  # only seed 0 missed >= 5% without admission
     assert beyond is None  # no seed replayed off twice
     assert pooled_events([r["evaluation"] for r in runs], "events")[:3] == (12, 9, 0.75)
@@ -163,8 +163,8 @@ def test_report_pools_onsets_over_seeds_and_judges_each_seed_against_its_own_rep
     assert print_report(runs, QUICK, console)
     text = console.export_text()
     assert "12 held-out violation onsets over the seeds (goal >= 20)" in text and "NOT met: 12 held-out" in text
-    assert "NOT met: proportional: never worse than off (misses and p99 TTFT): worse on 2 of 3 seeds" in text
-    assert "met: proportional: where off missed >= 5% (1 seeds), misses down >= 80% at >= 0.85x tokens on 1 of them" in text
+    assert "NOT met: shed and pause: never worse than off (misses and p99 TTFT): worse on 2 of 3 seeds" in text
+    assert "met: shed and pause: where off missed >= 5% (1 seeds), misses down >= 80% at >= 0.85x tokens on 1 of them" in text
     assert "9 = 75.0% [" in text  # the pooled share with its Wilson interval
     assert "seed 2: TTFT MAPE by load: light (0-4 in flight): 25.0% of 20, heavy (5-60 in flight): 11.0% of 20" in text
 
@@ -258,8 +258,8 @@ def test_the_report_says_where_the_fluid_floor_puts_the_80_percent_cut_out_of_an
     from cotserve.bench.slo import QUICK
     from cotserve.bench.slo_report import print_report
 
-    runs = [_run(0, {"off": _replay(20, 100, 50.0, 1000), "proportional": _replay(10, 100, 50.0, 1000)}),
-            _run(2, {"off": _replay(10, 100, 50.0, 1000), "proportional": _replay(1, 100, 50.0, 1000)})]
+    runs = [_run(0, {"off": _replay(20, 100, 50.0, 1000), "shed and pause": _replay(10, 100, 50.0, 1000)}),
+            _run(2, {"off": _replay(10, 100, 50.0, 1000), "shed and pause": _replay(1, 100, 50.0, 1000)})]
     runs[0]["miss_floor"], runs[1]["miss_floor"] = 0.05, 0.01  # over a fifth of off's 20%; under a fifth of 10%
     console = Console(record=True, width=400)
     assert print_report(runs, QUICK, console)
@@ -267,7 +267,7 @@ def test_the_report_says_where_the_fluid_floor_puts_the_80_percent_cut_out_of_an
     assert ("the fewest INTERACTIVE misses any rule could leave (`miss_floor`: a fluid queue at 1.1x the measured "
             "capacity, BATCH out of the way), per seed, against off's misses and the 80% cut's bound: "
             "5.0% vs 20.0% (cut to 4.0%), 1.0% vs 10.0% (cut to 2.0%)") in text
-    assert ("NOT met: proportional: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens on 1 of them "
+    assert ("NOT met: shed and pause: where off missed >= 5% (2 seeds), misses down >= 80% at >= 0.85x tokens on 1 of them "
             "(within reach, the fluid floor leaving <= 20% of off's misses, on 1)") in text
 
 
@@ -367,3 +367,30 @@ def test_capacity_is_measured_with_the_loads_own_streamed_calls(monkeypatch):
     streamed = asyncio.run(slo.capacity("gw", ["p"], seconds=0.5, concurrency=4))
     unary = asyncio.run(slo.capacity("gw", ["p"], seconds=0.5, concurrency=4, streamed=False))
     assert 50 < streamed <= 210 and unary > 5 * streamed
+
+
+def test_each_replay_names_every_admission_rule_so_off_is_off_whatever_the_gateways_defaults():
+    """The gateway sheds and pauses by default with the predictor linked; the bench's replays pass each rule's flags
+    explicitly, so "off" (and every variant) runs exactly the rules it is named for."""
+    import typer
+    from typer.testing import CliRunner
+
+    from cotserve.bench.slo import ADMISSION_VARIANTS
+    from cotserve.common.config import serve_command
+    from cotserve.gateway.config import GatewayConfig
+
+    def parsed(flags: tuple[str, ...]) -> GatewayConfig:
+        app, seen = typer.Typer(), []
+        serve_command(app, GatewayConfig, "gateway", seen.append, "Start the gateway.")
+        result = CliRunner().invoke(app, ["--worker", "127.0.0.1:1", "--slo", "127.0.0.1:2", *flags], env={})
+        assert result.exit_code == 0, result.output
+        return seen[0]
+
+    linked = parsed(())
+    assert (linked.slo_admission, linked.slo_shed_over, linked.slo_pause_batch) == (False, 0.8, True)
+    rules = {name: (c.slo_admission, c.slo_throttle_from, c.slo_shed_over, c.slo_pause_batch)
+             for name, c in ((name, parsed(flags)) for name, flags in ADMISSION_VARIANTS.items())}
+    assert rules == {"off": (False, 1.0, 0.0, False), "off again": (False, 1.0, 0.0, False), "no BATCH": (False, 1.0, 0.0, False),
+                     "all-or-nothing": (True, 1.0, 0.0, False), "proportional": (True, 0.5, 0.0, False),
+                     "pause": (False, 1.0, 0.0, True), "shed": (False, 1.0, 0.8, False),
+                     "shed and pause": (False, 1.0, 0.8, True)}

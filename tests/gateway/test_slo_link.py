@@ -656,16 +656,23 @@ def test_a_forecast_miss_pauses_running_batch_on_the_models_workers_for_a_renewe
     asyncio.run(main())
 
 
-def test_the_gateways_pause_flags_reach_its_link_and_a_bad_max_pause_names_the_range():
+def test_a_linked_gateway_sheds_and_pauses_by_default_its_flags_reach_the_link_and_a_bad_max_pause_names_the_range():
     with pytest.raises(ValueError, match=r"slo_max_pause_ms: 500, allowed 1000\.\.60000"):
         GatewayConfig(workers=["127.0.0.1:1"], slo_max_pause_ms=500).validate()
 
     async def main():
         gateway = await start_gateway(GatewayConfig(port=0, workers=["127.0.0.1:1"], slo_address="127.0.0.1:2",
-                                                    slo_pause_batch=True, slo_max_pause_ms=1500))
-        try:
+                                                    slo_max_pause_ms=1500))
+        try:  # the rules never worse than none in bench slo's full runs are on with the predictor linked
             assert gateway.slo.cfg.pause_batch and gateway.slo.cfg.max_pause_ms == 1500
+            assert gateway.slo.cfg.shed_over == 0.8
             assert not gateway.slo.cfg.admission  # holding BATCH arrivals is opt-in (--slo-admission)
+        finally:
+            await gateway.stop()
+        gateway = await start_gateway(GatewayConfig(port=0, workers=["127.0.0.1:1"], slo_address="127.0.0.1:2",
+                                                    slo_pause_batch=False, slo_shed_over=0.0))
+        try:
+            assert not gateway.slo.cfg.pause_batch and gateway.slo.cfg.shed_over == 0.0
         finally:
             await gateway.stop()
 
