@@ -93,7 +93,7 @@ async def drive(address: str, seconds: float, rate: float, prompts: list[str], s
 
 def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: int, progress, slowed: str = "flood",
         rounds: int = 2, session: bool = True) -> dict:
-    from cotserve.bench.slo import CAPACITY_CONCURRENCY, capacity, predictor_child
+    from cotserve.bench.slo import ADMISSION_VARIANTS, CAPACITY_CONCURRENCY, capacity, predictor_child
     from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
 
     if slowed not in SLOWED:
@@ -117,8 +117,7 @@ def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: in
         worker_args = [a for w in workers for a in ("--worker", w.address)]
         return Child("gateway", addr, python_cli("serve", "gateway", "--port", addr.rsplit(":", 1)[1], *worker_args,
                                                  "--slo", slo_addr, "--metrics-port", str(metrics_port),
-                                                 # routing alone, no admission rule:
-                                                 "--no-slo-admission", "--slo-shed-over", "0", "--no-slo-pause-batch",
+                                                 *ADMISSION_VARIANTS["off"],  # routing alone, no admission rule
                                                  "--slo-routing" if routing else "--no-slo-routing"), grpc_ready(addr))
 
     out: dict = {"workers": [w.address for w in workers], "slow": workers[0].address, "slowed": slowed, "runs": {}}
