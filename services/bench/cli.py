@@ -115,7 +115,7 @@ def bench_isolation(
     compare_batch_interval: bool = typer.Option(True, help="Also run the flood with BATCH streamed token by token "
                                                 "(--batch-stream-interval 1), the design before BATCH's 8-token messages."),
     compare_batch_yield: bool = typer.Option(True, help="Also run the flood with BATCH decoding beside urgent prompts "
-                                             "(--no-batch-yields-to-urgent-prompts), the scheduler before BATCH yielded."),
+                                             "(--scheduling priority: SLA classes without yielding)."),
     compare_stagger: bool = typer.Option(True, help="Also run the flood with held streams writing in step with each "
                                          "other (--no-stream-stagger), the design before their writes were spread."),
     session: bool = typer.Option(True, help="Tenant B's client sends its requests as streams of one Session call "
@@ -142,9 +142,9 @@ def bench_isolation(
     if compare_batch_interval:  # the design before: BATCH streamed token by token as every class
         runs.append(("B + flood, SLA on, BATCH per token", flood_concurrency,
                      (*worker_common, "--batch-stream-interval", "1"), (), session))
-    if compare_batch_yield:  # the scheduler before: BATCH decodes in the step of an urgent prompt
+    if compare_batch_yield:  # BATCH decodes in the step of an urgent prompt
         runs.append(("B + flood, SLA on, BATCH not yielding", flood_concurrency,
-                     (*worker_common, "--no-batch-yields-to-urgent-prompts"), (), session))
+                     (*worker_common, "--scheduling", "priority"), (), session))
     if compare_stagger:
         runs.append(("B + flood, SLA on, writes not spread", flood_concurrency, (*worker_common, "--no-stream-stagger"),
                      (), session))

@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 
 from cotserve.common.sampling import SamplingParams
-from cotserve.worker.engine import Engine, EngineConfig
+from cotserve.worker.engine import Engine
+from cotserve.worker.engine_config import EngineConfig
 from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.models.loader import LoadedModel
 
@@ -57,7 +58,7 @@ def run_one(loaded: LoadedModel, name: str, kv_dtype: str, topk: int, kv_bytes: 
 
     for i in range(requests):
         engine.submit(f"r{i}", prompt_ids, params, sink)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     decode_steps, decode_s = 0, 0.0
     start = time.perf_counter()
     while engine.scheduler.has_work():

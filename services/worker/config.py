@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from cotserve.common.config import Cli, legacy_env
 from cotserve.common.tls import TlsSettings
+from cotserve.worker.scheduling import POLICIES
 
 DEMO_MODEL = Path(__file__).parent / "demo" / "cotserve-demo"
 
@@ -65,13 +66,12 @@ class WorkerConfig(TlsSettings):
     """Share of each step's token budget kept for BATCH work when there is any (0..1)."""
     metrics_port: int = 0
     """Port for Prometheus /metrics on `host` (0 = off)."""
-    scheduling: str = "priority"
-    """priority (SLA class, then arrival) or fifo (arrival only; a baseline for benchmarks)."""
+    scheduling: str = "priority-yield"
+    """Scheduling policy: priority-yield (SLA class, then arrival; a step that computes a REALTIME/INTERACTIVE prompt
+    runs no BATCH work, at most every other step, so an urgent first token waits on urgent work only), priority (SLA
+    class, then arrival, BATCH decoding beside urgent prompts) or fifo (arrival only; a baseline for benchmarks)."""
     max_batch_tokens_when_urgent: int = 256
     """BATCH tokens per step at most while REALTIME/INTERACTIVE work is present (BATCH's share still holds)."""
-    batch_yields_to_urgent_prompts: bool = True
-    """A step that computes a REALTIME/INTERACTIVE prompt runs no BATCH work (BATCH still runs at least every other
-    step), so an urgent request's first token waits on a step of urgent work only."""
     redis_url: str | None = None
     """Redis of the MoE control plane (an MoE model then follows its routing policy there)."""
     worker_id: str | None = None
@@ -135,7 +135,7 @@ class WorkerConfig(TlsSettings):
             (self.kv_cache_dtype in ("auto", *KV_CACHE_DTYPES),
              f"kv_cache_dtype: {self.kv_cache_dtype!r}, allowed: auto, {', '.join(KV_CACHE_DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
-            (self.scheduling in ("priority", "fifo"), f"scheduling: {self.scheduling!r}, allowed: priority, fifo"),
+            (self.scheduling in POLICIES, f"scheduling: {self.scheduling!r}, allowed: {', '.join(POLICIES)}"),
             (self.max_batch_tokens_when_urgent >= 1,
              f"max_batch_tokens_when_urgent: {self.max_batch_tokens_when_urgent}, must be >= 1"),
             (0.0 <= self.batch_min_share <= 1.0, f"batch_min_share: {self.batch_min_share}, allowed 0..1"),

@@ -14,7 +14,7 @@ from cotserve.common.sampling import (
 from cotserve.worker.detokenizer import TokenTexts
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.common.v1 import common_pb2
-from cotserve.worker.engine import NO_TOKEN, RequestOutput, VoteResult
+from cotserve.worker.outputs import NO_TOKEN, RequestOutput, VoteResult
 from cotserve.worker.v1 import worker_pb2
 
 

@@ -1,38 +1,33 @@
 """The engine in a process of its own, and the front the worker's gRPC process talks to.
 
-Why: the engine thread used to share one GIL with the gRPC servicer, protobuf conversion,
-tokenization and tracing, so every token's Python work on the serving side stole time from the
-model's step (and the other way round). The child process owns the model, the KV cache (it is sized
-there) and the scheduler, and runs the engine's loop: drain commands → step → send what that pass
-produced. The front (`EngineProcess`, in the gRPC process) has the engine's API (`submit`, `abort`,
-`stats`, `pause_batch`, MoE policy and load), tokenizes, streams and converts; it detokenizes and applies stop strings for
-every request whose text the engine itself does not read (`FrontText`; votes and step-counted reasoning controls
-keep both in the engine).
+Why a process: the engine's loop and the serving side's Python work (the gRPC servicer, protobuf conversion,
+tokenization, tracing) would otherwise share one GIL, and every token's work on one side would take time from the
+other. The child process owns the model, the KV cache (it is sized there) and the scheduler, and runs the engine's
+loop: apply commands → step → send what that pass produced. The front (`EngineProcess`, in the gRPC process) has
+the engine's API (`EngineClient`: submit, abort, stats, pause_batch, MoE policy and load), tokenizes, streams and
+converts; it detokenizes and applies stop strings for every request whose text the engine itself does not read
+(`FrontText`; votes and step-counted reasoning controls keep both in the engine).
 
-IPC: two socket pairs wrapped in `multiprocessing.connection.Connection` (length-prefixed pickles). Commands in are typed
-dataclasses (`AddRequest`, `AbortRequest`, `StopSample`, `PauseBatch`, `SetPolicy`, `TakeExpertLoad`, `Shutdown`); out goes one
-`StepOutputs` message per loop pass that produced anything: every output of that pass (all running
-sequences' new tokens, finish reasons, timings) and the stats snapshot. A pass's message is a few
-hundred bytes to a few KB; pickling plus the pipe round trip measured 30-60 µs for 32 outputs on this
-machine when it was first written and 100-106 µs on a slower day (163-173 µs the same hour while
-`RequestOutput` was a frozen dataclass, whose `__init__` the unpickling runs; `python -m
-cotserve.worker.engine_process --measure`), against 3-6 ms per engine step on the demo model, so a pipe
-is not what limits us and needs nothing beyond the standard library. (ZMQ and
-shared-memory rings would matter at GPU step times well under a millisecond; the message types stay.)
+IPC: two socket pairs wrapped in `multiprocessing.connection.Connection` (length-prefixed pickles). Commands in are the
+engine's own (`commands.py`), applied by the same table as in-thread; out goes one `StepOutputs` message per loop
+pass that produced anything: every output of that pass and the stats snapshot. A pass's message is a few hundred bytes
+to a few KB, and its round trip is small against an engine step on the CPU (`python -m
+cotserve.worker.engine_process --measure` times it), so the standard library's pipe is enough; at GPU step times well
+under a millisecond a shared-memory ring would matter, and the message types would stay.
 
-Lifecycle: the child is a fresh interpreter (`python -m cotserve.worker.engine_process`, the pipes'
-ends passed as file descriptors): a fork of a process running gRPC threads is unsafe, and
-multiprocessing's `spawn` would re-import the caller's main module (a script without a `__main__`
-guard would start itself again) and add a resource-tracker process. It gets its config as the first
-message, asks the kernel to SIGTERM it when its parent dies, and also ends when its command pipe closes. With
-nothing to do it blocks on the engine's inbox: an idle worker uses no CPU. If it dies, the front's
-reader sees the pipe close: every request in flight ends with an error naming the exit, `on_death`
+Lifecycle: the child is a fresh interpreter (`python -m cotserve.worker.engine_process`, the pipes' ends passed as
+file descriptors): a fork of a process running gRPC threads is unsafe, and multiprocessing's `spawn` would re-import
+the caller's main module (a script without a `__main__` guard would start itself again) and add a resource-tracker
+process. It gets its config as the first message, asks the kernel to SIGTERM it when its parent dies, and also ends
+when its command pipe closes. With nothing to do it blocks on the engine's inbox: an idle worker uses no CPU. If it
+dies, the front's reader sees the pipe close: every request in flight ends with an error naming the exit, `on_death`
 tells the server (health NOT_SERVING), and later submits fail at once with the same reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import logging
 import os
 import signal
@@ -48,57 +43,18 @@ from typing import Any, Callable
 
 from cotserve.common.heap import freeze_startup_heap
 from cotserve.common.lifetime import follow_parent
+from cotserve.common.errors import FailedPrecondition, InvalidArgument, ModelLoadError
 from cotserve.common.sampling import ReasoningParams
-from cotserve.worker.detokenizer import IncrementalDetokenizer, TokenBytes
-from cotserve.worker.engine import NO_TOKEN, EngineConfig, EngineStats, RequestOutput, Sink, check_submit, needs_engine_text
-from cotserve.worker.reasoning import Part
-from cotserve.worker.scheduler import check_batch_pause, is_stop_token
+from cotserve.worker.commands import AddRequest, Command, Shutdown
+from cotserve.worker.detokenizer import TokenBytes
+from cotserve.worker.engine_client import EngineClient
+from cotserve.worker.engine_config import EngineConfig, needs_engine_text
+from cotserve.worker.engine_metrics import EngineStats
+from cotserve.worker.front_text import FrontText
+from cotserve.worker.outputs import RequestOutput, Sink
 from cotserve.worker.sequence import SamplingParams, SlaClass
 
 log = logging.getLogger("cotserve.worker.engine")
-
-
-# ---- commands (front -> engine) -----------------------------------------------------------------
-@dataclass(slots=True, frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sla_class: SlaClass
-    cache_salt: str
-    budget: ReasoningParams
-    detokenize: bool = True  # False: the front makes the text (`FrontText`)
-
-
-@dataclass(slots=True, frozen=True)
-class AbortRequest:
-    request_id: str
-
-
-@dataclass(slots=True, frozen=True)
-class StopSample:
-    request_id: str
-    index: int  # the sample the front found a stop string in (`FrontText`)
-
-
-@dataclass(slots=True, frozen=True)
-class PauseBatch:
-    seconds: float  # checked by the front (`scheduler.check_batch_pause`)
-
-
-@dataclass(slots=True, frozen=True)
-class SetPolicy:
-    policy: Any  # models.moe.RoutingPolicy
-
-
-@dataclass(slots=True, frozen=True)
-class TakeExpertLoad:
-    ticket: int
-
-
-@dataclass(slots=True, frozen=True)
-class Shutdown:
-    pass
 
 
 # ---- messages (engine -> front) -----------------------------------------------------------------
@@ -130,10 +86,33 @@ class ExpertLoad:
     load: dict[int, list[int]]
 
 
+class FailureKind(enum.Enum):
+    """Why the engine process could not start, as the front raises it again (`raise_in_front`)."""
+
+    MODEL_LOAD = "model_load"  # the model folder cannot be served (ModelLoadError)
+    CONFIG = "config"  # a setting or the model's config is out of range (ValueError)
+    OS = "os"  # a file or device could not be used (OSError)
+    INTERNAL = "internal"  # a bug: the message has the traceback (RuntimeError)
+
+    @classmethod
+    def of(cls, exc: BaseException) -> FailureKind:
+        if isinstance(exc, ModelLoadError):
+            return cls.MODEL_LOAD
+        if isinstance(exc, (ValueError, FailedPrecondition, InvalidArgument)):
+            return cls.CONFIG
+        if isinstance(exc, OSError):
+            return cls.OS
+        return cls.INTERNAL
+
+    def exception(self, message: str) -> Exception:
+        return {FailureKind.MODEL_LOAD: ModelLoadError, FailureKind.CONFIG: ValueError, FailureKind.OS: OSError,
+                FailureKind.INTERNAL: RuntimeError}[self](message)
+
+
 @dataclass(slots=True, frozen=True)
 class EngineFailed:
     reason: str  # the child could not start: the message names the problem (a ModelLoadError's, say)
-    kind: str = "ValueError"
+    kind: FailureKind = FailureKind.CONFIG
 
 
 # ---- the child --------------------------------------------------------------------------------
@@ -154,9 +133,9 @@ def _build_engine(cfg: Any, send: Callable[[object], None]) -> tuple[Any, Any] |
                                                   cfg.reasoning_step, cfg.answer_regex)
         return Engine(loaded, engine_config(cfg, loaded), reasoning), loaded
     except (CotserveError, ValueError, OSError) as exc:
-        send(EngineFailed(getattr(exc, "message", str(exc)), type(exc).__name__))
+        send(EngineFailed(getattr(exc, "message", str(exc)), FailureKind.of(exc)))
     except BaseException as exc:  # noqa: BLE001 - reported, then the process ends
-        send(EngineFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}", "RuntimeError"))
+        send(EngineFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}", FailureKind.INTERNAL))
     return None
 
 
@@ -177,28 +156,6 @@ class _Outbox:
         self.pending.clear()
         self.last_stats = stats
         self.send(StepOutputs(batch, stats))
-
-
-def _apply(engine: Any, cmd: object, sink: Sink, send: Callable[[object], None]) -> bool:
-    """One command from the front; False when it says to stop."""
-    if isinstance(cmd, AddRequest):
-        try:
-            engine.submit(cmd.request_id, cmd.prompt_ids, cmd.params, sink, cmd.sla_class, cmd.cache_salt, cmd.budget,
-                          cmd.detokenize)
-        except ValueError as exc:  # the front checked already; should it still happen: report, do not die
-            send(StepOutputs([RequestOutput(cmd.request_id, 0, "", None, error=str(exc))], engine.stats()))
-    elif isinstance(cmd, AbortRequest):
-        engine.abort(cmd.request_id)
-    elif isinstance(cmd, StopSample):
-        engine.stop_sample(cmd.request_id, cmd.index)
-    elif isinstance(cmd, PauseBatch):
-        engine.pause_batch(cmd.seconds)
-    elif isinstance(cmd, SetPolicy):
-        engine.set_routing_policy(cmd.policy)
-    elif isinstance(cmd, TakeExpertLoad):
-        ticket = cmd.ticket
-        engine.request_expert_load(lambda load, t=ticket: send(ExpertLoad(t, load)))
-    return not isinstance(cmd, Shutdown)
 
 
 def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
@@ -223,6 +180,8 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
     engine, loaded = built
     outbox = _Outbox(engine, send)
     engine.after_iteration = outbox.flush
+    engine.default_sink = outbox.pending.append
+    engine.expert_load_reply = lambda ticket, load: send(ExpertLoad(ticket, load))
     engine.policy_listeners.append(lambda version: send(PolicyApplied(version)))
     send(EngineReady(engine.config, engine.kv_spec, loaded.revision, loaded.dtype, str(loaded.device), engine.stats(),
                      engine.kernels))
@@ -237,7 +196,8 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
                     cmd = commands.recv()
                 except (EOFError, OSError):
                     break  # the front is gone
-                if not _apply(engine, cmd, outbox.pending.append, send):
+                engine.post(cmd)  # applied on the engine's thread, by the same table as in-thread commands
+                if isinstance(cmd, Shutdown):
                     break
         finally:
             engine.stop()
@@ -258,103 +218,14 @@ def run_engine(parent: int, commands: Connection, outputs: Connection) -> None:
 
 
 # ---- the front --------------------------------------------------------------------------------
-class FrontText:
-    """The text of a request the engine runs without detokenizing (`needs_engine_text` False: no vote, no budget or
-    early exit by reasoning steps), made here in the front as the engine would have made it: the same incremental
-    detokenizer per sample, a stop token's text dropped, what was held back added to each sample's last output,
-    and, for a reasoning model, that output's reasoning/answer split. It fills in the outputs the front has just
-    unpickled, before the request's sink sees them. Moving this out of the engine process takes the per-token
-    detokenization (and the reasoning tracker's step-delimiter search) off the process that runs the model, as
-    vLLM's API process detokenizes for its engine core.
-
-    Stop strings are found here too: the output whose text completes one goes out with the text up to it, and
-    `stop_sample(index)` tells the engine to end that sample. Until it has, the engine may generate a token or two
-    more (vLLM's output processor does the same): they are dropped, the engine's last output of the sample goes out
-    as a tokenless "stop", and the request's usage leaves them out (completion and reasoning tokens)."""
-
-    __slots__ = ("sink", "tokenizer", "token_bytes", "prompt_ids", "params", "eos_token_ids", "fmt",
-                 "thinking_at_start", "detoks", "stop_sample", "dropped")
-
-    def __init__(self, sink: Sink, tokenizer: Any, token_bytes: TokenBytes | None, prompt_ids: list[int],
-                 params: SamplingParams, eos_token_ids: frozenset[int], fmt: Any,
-                 stop_sample: Callable[[int], None] | None = None) -> None:
-        if params.stop and stop_sample is None:
-            raise ValueError("FrontText: stop strings need stop_sample, to end a sample in the engine")
-        self.sink, self.tokenizer, self.token_bytes, self.prompt_ids = sink, tokenizer, token_bytes, prompt_ids
-        self.params, self.eos_token_ids, self.stop_sample = params, eos_token_ids, stop_sample
-        self.fmt = fmt  # the model's ReasoningFormat, or None
-        self.thinking_at_start = fmt is not None and fmt.opens_thinking(prompt_ids)
-        self.detoks: dict[int, IncrementalDetokenizer] = {}
-        self.dropped: dict[int, _Dropped] = {}  # samples ended here on a stop string: what the engine sent after it
-
-    def __call__(self, out: RequestOutput) -> None:
-        if out.error is None:
-            dropped = self.dropped.get(out.index)
-            if dropped is None:
-                self._text(out)
-            elif dropped.take(out):
-                self._split(out)
-            else:
-                return
-            if out.is_last and self.dropped:
-                out.completion_tokens -= sum(d.tokens for d in self.dropped.values())
-                out.reasoning_tokens -= sum(d.reasoning_tokens for d in self.dropped.values())
-        self.sink(out)
-
-    def _text(self, out: RequestOutput) -> None:
-        detok = self.detoks.get(out.index)
-        if detok is None:
-            detok = self.detoks[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params.stop,
-                                                                    self.token_bytes)
-        if out.token_id != NO_TOKEN and not is_stop_token(self.params, self.eos_token_ids, out.token_id):
-            out.text = detok.add_token(out.token_id)  # up to a stop string, all of it: nothing is held back then
-            if detok.stopped_by_string:
-                if out.finish_reason is None:  # the engine runs on until told: its last output will end the sample
-                    self.dropped[out.index] = _Dropped()
-                    self.stop_sample(out.index)
-                    return
-                out.finish_reason = "stop"  # as the engine ends a sample on a stop string, even at its length
-        if out.finish_reason is not None:
-            out.text += detok.flush()
-            self._split(out)
-
-    def _split(self, out: RequestOutput) -> None:
-        """A sample's last output: its reasoning/answer split, for a reasoning model."""
-        if self.fmt is not None:
-            out.reasoning_text, out.answer_text = self.fmt.split(self.detoks[out.index].text, self.thinking_at_start)
-
-
-class _Dropped:
-    """What the engine sent of a sample after the front ended it on a stop string."""
-
-    __slots__ = ("tokens", "reasoning_tokens", "events")
-
-    def __init__(self) -> None:
-        self.tokens = self.reasoning_tokens = 0
-        self.events: tuple[tuple[str, int], ...] = ()
-
-    def take(self, out: RequestOutput) -> bool:
-        """Count `out`'s token as dropped; True for the sample's last output from the engine, made a tokenless
-        "stop" (its trace events joined by the dropped outputs'), which still goes out: it may carry the usage."""
-        if out.token_id != NO_TOKEN:
-            self.tokens += 1
-            self.reasoning_tokens += out.part == Part.REASONING
-        self.events += out.events
-        if out.finish_reason is None:
-            return False
-        out.token_id, out.text, out.logprob, out.top_logprobs, out.finish_reason = NO_TOKEN, "", None, None, "stop"
-        out.events, self.events = self.events, ()
-        return True
-
-
 class EngineDied(RuntimeError):
     """The engine process is gone; the message says how."""
 
 
 @dataclass
-class EngineProcess:
-    """The engine's API, served by a child process (see the module docstring). `start()` blocks until the
-    model is loaded and the pool sized there, raising what the child reported when it could not."""
+class EngineProcess(EngineClient):
+    """The engine's API (`EngineClient`), served by a child process (see the module docstring). `start()` blocks
+    until the model is loaded and the pool sized there, raising what the child reported when it could not."""
 
     cfg: Any  # WorkerConfig
     reasoning: Any = None  # the front's ReasoningFormat (the same markers the child uses)
@@ -371,8 +242,6 @@ class EngineProcess:
     dead: str | None = None
     _stats: EngineStats = field(default_factory=EngineStats)
     _sinks: dict[str, Sink] = field(default_factory=dict)
-    _load_callbacks: dict[int, Callable[[dict[int, list[int]]], None]] = field(default_factory=dict)
-    _tickets: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _send_lock: threading.Lock = field(default_factory=threading.Lock)
     _proc: Any = None
@@ -380,6 +249,9 @@ class EngineProcess:
     _outputs: Any = None
     _reader: threading.Thread | None = None
     _token_bytes: tuple[TokenBytes | None] | None = None  # FrontText's per-token bytes, made on first use
+
+    def __post_init__(self) -> None:
+        self._init_client()
 
     def start(self, timeout_s: float = 600.0) -> None:
         commands, child_commands = socket.socketpair()
@@ -392,7 +264,7 @@ class EngineProcess:
         child_commands.close()
         child_outputs.close()
         self._commands, self._outputs = Connection(commands.detach()), Connection(outputs.detach())
-        self._send(self.cfg)
+        self._pipe(self.cfg)
         if not self._outputs.poll(timeout_s):
             self._proc.kill()
             raise RuntimeError(f"the engine process did not load the model within {timeout_s:.0f}s")
@@ -403,15 +275,7 @@ class EngineProcess:
             raise RuntimeError(f"the engine process exited while starting (exit code {self._proc.returncode})") from None
         if isinstance(first, EngineFailed):
             self._proc.wait(5)
-            from cotserve.common.errors import ModelLoadError
-
-            if first.kind == "ModelLoadError":
-                raise ModelLoadError(first.reason)
-            if first.kind in ("ValueError", "FailedPrecondition", "InvalidArgument"):
-                raise ValueError(first.reason)
-            if first.kind == "OSError":
-                raise OSError(first.reason)
-            raise RuntimeError(first.reason)
+            raise first.kind.exception(first.reason)
         assert isinstance(first, EngineReady)
         self.config, self._stats = first.config, first.stats
         self.kv_spec = first.kv_spec
@@ -424,53 +288,33 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
-    # -- the engine's API -------------------------------------------------------------------------
+    # -- the engine's API (EngineClient's, with:) ---------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "",
-               budget: ReasoningParams = ReasoningParams()) -> None:
+               budget: ReasoningParams = ReasoningParams(), detokenize: bool = True) -> None:
+        """`EngineClient.submit`; the text is made here (`FrontText`) unless the engine must read it."""
         if self.dead is not None:
             raise EngineDied(self.dead)
-        assert self.config is not None, "start() first"
-        check_submit(self.config, self.reasoning is not None, len(prompt_ids), params, budget)
         detokenize = self.loaded is None or needs_engine_text(params, budget)
         if not detokenize:
             if self._token_bytes is None:
                 self._token_bytes = (TokenBytes.of(self.loaded.tokenizer),)
             sink = FrontText(sink, self.loaded.tokenizer, self._token_bytes[0], prompt_ids, params,
                              self.loaded.eos_token_ids, self.reasoning, lambda index: self._stop_sample(request_id, index))
-        with self._lock:
-            self._sinks[request_id] = sink
-        self._send(AddRequest(request_id, list(prompt_ids), params, sla_class, cache_salt, budget, detokenize))
+        super().submit(request_id, prompt_ids, params, sink, sla_class, cache_salt, budget, detokenize)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._sinks.pop(request_id, None)
         if self.dead is None:
-            self._send(AbortRequest(request_id))
+            super().abort(request_id)
 
     def _stop_sample(self, request_id: str, index: int) -> None:
         """FrontText found a stop string (on the reader thread): the engine ends the sample before its next step."""
         try:
-            self._send(StopSample(request_id, index))
+            self.stop_sample(request_id, index)
         except EngineDied:
             pass  # the reader is about to report the death to every request in flight
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def pause_batch(self, seconds: float) -> None:
-        check_batch_pause(seconds)
-        self._send(PauseBatch(seconds))
-
-    def set_routing_policy(self, policy: Any) -> None:
-        self._send(SetPolicy(policy))
-
-    def request_expert_load(self, callback: Callable[[dict[int, list[int]]], None]) -> None:
-        with self._lock:
-            self._tickets += 1
-            self._load_callbacks[self._tickets] = callback
-            ticket = self._tickets
-        self._send(TakeExpertLoad(ticket))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         if self._proc is None:
@@ -490,7 +334,13 @@ class EngineProcess:
             self._reader.join(2)
 
     # -- plumbing -------------------------------------------------------------------------------------
-    def _send(self, cmd: object) -> None:
+    def _send(self, cmd: Command, sink: Sink | None = None) -> None:
+        if isinstance(cmd, AddRequest):
+            with self._lock:
+                self._sinks[cmd.request_id] = sink
+        self._pipe(cmd)
+
+    def _pipe(self, cmd: object) -> None:
         try:
             with self._send_lock:
                 self._commands.send(cmd)
@@ -517,10 +367,7 @@ class EngineProcess:
                 for listener in tuple(self.policy_listeners):  # a snapshot: listeners may be added meanwhile
                     listener(msg.version)
             elif isinstance(msg, ExpertLoad):
-                with self._lock:
-                    callback = self._load_callbacks.pop(msg.ticket, None)
-                if callback is not None:
-                    callback(msg.load)
+                self.answer_expert_load(msg.ticket, msg.load)
         self._died()
 
     def _died(self) -> None:

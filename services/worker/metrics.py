@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from cotserve.common.metrics import CallbackCollector
-from cotserve.worker.engine import STEP_LATENCY_BUCKETS_S, EngineStats
+from cotserve.worker.engine_metrics import STEP_LATENCY_BUCKETS_S, EngineStats
 
 VLLM_NAMES = {"cotserve_worker_num_requests_waiting": "vllm:num_requests_waiting",
               "cotserve_worker_num_requests_running": "vllm:num_requests_running",

@@ -10,13 +10,13 @@ blocks run out, the lowest-priority sequence is preempted (blocks freed, recompu
 from __future__ import annotations
 
 import bisect
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from cotserve.worker.block_manager import NO_HIT, BlockManager, CacheHit
-from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
+from cotserve.worker.scheduling import PriorityYield, SchedulingPolicy
+from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass, TraceEvent
 
 MAX_BATCH_PAUSE_S = 60.0
 """The longest one `pause_batch` may ask for: a pause is a lease its asker renews while it lasts, so that BATCH goes on
@@ -62,26 +62,16 @@ def is_stop_token(params: SamplingParams, eos_token_ids: frozenset[int], token: 
     return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
 
 
-def priority(seq: Sequence) -> tuple[int, float, int]:
-    """Scheduling order: SLA class (REALTIME first), then arrival (a preempted sequence keeps its
-    original arrival, so it is readmitted before newer work of its class)."""
-    return (int(seq.sla_class), seq.arrival_time, seq.seq_id)
-
-
-def arrival_order(seq: Sequence) -> tuple[int, float, int]:
-    """FIFO: arrival only, every class alike (the baseline the isolation benchmark compares with)."""
-    return (0, seq.arrival_time, seq.seq_id)
-
-
 class Scheduler:
-    """Waiting and running queues over one `BlockManager`, in SLA-class priority.
+    """Waiting and running queues over one `BlockManager`, in the order of a scheduling policy (SLA-class priority
+    with BATCH yielding to urgent prompts by default).
 
     Rules (each has a test in tests/worker/test_scheduler.py):
-    - Every step walks running and waiting sequences in `priority` order within a token budget; the waiting
+    - Every step walks running and waiting sequences in the policy's `key` order within a token budget; the waiting
       ones only up to the first it cannot admit (strict priority: nothing newer is admitted past it), so a step's
-      cost follows its batch, not the queue (`schedule` at batch 32 with 480 waiting: 0.47 -> 0.14 ms). The
-      waiting queue is kept in that order as sequences join and leave it (a binary search each), with counts per
-      class, of urgent prompts and of waiting requests beside it: no step sorts or scans it.
+      cost follows its batch, not the queue. The waiting queue is kept in that order as sequences join and leave it
+      (a binary search each), with counts per class, of urgent prompts and of waiting requests beside it: no step
+      sorts or scans it.
     - When blocks run short, the victim is the lowest-priority sequence not yet scheduled this
       step whose priority is at most the requester's: BATCH before INTERACTIVE, newest first,
       never a more urgent class for a less urgent one.
@@ -92,42 +82,24 @@ class Scheduler:
       sequence, it waits a step and takes it from the cache instead of computing it twice.
     - A sequence whose samples fork once its prompt is computed (`group_size` > 1) is admitted
       only when there are seats for all of them.
-    - BATCH work, when there is any, keeps `batch_min_share` of each step's token budget (each step it
-      does not sit out, below); while
-      urgent work is present, BATCH takes at most `max_batch_tokens_when_urgent` tokens a step
-      (but never less than its share), so a wave of BATCH prefill cannot stretch the steps that
-      urgent sequences wait on.
-    - A step that computes an urgent sequence's prompt (a REALTIME/INTERACTIVE arrival, or one back from
-      preemption) runs no BATCH work at all (`batch_yields_to_urgent_prompts`): the urgent request's first
-      token then waits on a step of urgent work only, not on every BATCH decode besides. BATCH yields at most
-      every other step, so a stream of urgent arrivals cannot starve it.
-    - While BATCH is paused (`pause_batch`: a gateway whose SLO predictor forecasts an urgent-class miss asks for it,
-      for a few seconds at a time), no step that has urgent work runs BATCH work: running BATCH sequences keep
-      their seats and pages but sit out, and go on in the steps with no urgent work. Unlike yielding, this holds
-      for every step of the pause, not every other one; and the steps BATCH runs alone during a pause take at most
-      `max_batch_tokens_when_urgent` of its tokens, as when urgent work is present: BATCH arrivals that piled up
-      would otherwise be prefilled together in the first gap, a long step for the next urgent arrival to wait on.
+    - What BATCH work may do in a step (a share of the budget kept for it, a cap while urgent work is present,
+      sitting steps out for urgent prompts or while paused) is the scheduling policy's (`scheduling.py`): the
+      scheduler asks it once per step and enforces its `StepRules`.
 
     Only the engine thread calls it. Every path that ends a sequence (`finish`, `abort`) frees
     its blocks, so no block outlives its sequence.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 batch_min_share: float = 0.1, by_class: bool = True, max_batch_tokens_when_urgent: int = 256,
-                 max_model_len: int = 2**31 - 1, eos_token_ids: frozenset[int] = frozenset(),
-                 batch_yields_to_urgent_prompts: bool = True) -> None:
+                 policy: SchedulingPolicy | None = None, max_model_len: int = 2**31 - 1,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
-        if not 0.0 <= batch_min_share <= 1.0:
-            raise ValueError(f"batch_min_share: {batch_min_share}, allowed 0..1")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.batch_min_share = batch_min_share if by_class else 0.0
-        self.key = priority if by_class else arrival_order
-        self.by_class = by_class
-        self.max_batch_tokens_when_urgent = max_batch_tokens_when_urgent
-        self.batch_yields_to_urgent_prompts = batch_yields_to_urgent_prompts and by_class
+        self.policy = policy if policy is not None else PriorityYield()
+        self.key = self.policy.key
         self.batch_yielded = False  # the last step ran no BATCH work because of an urgent prompt
         self.num_batch_yields_total = 0
         self.batch_paused_until = 0.0  # time.monotonic() until which BATCH sits out every step with urgent work
@@ -187,42 +159,26 @@ class Scheduler:
     def num_waiting_urgent(self) -> int:
         return len(self.waiting) - self.waiting_by_class[SlaClass.BATCH]
 
-    def _has_batch_work(self) -> bool:
+    def has_batch_work(self) -> bool:
         """A BATCH sequence waits or runs."""
         return bool(self.waiting_by_class[SlaClass.BATCH]) or any(s.sla_class == SlaClass.BATCH for s in self.running)
 
-    def _batch_reserve(self) -> int:
-        if not self._has_batch_work():
-            return 0
-        return math.ceil(self.batch_min_share * self.max_num_batched_tokens)
-
-    def _may_yield(self) -> bool:
-        """Whether BATCH may sit this step out: it ran last step and an urgent sequence has prompt tokens to compute."""
-        return self.batch_yields_to_urgent_prompts and not self.batch_yielded and (self._waiting_urgent_prompts > 0 or any(
-            s.sla_class != SlaClass.BATCH and s.num_computed_tokens < len(s) - 1 for s in self.running))
+    def has_urgent_prompt(self) -> bool:
+        """A REALTIME/INTERACTIVE sequence, waiting or running, has prompt tokens to compute."""
+        return self._waiting_urgent_prompts > 0 or any(
+            s.sla_class != SlaClass.BATCH and s.num_computed_tokens < len(s) - 1 for s in self.running)
 
     def pause_batch(self, seconds: float) -> None:
-        """Pause BATCH for `seconds` from now (see the class's rules); 0 ends a pause now. A later call replaces the
+        """Pause BATCH for `seconds` from now (what a pause means is the policy's: see `scheduling.Priority`); 0 ends
+        a pause now. A later call replaces the
         pause in force, so a caller keeps BATCH paused by asking again before its pause ends."""
         check_batch_pause(seconds)
         self.batch_paused_until = time.monotonic() + seconds if seconds > 0 else 0.0
 
-    def _step_rules(self) -> tuple[bool, bool, int, int]:
-        """This step's BATCH rules: (paused: BATCH sits it out for the pause, may_yield: or for an urgent prompt,
-        reserve: BATCH's kept tokens, batch_cap: BATCH's most tokens)."""
-        urgent = self.by_class and (self.num_waiting_urgent or any(s.sla_class != SlaClass.BATCH for s in self.running))
-        pause = self.by_class and self.batch_paused_until > 0.0 and time.monotonic() < self.batch_paused_until
-        paused = bool(urgent) and pause
-        may_yield = paused or self._may_yield()
-        reserve = 0 if may_yield else self._batch_reserve()  # a step BATCH sits out keeps no share for it
-        batch_cap = self.max_num_batched_tokens
-        if urgent or pause:  # paused, BATCH alone keeps its steps short too: an urgent arrival waits on the one running
-            batch_cap = max(reserve, self.max_batch_tokens_when_urgent)
-        return paused, may_yield, reserve, batch_cap
-
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        paused, may_yield, reserve, batch_cap = self._step_rules()
+        rules = self.policy.step_rules(self)
+        paused, may_yield, reserve, batch_cap = rules.paused, rules.may_yield, rules.reserve, rules.batch_cap
         used_urgent = used_batch = 0
         scheduled: set[int] = set()
         admission_blocked = urgent_prompt = yielded = False
@@ -273,7 +229,7 @@ class Scheduler:
                 s.sla_class == SlaClass.BATCH for s in batch.preempted)  # those wait too (this step skips them)
         if paused:  # a pause is not a yield: the every-other-step rule counts only yields
             yielded = False
-            self.num_batch_paused_steps_total += self._has_batch_work()
+            self.num_batch_paused_steps_total += self.has_batch_work()
         self.batch_yielded = yielded
         self.num_batch_yields_total += yielded
         if batch.items:  # an empty batch runs nothing: planned copies wait for the next one
@@ -308,7 +264,7 @@ class Scheduler:
             bm = self.block_manager
             seq.kv_used_fraction_at_admission = bm.num_used_blocks / bm.num_blocks
             seq.num_cached_tokens = min(start, len(seq.prompt_ids))
-        seq.record("scheduled")
+        seq.record(TraceEvent.SCHEDULED)
         self.running.append(seq)
         return True
 
@@ -407,7 +363,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
-        seq.record("preempted")
+        seq.record(TraceEvent.PREEMPTED)
         self.num_preemptions_total += 1
         self._enqueue(seq)
 

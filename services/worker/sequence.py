@@ -12,6 +12,16 @@ from dataclasses import dataclass, field
 from cotserve.common.sampling import SamplingParams, SlaClass
 
 
+class TraceEvent(enum.StrEnum):
+    """What happened to a request in the engine, as its trace records it (the worker's span events; the telemetry
+    service's trace check looks for them by these names)."""
+
+    SCHEDULED = "scheduled"  # admitted to the running batch (again after a preemption)
+    FIRST_TOKEN = "first_token"  # its first output token was sampled
+    PREEMPTED = "preempted"  # its blocks were freed for more urgent work; it waits to be recomputed
+    FINISHED = "finished"  # its last sample ended
+
+
 class SequenceStatus(enum.IntEnum):
     """Ordered: everything past PREEMPTED is finished, so `status > PREEMPTED` says done."""
 
@@ -55,7 +65,7 @@ class Sequence:
     kv_used_fraction_at_admission: float = 0.0  # of the KV pool, when first admitted (before its own blocks)
     first_token_time: float | None = None
     finish_time: float | None = None
-    events: list[tuple[str, int]] = field(default_factory=list)  # (name, wall-clock ns) for the trace
+    events: list[tuple[TraceEvent, int]] = field(default_factory=list)  # (event, wall-clock ns) for the trace
     index: int = 0  # which of its request's samples this is (n > 1)
     group_size: int = 1  # batch seats it will take: 1 + the samples that fork from it once its prompt is computed
     cache_root: bytes = b""  # root of its block-hash chain: model, KV format and salt (see BlockManager)
@@ -69,8 +79,8 @@ class Sequence:
     def is_probe(self) -> bool:
         return self.probe_of is not None
 
-    def record(self, name: str) -> None:
-        self.events.append((name, time.time_ns()))
+    def record(self, event: TraceEvent) -> None:
+        self.events.append((event, time.time_ns()))
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

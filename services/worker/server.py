@@ -28,7 +28,8 @@ from cotserve.common.server import Server, ServiceSpec, run_until_signalled
 from cotserve.common.streams import coalesce
 from cotserve.common.tracing import make_tracer_provider
 from cotserve.worker.config import WorkerConfig
-from cotserve.worker.engine import NO_TOKEN, Engine, RequestOutput
+from cotserve.worker.engine import Engine
+from cotserve.worker.outputs import NO_TOKEN, RequestOutput
 from cotserve.worker.engine_process import EngineDied, EngineProcess
 from cotserve.worker.sizing import engine_config, resolve_device, set_torch_threads
 from cotserve.worker.metrics import worker_registry
@@ -37,6 +38,7 @@ from cotserve.worker.multiplex import multiplex_call
 from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.scheduler import MAX_BATCH_PAUSE_S
+from cotserve.worker.sequence import TraceEvent
 from cotserve.worker.convert import check_text_length, generate_from_pb, max_token_chars, output_to_pb
 from cotserve.worker.detokenizer import TokenTexts
 from cotserve.worker.utilization import UtilizationProbe
@@ -117,6 +119,11 @@ class LoopMailbox:
             queue.put(out)
 
 
+_NEXT_PHASE: dict[TraceEvent, str | None] = {TraceEvent.SCHEDULED: "prefill", TraceEvent.FIRST_TOKEN: "decode",
+                                             TraceEvent.PREEMPTED: "queue", TraceEvent.FINISHED: None}
+"""The phase span an engine event starts (None: the last one ends)."""
+
+
 class _PhaseSpans:
     """Child spans of a worker request, built from the engine's event timestamps: `queue` (arrival
     to scheduled; again after each preemption), `prefill` (scheduled to first token) and `decode`
@@ -133,21 +140,21 @@ class _PhaseSpans:
 
     def record(self, out: RequestOutput) -> None:
         """An engine output's events, on the request span and as phase boundaries."""
-        for name, ts in out.events:
-            self.parent.add_event(name, timestamp=ts)
-            self.on_event(name, ts)
+        for event, ts in out.events:
+            self.parent.add_event(str(event), timestamp=ts)
+            self.on_event(event, ts)
         if out.timing is not None:
             self.parent.set_attribute("cotserve.kv_used_fraction_at_admission", out.timing.kv_used_fraction_at_admission)
 
-    def on_event(self, name: str, ts: int) -> None:
-        nxt = {"scheduled": "prefill", "first_token": "decode", "preempted": "queue", "finished": None}.get(name, "")
+    def on_event(self, event: TraceEvent, ts: int) -> None:
+        nxt = _NEXT_PHASE.get(event, "")
         if nxt == "":
             return
-        if name == "preempted":
+        if event == TraceEvent.PREEMPTED:
             self.preemptions += 1
-        elif name == "first_token":
+        elif event == TraceEvent.FIRST_TOKEN:
             self.decoding = True
-        elif name == "scheduled" and self.decoding:
+        elif event == TraceEvent.SCHEDULED and self.decoding:
             nxt = "decode"  # back after a preemption: the recompute is folded into decode
         if self.current is not None:
             self.current.end(end_time=ts)

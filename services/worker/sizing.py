@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cotserve.worker.engine import EngineConfig
+from cotserve.worker.engine_config import EngineConfig
 from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.models.loader import LoadedModel
 

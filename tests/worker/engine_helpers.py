@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from cotserve.demo.tokenizer import build_tokenizer
-from cotserve.worker.engine import Engine, RequestOutput
+from cotserve.worker.engine import Engine
+from cotserve.worker.outputs import RequestOutput
 from cotserve.worker.sequence import SamplingParams
 
 
@@ -42,11 +43,11 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams 
 
     for i, (ids, p) in enumerate(zip(prompts, params_list)):
         engine.submit(f"req-{i}", ids, p, sink_for(results[i]))
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     steps = 0
     while engine.scheduler.has_work():
         engine.step()
-        engine._drain_inbox(block=False)
+        engine.drain_inbox(block=False)
         steps += 1
         assert steps < max_steps, "engine did not finish"
     bm = engine.block_manager

@@ -14,7 +14,9 @@ from cotserve.common.sampling import (
     EarlyExitParams, ReasoningParams, SelfConsistencyParams, check_self_consistency, reasoning_from_pb,
 )
 from cotserve.common.v1 import common_pb2
-from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.engine import Engine
+from cotserve.worker.engine_config import EngineConfig
+from cotserve.worker.outputs import RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import Ballot, ReasoningFormat, ThinkingTracker, VoteState, leader_stays_probability, tally
 from cotserve.worker.convert import check_budget
@@ -41,7 +43,7 @@ def make_engine(demo, fmt) -> Engine:
 
 
 def drain(engine: Engine) -> None:
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     while engine.scheduler.has_work():
         engine.step()
     assert engine.block_manager.num_free_blocks == BLOCKS  # samples, probes and cancelled samples all freed their pages
@@ -258,12 +260,12 @@ def test_a_split_round_starts_another_and_the_majority_wins(demo, fmt):
     engine = make_engine(demo, fmt)
     engine.submit("r", demo.tokenizer.encode(PROMPT).ids, sp, lambda o: None,
                   budget=ReasoningParams(self_consistency=SelfConsistencyParams(8, min_samples=3, window=3)))
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     seeds = []
     while engine.scheduler.has_work():
         engine.step()
-        if "r" in engine._requests:
-            seeds = [s.params.seed for s in engine._requests["r"].samples]
+        if "r" in engine.requests:
+            seeds = [s.params.seed for s in engine.requests["r"].samples]
     assert seeds == [1, 2, 3, 4, 5, 6]
     assert (vote.answer, vote.samples_used, vote.stop_reason) == ("81", 6, "window")
     assert [(e.answer, e.count) for e in vote.votes] == [("81", 5), ("39", 1)]
@@ -336,7 +338,7 @@ def test_probes_under_memory_pressure_are_dropped_not_recomputed(demo, fmt):
     for p in prompts:
         engine.submit(p, demo.tokenizer.encode(p).ids, SamplingParams(max_new_tokens=64), outs[p].append,
                       budget=ReasoningParams(early_exit=EarlyExitParams(probe_every_steps=1)))
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     while engine.scheduler.has_work():
         engine.step()
     assert engine.block_manager.num_free_blocks == 5 and engine.scheduler.num_preemptions_total > 0

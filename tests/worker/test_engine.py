@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from cotserve.demo.arithmetic import problems
-from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.engine import Engine
+from cotserve.worker.engine_config import EngineConfig
+from cotserve.worker.outputs import RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.sampler import Sampler
 from cotserve.worker.sequence import SamplingParams
@@ -98,12 +100,12 @@ def test_cancel_frees_blocks_at_the_next_step(demo):
     engine = make_engine(demo)
     got: list[RequestOutput] = []
     engine.submit("a", encode(demo, "1+2+3="), SamplingParams(max_new_tokens=200, ignore_eos=True), got.append)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     for _ in range(5):
         engine.step()
     assert engine.block_manager.num_used_blocks > 0
     engine.abort("a")
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     assert engine.block_manager.num_used_blocks == 0 and not engine.scheduler.has_work()
     assert len(got) == 5
 
@@ -236,7 +238,7 @@ def _step_of(engine: Engine, prompts: dict[str, list[int]], params: SamplingPara
     assert len(prompts["a"]) == len(prompts["b"]) == len(prompts["c"]) != len(prompts["d"])
     for rid, ids in prompts.items():
         engine.submit(rid, ids, params, lambda out: None)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     batch = engine.scheduler.schedule()
     return engine.runner, batch, engine.runner.prepare_inputs(batch)
 
@@ -272,7 +274,7 @@ def test_prompts_continuing_from_cached_pages_attend_together_to_the_bit_of_one_
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     shared = encode(demo, "12+34=46.") * 2
     engine.submit("first", shared, params, lambda out: None)  # computes the shared pages
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     for _ in range(2):
         engine.step()
     prompts = {"a": shared + encode(demo, "5+5="), "b": shared + encode(demo, "6+1="), "c": shared + encode(demo, "2+3="),
@@ -298,7 +300,7 @@ def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkey
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     shared = encode(demo, "12+34=46.") * 2  # full pages of 4, cached once its first request has computed them
     engine.submit("decoding", shared, params, lambda out: None)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     for _ in range(3):
         engine.step()
     prompts = {"a": encode(demo, "1+2=3."), "b": encode(demo, "4+5=9."), "c": encode(demo, "7+1=8."),

@@ -12,8 +12,10 @@ from cotserve.common.sampling import EarlyExitParams, ReasoningParams, SelfConsi
 from cotserve.demo.arithmetic import problems
 from cotserve.worker.config import DEMO_MODEL, WorkerConfig
 from cotserve.worker.detokenizer import TokenBytes
-from cotserve.worker.engine import Engine, EngineConfig, RequestOutput, needs_engine_text
-from cotserve.worker.engine_process import FrontText
+from cotserve.worker.engine import Engine
+from cotserve.worker.engine_config import EngineConfig, needs_engine_text
+from cotserve.worker.outputs import RequestOutput
+from cotserve.worker.front_text import FrontText
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.sequence import SamplingParams
@@ -46,14 +48,14 @@ def _run(demo, fmt, requests, detokenize: bool, front: bool, fronts: list | None
             if fronts is not None:
                 fronts.append(sink)
         engine.submit(f"r{i}", ids, params, sink, budget=budget, detokenize=detokenize)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     arriving: list[tuple[str, int]] = []
     while engine.scheduler.has_work() or arriving:
         engine.step()
         for rid, index in arriving:  # the stop strings found in the step before this one's outputs
             engine.stop_sample(rid, index)
         arriving, late[:] = late[:], []
-        engine._drain_inbox(block=False)
+        engine.drain_inbox(block=False)
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "a finished request leaked KV blocks"
     return outs

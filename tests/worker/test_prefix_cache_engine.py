@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from cotserve.worker.block_manager import cache_root
-from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.engine import Engine
+from cotserve.worker.engine_config import EngineConfig
+from cotserve.worker.outputs import RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.sequence import SamplingParams, Sequence
 from cotserve.worker.config import DEMO_MODEL
@@ -102,7 +104,7 @@ def drive(engine: Engine, requests: list[tuple[str, list[int], SamplingParams]],
     got = Collector()
     for rid, prompt, params in requests:
         engine.submit(rid, prompt, params, got.sink)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     steps = 0
     while engine.scheduler.has_work():
         engine.step()
@@ -110,7 +112,7 @@ def drive(engine: Engine, requests: list[tuple[str, list[int], SamplingParams]],
         if abort_after is not None and steps == abort_after:
             for rid, _, _ in requests:
                 engine.abort(rid)
-        engine._drain_inbox(block=False)
+        engine.drain_inbox(block=False)
         assert steps < 5000
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
@@ -150,7 +152,7 @@ def test_cancelling_a_group_ends_every_sample_and_frees_its_blocks(demo):
     engine = make_engine(demo)
     got = drive(engine, [("g", PROMPT, dataclasses.replace(SAMPLED, n=5, max_new_tokens=200))], abort_after=4)
     assert {i for (_, i) in got.tokens} == {0, 1, 2, 3, 4}  # all five had started
-    assert not got.finish and "g" not in got.last and not engine._requests
+    assert not got.finish and "g" not in got.last and not engine.requests
 
 
 def test_samples_preempted_by_a_small_pool_still_equal_separate_requests(demo):

@@ -9,7 +9,9 @@ import torch
 
 from cotserve.common.errors import FailedPrecondition
 from cotserve.common.sampling import ReasoningParams
-from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.engine import Engine
+from cotserve.worker.engine_config import EngineConfig
+from cotserve.worker.outputs import RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import Part, ReasoningFormat, ThinkingTracker
 from cotserve.worker.convert import check_budget
@@ -88,7 +90,7 @@ def run(demo, fmt, prompt: str, budget: ReasoningParams, max_new_tokens: int = 6
     outs: list[RequestOutput] = []
     engine.submit("r", demo.tokenizer.encode(prompt).ids, SamplingParams(max_new_tokens=max_new_tokens), outs.append,
                   budget=budget)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     while engine.scheduler.has_work():
         engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

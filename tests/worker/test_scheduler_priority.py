@@ -8,6 +8,7 @@ import pytest
 
 from cotserve.worker.block_manager import BlockManager
 from cotserve.worker.scheduler import Scheduler
+from cotserve.worker.scheduling import make_policy
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass
 from tests.worker.test_scheduler import assert_no_leak, run_step
 
@@ -24,7 +25,8 @@ def seq(cls: SlaClass, prompt_len: int = 4, max_new_tokens: int = 16, name: str 
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, share=0.1, yields=True) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, share, batch_yields_to_urgent_prompts=yields)
+    policy = make_policy("priority-yield" if yields else "priority", batch_min_share=share)
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, budget, policy)
 
 
 def test_orders_by_class_then_arrival():
@@ -157,7 +159,7 @@ def test_failed_admission_preempts_nobody():
 
 
 def test_fifo_mode_ignores_classes():
-    s = Scheduler(BlockManager(64, 4), 2, 64, 0.1, by_class=False)
+    s = Scheduler(BlockManager(64, 4), 2, 64, make_policy("fifo"))
     b1, b2 = seq(B), seq(B)
     s.add(b1)
     s.add(b2)
@@ -177,7 +179,7 @@ def test_disabled_admission_forwards_everything():
 
 
 def test_batch_prefill_is_capped_while_urgent_work_is_present():
-    s = Scheduler(BlockManager(256, 16), 8, 1000, 0.1, max_batch_tokens_when_urgent=300)
+    s = Scheduler(BlockManager(256, 16), 8, 1000, make_policy("priority-yield", 0.1, max_batch_tokens_when_urgent=300))
     big = [seq(B, 400, max_new_tokens=4) for _ in range(2)]
     for q in big:
         s.add(q)
@@ -226,7 +228,7 @@ def test_a_step_with_an_urgent_prompt_runs_no_batch_and_batch_never_sits_out_twi
 
 
 def test_fifo_and_the_switch_off_never_make_batch_yield():
-    for s in (Scheduler(BlockManager(64, 4), 8, 64, 0.1, by_class=False), make(yields=False)):
+    for s in (Scheduler(BlockManager(64, 4), 8, 64, make_policy("fifo")), make(yields=False)):
         b = seq(B, 4)
         s.add(b)
         run_step(s, s.schedule())
@@ -300,7 +302,7 @@ def test_the_waiting_queue_stays_in_order_and_its_counts_stay_true_through_admis
 
 def test_paused_batch_sits_out_every_step_with_urgent_work_keeps_its_pages_and_runs_capped_without_it():
     s = make(num_blocks=256, block_size=4, max_num_seqs=16, budget=64)
-    s.max_batch_tokens_when_urgent = 16
+    s.policy.max_batch_tokens_when_urgent = 16
     flood = [seq(B, 4, max_new_tokens=50) for _ in range(4)]
     for q in flood:
         s.add(q)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cotserve.worker.engine import NO_TOKEN, RequestOutput
+from cotserve.worker.outputs import NO_TOKEN, RequestOutput
 from cotserve.worker.server import StreamInbox, _Held
 
 

@@ -9,7 +9,9 @@ from cotserve.bench.reasoning import TESTBED
 from cotserve.common.sampling import EarlyExitParams, ReasoningParams
 from cotserve.demo import arithmetic
 from cotserve.demo.arithmetic import Problem, parse_answer
-from cotserve.worker.engine import Engine, EngineConfig, RequestOutput
+from cotserve.worker.engine import Engine
+from cotserve.worker.engine_config import EngineConfig
+from cotserve.worker.outputs import RequestOutput
 from cotserve.worker.models.loader import load_model
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.sequence import SamplingParams
@@ -33,7 +35,7 @@ def run_all(testbed, fmt, prompts: list[str], rp: ReasoningParams) -> list[list[
     outs: list[list[RequestOutput]] = [[] for _ in prompts]
     for i, p in enumerate(prompts):
         engine.submit(str(i), testbed.tokenizer.encode(p).ids, SamplingParams(max_new_tokens=160), outs[i].append, budget=rp)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     while engine.scheduler.has_work():
         engine.step()
     assert engine.block_manager.num_free_blocks == BLOCKS

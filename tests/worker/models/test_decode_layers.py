@@ -10,7 +10,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cotserve.kernels import cpu_native  # noqa: E402
-from cotserve.worker.engine import Engine, EngineConfig  # noqa: E402
+from cotserve.worker.engine import Engine  # noqa: E402
+from cotserve.worker.engine_config import EngineConfig  # noqa: E402
 from cotserve.worker.kv_spec import KvCacheSpec  # noqa: E402
 from cotserve.worker.model_runner import ModelRunner  # noqa: E402
 from cotserve.worker.models.attention import PagedAttention, PagedBatch  # noqa: E402
@@ -178,12 +179,12 @@ def _mixed_step(loaded, kv_dtype: str):
     shared = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(1)).tolist()
     for rid in ("d1", "d2"):
         engine.submit(rid, shared + [10 + len(rid)], params, lambda out: None)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     for _ in range(3):
         engine.step()
     engine.submit("cached", shared + [20, 21, 22, 23, 24], params, lambda out: None)  # continues from 2 cached pages
     engine.submit("whole", [30, 31, 32, 33, 34, 35, 36], params, lambda out: None)
-    engine._drain_inbox(block=False)
+    engine.drain_inbox(block=False)
     batch = engine.scheduler.schedule()
     assert sorted(item.num_tokens for item in batch.items) == [1, 1, 6, 7]
     return engine, batch
@@ -222,12 +223,12 @@ def test_a_prompt_chunk_longer_than_the_bound_keeps_the_per_operation_path(loade
     assert engine.runner.warmed.wait(300)
     for rid, n in (("short", ONE_CALL_MAX_QUERY), ("long", ONE_CALL_MAX_QUERY + 1)):
         engine.submit(rid, list(range(3, 3 + n)), SamplingParams(max_new_tokens=2), lambda out: None)
-        engine._drain_inbox(block=False)
+        engine.drain_inbox(block=False)
         batch = engine.scheduler.schedule()
         assert [item.num_tokens for item in batch.items] == [n]
         assert engine.runner._in_one_call(batch) == (rid == "short")
         engine.abort(rid)
-        engine._drain_inbox(block=False)
+        engine.drain_inbox(block=False)
         engine.scheduler.advance(batch)
 
 

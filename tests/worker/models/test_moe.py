@@ -90,7 +90,8 @@ def test_model_applies_a_policy_to_all_layers_and_reports_load(tmp_path):
 
 def test_engine_applies_newer_policies_between_steps_only(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from cotserve.worker.engine import Engine, EngineConfig
+    from cotserve.worker.engine import Engine
+    from cotserve.worker.engine_config import EngineConfig
     from cotserve.worker.models.loader import load_model
     from cotserve.worker.sequence import SamplingParams
     from tests.worker.engine_helpers import run_engine, save_tiny_checkpoint

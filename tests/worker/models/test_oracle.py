@@ -7,7 +7,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from cotserve.worker.engine import Engine, EngineConfig  # noqa: E402
+from cotserve.worker.engine import Engine  # noqa: E402
+from cotserve.worker.engine_config import EngineConfig  # noqa: E402
 from cotserve.worker.models.attention import DenseCausalAttention  # noqa: E402
 from cotserve.worker.models.loader import load_model  # noqa: E402
 from cotserve.worker.sequence import SamplingParams  # noqa: E402

@@ -1,0 +1,59 @@
+"""Scheduling policies as strategies: chosen by name, and a new one changes the order without touching the scheduler.
+No torch, no grpc."""
+
+from __future__ import annotations
+
+import pytest
+
+from cotserve.worker.block_manager import BlockManager
+from cotserve.worker.config import WorkerConfig
+from cotserve.worker.scheduler import Scheduler
+from cotserve.worker.scheduling import POLICIES, Priority, PriorityYield, SchedulingPolicy, StepRules, make_policy
+from cotserve.worker.sequence import SamplingParams, Sequence, SlaClass
+from tests.worker.test_scheduler import assert_no_leak, run_step
+
+
+def test_policies_are_chosen_by_name_and_a_bad_name_lists_them():
+    assert set(POLICIES) == {"fifo", "priority", "priority-yield"}
+    assert type(make_policy("fifo")) is SchedulingPolicy and type(make_policy("priority")) is Priority
+    p = make_policy("priority-yield", batch_min_share=0.25, max_batch_tokens_when_urgent=64)
+    assert type(p) is PriorityYield and (p.batch_min_share, p.max_batch_tokens_when_urgent) == (0.25, 64)
+    with pytest.raises(ValueError, match="scheduling: 'lifo', allowed: fifo, priority, priority-yield"):
+        make_policy("lifo")
+    with pytest.raises(ValueError, match="scheduling: 'lifo', allowed: fifo, priority, priority-yield"):
+        WorkerConfig(scheduling="lifo").validate()
+    with pytest.raises(ValueError, match="batch_min_share: 1.5, allowed 0..1"):
+        make_policy("priority", batch_min_share=1.5)
+
+
+def test_the_default_scheduler_yields_batch_to_urgent_prompts():
+    assert type(Scheduler(BlockManager(8, 4), 4, 64).policy) is PriorityYield
+    assert WorkerConfig().scheduling == "priority-yield"
+
+
+def test_fifo_keeps_no_share_for_batch_and_never_pauses_it():
+    s = Scheduler(BlockManager(64, 4), 8, 64, make_policy("fifo"))
+    s.add(Sequence("b", [1, 2, 3], SamplingParams(max_new_tokens=8), SlaClass.BATCH))
+    s.pause_batch(5.0)
+    assert s.policy.step_rules(s) == StepRules(batch_cap=64)
+
+
+class _Lifo(SchedulingPolicy):
+    """Newest first: a policy defined outside the scheduler, to show the seam."""
+
+    name = "lifo"
+
+    def key(self, seq):
+        return (0, -seq.arrival_time, seq.seq_id)
+
+
+def test_a_new_policy_changes_the_order_and_nothing_else():
+    s = Scheduler(BlockManager(64, 4), 1, 64, _Lifo())
+    old = Sequence("old", [1, 2, 3], SamplingParams(max_new_tokens=2), arrival_time=1.0)
+    new = Sequence("new", [4, 5, 6], SamplingParams(max_new_tokens=2), arrival_time=2.0)
+    s.add(old)
+    s.add(new)
+    batch = s.schedule()
+    assert [i.seq.request_id for i in batch.items] == ["new"]  # one seat: the newest takes it
+    run_step(s, batch)
+    assert_no_leak(s)
