@@ -5,12 +5,14 @@ from cotserve.sdk.errors import (
     CotserveError, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated,
     Unavailable, Unimplemented,
 )
+from cotserve.sdk.options import RequestOptions, Sampling
 from cotserve.sdk.types import (
     Choice, EarlyExit, GenerateResult, ModelInfo, Reasoning, SelfConsistency, SelfConsistencyResult, StreamChunk, Timing, Usage, Vote,
 )
 
 __all__ = [
     "AsyncClient", "Choice", "Client", "CotserveError", "DeadlineExceeded", "EarlyExit", "FailedPrecondition", "GenerateResult",
-    "InvalidArgument", "ModelInfo", "NotFound", "PermissionDenied", "Reasoning", "ResourceExhausted", "SelfConsistency",
+    "InvalidArgument", "ModelInfo", "NotFound", "PermissionDenied", "Reasoning", "RequestOptions", "ResourceExhausted",
+    "Sampling", "SelfConsistency",
     "SelfConsistencyResult", "StreamChunk", "Timing", "Unauthenticated", "Unavailable", "Unimplemented", "Usage", "Vote",
 ]

@@ -7,45 +7,10 @@ from typing import AsyncIterator, Iterator, Mapping, Sequence
 import grpc
 
 from cotserve.common.multiplex_client import CallStream, ClientKind, MultiplexClient
-from cotserve.common.v1 import common_pb2
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from cotserve.sdk.errors import InvalidArgument, from_rpc_error
-from cotserve.sdk.types import (
-    SLA_CLASSES, GenerateResult, ModelInfo, Reasoning, StreamChunk, chunk_from_pb, model_from_pb, result_from_pb,
-)
-
-
-def _request(cls, prompt: str, *, messages: Sequence[Mapping[str, str]] | None, model: str, max_new_tokens: int | None, temperature: float | None,
-             top_p: float | None, top_k: int | None, seed: int | None, stop: Sequence[str] | None,
-             stop_token_ids: Sequence[int] | None, logprobs: bool, ignore_eos: bool, sla: str | int | None,
-             post_processor: str, pre_processor: str = "", n: int | None = None, cache_salt: str = "",
-             reasoning: Reasoning | None = None):
-    if isinstance(sla, str):
-        if sla.lower() not in SLA_CLASSES:
-            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"sla: {sla!r} is not an SLA class (allowed: {', '.join(SLA_CLASSES)})")
-        sla_value = SLA_CLASSES[sla.lower()]
-    else:
-        sla_value = sla or common_pb2.SLA_CLASS_UNSPECIFIED
-    sp = common_pb2.SamplingParams(stop=list(stop or ()), stop_token_ids=list(stop_token_ids or ()),
-                                   logprobs=logprobs, ignore_eos=ignore_eos)
-    for name, value in (("max_new_tokens", max_new_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("n", n)):
-        if value is not None:
-            setattr(sp, name, value)
-    turns = []
-    for i, m in enumerate(messages or ()):
-        unknown = set(m) - {"role", "content", "reasoning_content"}
-        if unknown:
-            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}]: unknown key(s) {', '.join(sorted(unknown))} "
-                                  "(allowed: role, content, reasoning_content)")
-        turns.append(common_pb2.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
-                                            reasoning_content=m.get("reasoning_content") or ""))
-    req = cls(prompt=prompt, messages=turns, model=model, sampling=sp, sla_class=sla_value,
-              post_processor=post_processor, pre_processor=pre_processor, cache_salt=cache_salt)
-    if reasoning is not None:
-        req.reasoning.CopyFrom(reasoning.to_pb())
-    return req
+from cotserve.sdk.errors import from_rpc_error
+from cotserve.sdk.options import RequestOptions, Sampling, build_request, with_options
+from cotserve.sdk.types import GenerateResult, ModelInfo, Reasoning, StreamChunk, chunk_from_pb, model_from_pb, result_from_pb
 
 
 class _Base:
@@ -83,10 +48,13 @@ class Client(_Base):
     """Blocking client. `Client("127.0.0.1:50051").generate("37+48-12=", max_new_tokens=64)`.
 
     Every call takes `timeout_s` (the gRPC deadline) and `api_key`, overriding the client's defaults.
-    `pre_processor` / `post_processor` name sandbox modules run on the prompt / the completed text.
-    `n` draws that many samples of the prompt (1..16; the result's `choices`, the chunks' `index`);
-    `cache_salt` narrows who shares the worker's cached prompt blocks with this request.
-    `reasoning=Reasoning(max_thinking_tokens=40)` budgets a reasoning model's thinking.
+    `generate` and `stream` take a request's options as objects (`sampling=Sampling(...)`,
+    `options=RequestOptions(...)`, `reasoning=Reasoning(...)`) or each field of `Sampling` and `RequestOptions` as a
+    keyword of its own (`max_new_tokens=64, sla="batch"`; a keyword overrides the same field of an object given too):
+    `pre_processor` / `post_processor` name sandbox modules run on the prompt / the completed text, `n` draws that
+    many samples of the prompt (1..16; the result's `choices`, the chunks' `index`), `cache_salt` narrows who shares
+    the worker's cached prompt blocks with this request, `reasoning=Reasoning(max_thinking_tokens=40)` budgets a
+    reasoning model's thinking.
     Give a `prompt`, or `messages` (a chat: `[{"role": "user", "content": "..."}]`, each turn with `role`,
     `content` and optionally `reasoning_content`) that the model's chat template renders into its prompt.
     gRPC errors are raised as `cotserve.sdk.errors` exceptions that keep the code and message.
@@ -102,32 +70,22 @@ class Client(_Base):
         self._channel = grpc.secure_channel(address, creds) if creds is not None else grpc.insecure_channel(address)
         self._stub = gateway_pb2_grpc.GatewayServiceStub(self._channel)
 
-    def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
-                 top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-                 stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
-                 ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "", pre_processor: str = "",
-                 n: int | None = None, cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
-        req = _request(gateway_pb2.GenerateRequest, prompt, messages=messages, model=model, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                       stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
-                       reasoning=reasoning)
+    @with_options
+    def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None,
+                 sampling: Sampling | None = None, options: RequestOptions | None = None, reasoning: Reasoning | None = None,
+                 timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
+        req = build_request(gateway_pb2.GenerateRequest, prompt, messages, sampling, options, reasoning)
         try:
             return result_from_pb(self._stub.Generate(req, **self._call_opts(timeout_s, api_key)))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    def stream(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None, temperature: float | None = None,
-               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
-               stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None, logprobs: bool = False,
-               ignore_eos: bool = False, sla: str | int | None = None, post_processor: str = "", pre_processor: str = "",
-               n: int | None = None, cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None, api_key: str | None = None) -> Iterator[StreamChunk]:
+    @with_options
+    def stream(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None,
+               sampling: Sampling | None = None, options: RequestOptions | None = None, reasoning: Reasoning | None = None,
+               timeout_s: float | None = None, api_key: str | None = None) -> Iterator[StreamChunk]:
         """Yield one chunk per token; closing the iterator early cancels the request."""
-        req = _request(gateway_pb2.GenerateStreamRequest, prompt, messages=messages, model=model, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                       stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
-                       reasoning=reasoning)
+        req = build_request(gateway_pb2.GenerateStreamRequest, prompt, messages, sampling, options, reasoning)
         call = self._stub.GenerateStream(req, **self._call_opts(timeout_s, api_key))
         try:
             for chunk in call:
@@ -194,35 +152,21 @@ class AsyncClient(_Base):
         self._session = (MultiplexClient(session_kind(self._stub, self._call_opts(None, None)["metadata"]),
                                          address=f"gateway {address}") if multiplex else None)
 
-    async def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None,
-                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                       seed: int | None = None, stop: Sequence[str] | None = None,
-                       stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
-                       sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", n: int | None = None,
-                       cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None,
-                       api_key: str | None = None) -> GenerateResult:
-        req = _request(gateway_pb2.GenerateRequest, prompt, messages=messages, model=model, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                       stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
-                       reasoning=reasoning)
+    @with_options
+    async def generate(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None,
+                       sampling: Sampling | None = None, options: RequestOptions | None = None, reasoning: Reasoning | None = None,
+                       timeout_s: float | None = None, api_key: str | None = None) -> GenerateResult:
+        req = build_request(gateway_pb2.GenerateRequest, prompt, messages, sampling, options, reasoning)
         try:
             return result_from_pb(await self._stub.Generate(req, **self._call_opts(timeout_s, api_key)))
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    async def stream(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None, model: str = "", max_new_tokens: int | None = None,
-                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                     seed: int | None = None, stop: Sequence[str] | None = None,
-                     stop_token_ids: Sequence[int] | None = None, logprobs: bool = False, ignore_eos: bool = False,
-                     sla: str | int | None = None, post_processor: str = "", pre_processor: str = "", n: int | None = None,
-                     cache_salt: str = "", reasoning: Reasoning | None = None, timeout_s: float | None = None,
-                     api_key: str | None = None) -> AsyncIterator[StreamChunk]:
-        req = _request(gateway_pb2.GenerateStreamRequest, prompt, messages=messages, model=model, max_new_tokens=max_new_tokens,
-                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
-                       stop_token_ids=stop_token_ids, logprobs=logprobs, ignore_eos=ignore_eos, sla=sla,
-                       post_processor=post_processor, pre_processor=pre_processor, n=n, cache_salt=cache_salt,
-                       reasoning=reasoning)
+    @with_options
+    async def stream(self, prompt: str = "", *, messages: Sequence[Mapping[str, str]] | None = None,
+                     sampling: Sampling | None = None, options: RequestOptions | None = None, reasoning: Reasoning | None = None,
+                     timeout_s: float | None = None, api_key: str | None = None) -> AsyncIterator[StreamChunk]:
+        req = build_request(gateway_pb2.GenerateStreamRequest, prompt, messages, sampling, options, reasoning)
         if self._session is not None and (api_key is None or api_key == self.api_key):
             try:
                 stream = await self._session.open(req, timeout_s if timeout_s is not None else self.timeout_s)

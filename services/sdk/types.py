@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cotserve.common.sampling import FINISH_PB, SLA_PB_BY_NAME
+from cotserve.common.sampling import FINISH_PB
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.v1 import gateway_pb2
 
@@ -12,7 +12,6 @@ _FINISH = {common_pb2.FINISH_REASON_UNSPECIFIED: None, **{pb: name for name, pb 
 _RULES = {"window": common_pb2.SELF_CONSISTENCY_RULE_WINDOW, "posterior": common_pb2.SELF_CONSISTENCY_RULE_POSTERIOR}
 _PARTS = {common_pb2.TEXT_PART_UNSPECIFIED: None, common_pb2.TEXT_PART_REASONING: "reasoning",
           common_pb2.TEXT_PART_ANSWER: "answer"}
-SLA_CLASSES = SLA_PB_BY_NAME
 
 
 @dataclass(slots=True, frozen=True)

@@ -1,0 +1,117 @@
+"""A request's options as typed objects (`Sampling`, `RequestOptions`; reasoning is `types.Reasoning`), and the
+keyword conveniences of the clients' `generate` / `stream`, made from the objects' fields once (`with_options`): a new
+sampling field is one line in `Sampling` (and the proto), and every method takes it as a keyword."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import grpc
+
+from cotserve.common.sampling import SLA_PB_BY_NAME
+from cotserve.common.v1 import common_pb2
+from cotserve.sdk.errors import InvalidArgument
+from cotserve.sdk.types import Reasoning
+
+SLA_CLASSES = SLA_PB_BY_NAME  # "realtime", "interactive", "batch"
+
+
+@dataclass(slots=True, frozen=True)
+class Sampling:
+    """How tokens are drawn (None: the server's default)."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] | None = None  # stop strings: the text ends before the first one
+    stop_token_ids: Sequence[int] | None = None
+    logprobs: bool = False  # each token's log-probability in the chunks and the result
+    ignore_eos: bool = False  # generate on past the end-of-sequence token, up to max_new_tokens
+    n: int | None = None  # samples of the prompt (1..16): the result's `choices`, the chunks' `index`
+
+    def to_pb(self) -> common_pb2.SamplingParams:
+        sp = common_pb2.SamplingParams(stop=list(self.stop or ()), stop_token_ids=list(self.stop_token_ids or ()),
+                                       logprobs=self.logprobs, ignore_eos=self.ignore_eos)
+        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "n"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(sp, name, value)
+        return sp
+
+
+@dataclass(slots=True, frozen=True)
+class RequestOptions:
+    """Where and how a request is served, besides sampling and reasoning."""
+
+    model: str = ""  # a served model's name or alias ("": the gateway's only model)
+    sla: str | int | None = None  # "realtime", "interactive" (the default) or "batch", or a common_pb2.SlaClass
+    post_processor: str = ""  # a sandbox module run on each sample's completed text
+    pre_processor: str = ""  # a sandbox module run on the prompt
+    cache_salt: str = ""  # narrows who shares the worker's cached prompt blocks with this request
+
+    def sla_pb(self) -> int:
+        """The SLA class as the proto's enum; InvalidArgument names the allowed classes."""
+        if not isinstance(self.sla, str):
+            return self.sla or common_pb2.SLA_CLASS_UNSPECIFIED
+        if self.sla.lower() not in SLA_CLASSES:
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"sla: {self.sla!r} is not an SLA class (allowed: {', '.join(SLA_CLASSES)})")
+        return SLA_CLASSES[self.sla.lower()]
+
+
+OPTION_TYPES: dict[str, type] = {"sampling": Sampling, "options": RequestOptions}
+"""The option objects a method decorated with `with_options` takes, by parameter name."""
+
+_FIELDS = {kind: tuple(f.name for f in dataclasses.fields(cls)) for kind, cls in OPTION_TYPES.items()}
+
+F = TypeVar("F", bound=Callable)
+
+
+def collect_options(kwargs: dict) -> dict:
+    """`kwargs` with every option field given as a keyword moved into its option object (a keyword overrides the
+    same field of an object also given)."""
+    for kind, cls in OPTION_TYPES.items():
+        given = {name: kwargs.pop(name) for name in _FIELDS[kind] if name in kwargs}
+        base = kwargs.get(kind) or cls()
+        kwargs[kind] = dataclasses.replace(base, **given) if given else base
+    return kwargs
+
+
+def with_options(method: F) -> F:
+    """Let `method` (which takes `sampling` and `options` objects) also take each of their fields as a keyword of its
+    own: `generate("2+2=", max_new_tokens=8, sla="batch")`. Its signature (for help() and editors) lists them."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        return method(*args, **collect_options(kwargs))
+
+    sig = inspect.signature(method)
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+             for cls in OPTION_TYPES.values() for f in dataclasses.fields(cls)]
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+def build_request(cls, prompt: str, messages: Sequence[Mapping[str, str]] | None, sampling: Sampling,
+                  options: RequestOptions, reasoning: Reasoning | None):
+    """A gateway GenerateRequest or GenerateStreamRequest (`cls`); InvalidArgument names a bad chat message key or SLA
+    class."""
+    turns = []
+    for i, m in enumerate(messages or ()):
+        unknown = set(m) - {"role", "content", "reasoning_content"}
+        if unknown:
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}]: unknown key(s) "
+                                  f"{', '.join(sorted(unknown))} (allowed: role, content, reasoning_content)")
+        turns.append(common_pb2.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
+                                            reasoning_content=m.get("reasoning_content") or ""))
+    req = cls(prompt=prompt, messages=turns, model=options.model, sampling=sampling.to_pb(), sla_class=options.sla_pb(),
+              post_processor=options.post_processor, pre_processor=options.pre_processor, cache_salt=options.cache_salt)
+    if reasoning is not None:
+        req.reasoning.CopyFrom(reasoning.to_pb())
+    return req
