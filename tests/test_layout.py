@@ -38,7 +38,8 @@ def violations(root: Path = SERVICES_DIR) -> list[str]:
                 parts = module.split(".")
                 target = parts[1] if len(parts) > 1 else ""
                 stub = len(parts) > 2 and parts[2] == "v1"
-                allowed = target == service or target in SHARED or stub
+                # `common` is the floor: it may read only its own messages, never a service's (stubs or code)
+                allowed = target == service or (service != "common" and (target in SHARED or stub))
                 if not allowed:
                     found.append(f"{path.relative_to(root)}:{line}: {service} imports {module}")
     return found
@@ -50,13 +51,15 @@ def test_services_import_each_other_only_through_common_kernels_and_stubs():
 
 def test_the_rule_catches_an_import_of_another_service(tmp_path):
     """The check itself: a worker module that reaches into the gateway, lazily, is reported with its line; stubs
-    and `common` are fine; `common` may read stubs but no service's code."""
+    and `common` are fine; `common` may read neither a service's stubs nor its code."""
     for service in SERVICES:
         (tmp_path / service).mkdir()
     (tmp_path / "worker" / "bad.py").write_text("import os\n\ndef f():\n    from cotserve.gateway.admission import Admission\n")
     (tmp_path / "worker" / "fine.py").write_text("from cotserve.common.stats import percentile\nfrom cotserve.gateway.v1 import gateway_pb2\n")
     (tmp_path / "common" / "bad.py").write_text("from cotserve import worker\nfrom cotserve.slo.v1 import slo_pb2\n")
+    (tmp_path / "common" / "fine.py").write_text("from cotserve.common.v1 import common_pb2\n")
     assert violations(tmp_path) == ["common/bad.py:1: common imports cotserve.worker",
+                                    "common/bad.py:2: common imports cotserve.slo.v1",
                                     "worker/bad.py:4: worker imports cotserve.gateway.admission"]
 
 

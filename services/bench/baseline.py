@@ -291,7 +291,8 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
     `ttft_rounds`, then the TTFT pairs against the worker directly and a bare relay."""
     from cotserve.bench.isolation import cpu_seconds
     from cotserve.bench.throughput import prompt_of_tokens, run_level
-    from cotserve.common.procs import free_port, running
+    from cotserve.common.procs import free_port
+    from cotserve.bench.warm import running
     from cotserve.common.topology import stack
     from cotserve.sdk import AsyncClient
 
@@ -343,7 +344,8 @@ def ttft_paths(gateway: str, worker: str, prompt: str, rounds: int) -> tuple[lis
     """TTFT (ms) straight to the worker, through a bare grpc.aio relay (`bench/relay.py`: the hop alone), through
     the gateway, through a second gateway calling the worker per request, and on long-lived calls at both ends (the
     worker's Multiplex, the gateway's Session), one request at a time, interleaved (`ttft_direct_relay_gateway`)."""
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli
+    from cotserve.bench.warm import running
 
     relay_addr = f"127.0.0.1:{free_port()}"
     relay = Child("relay", relay_addr, [sys.executable, "-m", "cotserve.bench.relay", relay_addr, worker],

@@ -127,7 +127,8 @@ def bench_isolation(
     """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
     from cotserve.bench.baseline import service_pids
     from cotserve.bench.isolation import cpu_table, drive, goals, summarize
-    from cotserve.common.procs import free_port, running
+    from cotserve.common.procs import free_port
+    from cotserve.bench.warm import running
 
     console = wide_console()
     worker_common = ("--max-num-seqs", str(max_num_seqs))
@@ -201,7 +202,8 @@ def bench_moe(
 
     from cotserve.bench.moe import make_mixtral, measure_propagation
     from cotserve.common.stats import percentile
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child, running
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, redis_child
+    from cotserve.bench.warm import running
 
     console = wide_console()
     with tempfile.TemporaryDirectory() as tmp:
@@ -265,7 +267,7 @@ def bench_moe_balance(
 
     from cotserve.bench.moe import balance_stack, generate_until, make_mixtral, mean_kl, report_balance
     from cotserve.common import moe_protocol as protocol
-    from cotserve.common.procs import running
+    from cotserve.bench.warm import running
 
     console = wide_console()
     prompts = [[0, *range(3 + i, 35 + i)] for i in range(8)]

@@ -36,7 +36,8 @@ from typing import Callable
 import grpc
 
 from cotserve.common.clitools import run_loop
-from cotserve.common.procs import Child, Supervisor, free_port, running
+from cotserve.common.procs import Child, Supervisor, free_port
+from cotserve.bench.warm import running
 from cotserve.sdk import AsyncClient, CotserveError
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 

@@ -64,6 +64,7 @@ def measure_propagation(router_address: str, redis_url: str, model: str, workers
     import redis
 
     from cotserve.common import moe_protocol as protocol
+    from cotserve.common.v1 import common_pb2
     from cotserve.router.v1 import router_pb2, router_pb2_grpc
 
     r = redis.Redis.from_url(redis_url)
@@ -73,7 +74,7 @@ def measure_propagation(router_address: str, redis_url: str, model: str, workers
         stub = router_pb2_grpc.RouterServiceStub(ch)
         version = stub.GetPolicy(router_pb2.GetPolicyRequest(model=model)).policy.version
         for i in range(updates):
-            p = router_pb2.ExpertPolicy(model=model)
+            p = common_pb2.ExpertPolicy(model=model)
             p.layers.add(layer=0, disabled_experts=[i % 4])
             version = stub.SetPolicy(router_pb2.SetPolicyRequest(policy=p, expected_version=version), timeout=10).policy.version
             start = time.perf_counter()

@@ -25,7 +25,8 @@ import grpc
 from cotserve.bench.throughput import first_token_ms, prompt_of_tokens
 from cotserve.common.clitools import run_loop
 from cotserve.common.topology import stack
-from cotserve.common.procs import free_port, running
+from cotserve.common.procs import free_port
+from cotserve.bench.warm import running
 from cotserve.common.stats import percentile
 from cotserve.sdk import AsyncClient
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc

@@ -57,12 +57,9 @@ def rates(t: float, capacity: float, cycle_s: float = CYCLE_S, burst: float = BU
     one), then a drain; shorter cycles give more violation onsets (the forecast's unit of evaluation) per second.
 
     The capacity is measured closed loop (a full batch always waiting) with streamed requests, as the load sends them
-    (`capacity`). Measured with unary calls, as before, the bursts' 0.9 x capacity was 1.3-1.5x what the stack serves
-    INTERACTIVE streamed: the overload of INTERACTIVE's own that every replay without BATCH (`NO_BATCH`) missed 11-14% in.
-    Measured as sent, at a burst of 0.9 the gateway's admission (BATCH queued behind INTERACTIVE) left INTERACTIVE no
-    miss (a quick run recorded 0.0%, nothing to train on); 1.3 is the edge (one quick run's replays without a rule
-    missed none, another run's 45 s replay without admission 18.0%); the default, 1.5, gives the bursts the old
-    measurement's 0.9 gave: INTERACTIVE over its own capacity for the burst's 4 s, and a queue of seconds behind it."""
+    (`capacity`). The default burst, 1.5 x that capacity, puts INTERACTIVE over its own capacity for the burst's
+    seconds with a queue of seconds behind it: below about 1.3 the gateway's admission (BATCH queued behind
+    INTERACTIVE) leaves INTERACTIVE no miss to forecast or to prevent."""
     cycle, phase = int(t // cycle_s), (t % cycle_s) / cycle_s
     surge = cycle % 3 == 1
     if phase < 1 / 3:
@@ -319,13 +316,11 @@ class Mode:
     burst: float = BURST  # INTERACTIVE's rate in the bursts, x capacity (`rates`)
 
 
-FULL = Mode(600.0, 120.0, 30.0, tuple(ADMISSION_VARIANTS))  # 30 s cycles: up to 20 violation onsets a recording (360 s
-# recordings gave 14 over 3 seeds, neighbouring cycles' violations running together, short of the 20 the evaluation needs)
-QUICK = Mode(100.0, 20.0, 25.0, ("off", "shed and pause"), capacity_s=4.0, replay_capacity_s=4.0)  # under 3 minutes on 2
-# cores (177-179 s with 5 s measurements; 183-186 s with 10 s before the replays and a 2 s wait before off's): four cycles
-# recorded (the forecaster needs 120 labelled seconds of the first 70%: 75 s gave 87), replays up to the burst's end
-# (100 s of 30 s cycles and 30 s replays took 191-218 s, and put the only surge in the held-out stretch: TTFT MAPE 215%
-# on prompts the latency model had never seen)
+FULL = Mode(600.0, 120.0, 30.0, tuple(ADMISSION_VARIANTS))  # 30 s cycles: enough violation onsets a recording for the
+# evaluation, neighbouring cycles' violations apart
+QUICK = Mode(100.0, 20.0, 25.0, ("off", "shed and pause"), capacity_s=4.0, replay_capacity_s=4.0)  # a few minutes on 2
+# cores: four cycles recorded (the forecaster needs 120 labelled seconds of the first 70%), a surge in the training
+# stretch, replays up to the burst's end
 
 
 def predictor_child(address: str, state: Path):
@@ -345,7 +340,8 @@ def run(model: Path | None, mode: Mode, seed: int, progress) -> dict:
     takes (two replays without admission 15 and 17 minutes after it missed INTERACTIVE's target in 20.8% and 42.2% of
     requests). Nor one measurement per replay, as 0a27313 did: back-to-back 8 s measurements differed by up to 30%
     (292.8 and 222.2 requests/s), a difference in load between the variants compared as large as any rule's effect."""
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli
+    from cotserve.bench.warm import running
 
     state = Path(tempfile.mkdtemp(prefix="cotserve-bench-slo-"))
     worker_addr, slo_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

@@ -94,7 +94,8 @@ async def drive(address: str, seconds: float, rate: float, prompts: list[str], s
 def run(model: Path | None, train_s: float, eval_s: float, load: float, seed: int, progress, slowed: str = "flood",
         rounds: int = 2, session: bool = True) -> dict:
     from cotserve.bench.slo import ADMISSION_VARIANTS, CAPACITY_CONCURRENCY, capacity, predictor_child
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli
+    from cotserve.bench.warm import running
 
     if slowed not in SLOWED:
         raise ValueError(f"slowed: {slowed!r}, must be one of {', '.join(SLOWED)}")

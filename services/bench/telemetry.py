@@ -113,7 +113,8 @@ def run(num_batches: int, concurrency: int, progress) -> tuple[ReceiverRun, Rece
     """Both receivers, each in its own process; returns (null, telemetry, telemetry's stats)."""
     import grpc
 
-    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, running, wait_serving
+    from cotserve.common.procs import Child, free_port, grpc_ready, python_cli, wait_serving
+    from cotserve.bench.warm import running
     from cotserve.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
 
     progress(f"building {num_batches} export requests of up to {BATCH_SPANS} spans ...")

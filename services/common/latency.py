@@ -17,8 +17,8 @@ import json
 import struct
 from dataclasses import dataclass
 
+from cotserve.common.v1 import common_pb2
 from cotserve.common.sampling import SLA_PB
-from cotserve.slo.v1 import slo_pb2
 
 CLASS_INDEX = {pb: i for i, pb in enumerate(SLA_PB.values())}
 
@@ -68,7 +68,7 @@ def ttft_estimate_ms(step_ms: float, waiting_ahead: float, queued: float, first_
     return step_ms * (1 + waiting_ahead) + queued * per_first_ms
 
 
-def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, state: slo_pb2.MetricsWindow) -> list[float]:
+def latency_row(prompt_tokens: float, max_new_tokens: float, sla_class: int, state: common_pb2.MetricsWindow) -> list[float]:
     c = CLASS_INDEX.get(sla_class, 1)
     seats = state.worker_max_num_seqs
     per_seat = 1.0 / seats if seats else 0.0  # unknown seats: no such signal

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from cotserve.router.v1 import router_pb2
+from cotserve.common.v1 import common_pb2
 from cotserve.common.moe_policy import LayerRouting, RoutingPolicy
 
 PREFIX = "cotserve:moe"
@@ -73,7 +73,7 @@ class PolicyError(ValueError):
     """A policy that does not fit the model; the message names the problem."""
 
 
-def validate(policy: router_pb2.ExpertPolicy, *, num_experts: int, top_k: int, moe_layers: set[int]) -> None:
+def validate(policy: common_pb2.ExpertPolicy, *, num_experts: int, top_k: int, moe_layers: set[int]) -> None:
     for layer in policy.layers:
         if layer.layer not in moe_layers:
             raise PolicyError(f"layers[{layer.layer}]: not an MoE layer of this model (MoE layers: "
@@ -95,7 +95,7 @@ def validate(policy: router_pb2.ExpertPolicy, *, num_experts: int, top_k: int, m
         raise PolicyError(f"top_k: {policy.top_k} is out of range (0..{num_experts})")
 
 
-def to_routing(policy: router_pb2.ExpertPolicy) -> RoutingPolicy:
+def to_routing(policy: common_pb2.ExpertPolicy) -> RoutingPolicy:
     return RoutingPolicy(
         version=policy.version,
         layers={l.layer: LayerRouting(tuple(l.expert_bias), frozenset(l.disabled_experts)) for l in policy.layers},
@@ -103,9 +103,9 @@ def to_routing(policy: router_pb2.ExpertPolicy) -> RoutingPolicy:
     )
 
 
-def parse(data: bytes, *, model: str, num_experts: int, top_k: int, moe_layers: set[int]) -> router_pb2.ExpertPolicy:
+def parse(data: bytes, *, model: str, num_experts: int, top_k: int, moe_layers: set[int]) -> common_pb2.ExpertPolicy:
     """Bytes from Redis to a validated policy for `model`; raises PolicyError on anything else."""
-    policy = router_pb2.ExpertPolicy()
+    policy = common_pb2.ExpertPolicy()
     try:
         policy.ParseFromString(data)
     except Exception as exc:  # protobuf raises DecodeError and friends

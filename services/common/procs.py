@@ -197,32 +197,12 @@ def wait_serving(child: Child, timeout_s: float, progress: Callable[[], None]) -
     raise RuntimeError(f"{child.name} did not report SERVING within {timeout_s:.0f}s:\n{child.log_tail()}")
 
 
-def wait_kernels_ready(address: str, timeout_s: float = 180.0) -> None:
-    """Block until the worker at `address` has compiled its CPU kernels (its Stats say so): a benchmark measures
-    the warmed-up worker, not the seconds after start when the compiler shares its cores."""
-    from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with client_channel(address) as channel:
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        while not stub.Stats(worker_pb2.StatsRequest(), timeout=10).kernels_ready:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"worker {address}: kernels not compiled within {timeout_s:.0f}s")
-            time.sleep(0.2)
-
-
-def wait_warm(child: Child, timeout_s: float) -> None:
-    """`wait_serving`, and for a worker until its kernels are compiled (what a benchmark should measure)."""
-    wait_serving(child, timeout_s, lambda: None)
-    if child.name.startswith("worker"):
-        wait_kernels_ready(child.address, timeout_s)
-
-
 @contextmanager
 def running(children: list[Child], timeout_s: float = 120.0, grace_s: float = 5.0,
             wait: Callable[[Child], None] | None = None, on_start: Callable[[Child], None] | None = None) -> Iterator[list[Child]]:
     """The one way the CLI (`up`) and the benchmarks run their processes: start `children` in order, each waited
-    for before the next starts (`wait`, default `wait_warm`: SERVING, and a worker's kernels compiled), yield them,
+    for before the next starts (`wait`, default `wait_serving`; the benchmarks' `bench.warm.running` also waits for
+    a worker's kernels), yield them,
     and stop those started in reverse order however the block ends. A child that exits or does not come up in
     time raises RuntimeError with the tail of its log."""
     started: list[Child] = []
@@ -232,7 +212,7 @@ def running(children: list[Child], timeout_s: float = 120.0, grace_s: float = 5.
             started.append(child)
             if on_start is not None:
                 on_start(child)
-            (wait or (lambda c: wait_warm(c, timeout_s)))(child)
+            (wait or (lambda c: wait_serving(c, timeout_s, lambda: None)))(child)
         yield children
     finally:
         for child in reversed(started):

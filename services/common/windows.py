@@ -7,13 +7,13 @@ the gateway (routing by predicted latency needs the worker's state as the predic
 
 from __future__ import annotations
 
-from cotserve.slo.v1 import slo_pb2
+from cotserve.common.v1 import common_pb2
 
 
-def worker_total(windows, worker: str = "", start_unix_ms: int = 0) -> slo_pb2.MetricsWindow:
+def worker_total(windows, worker: str = "", start_unix_ms: int = 0) -> common_pb2.MetricsWindow:
     """One worker's windows of one second (one per class) as a single worker-level window: counts
     and queues summed, latencies the arrival-weighted mean of the classes' p50s."""
-    total = slo_pb2.MetricsWindow(worker=worker, start_unix_ms=start_unix_ms)
+    total = common_pb2.MetricsWindow(worker=worker, start_unix_ms=start_unix_ms)
     ttft_w = itl_w = 0.0
     for w in windows:
         total.model = total.model or w.model

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from cotserve.common.v1 import common_pb2
 from cotserve.common.errors import CotserveError, InvalidArgument, NotFound
 from cotserve.common.metrics import MetricsServer, serve_metrics
 from cotserve.common.server import Server, ServiceSpec, run_until_signalled
@@ -62,16 +63,16 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
         shape["moe_layers"] = set(shape["moe_layers"])
         return shape
 
-    async def current(self, model: str) -> router_pb2.ExpertPolicy:
+    async def current(self, model: str) -> common_pb2.ExpertPolicy:
         raw = await self.redis.get(protocol.policy_key(model))
         if raw is None:
-            return router_pb2.ExpertPolicy(model=model, version=0)
-        p = router_pb2.ExpertPolicy()
+            return common_pb2.ExpertPolicy(model=model, version=0)
+        p = common_pb2.ExpertPolicy()
         p.ParseFromString(raw)
         return p
 
-    async def publish(self, policy: router_pb2.ExpertPolicy, expected_version: int,
-                      source: str = "operator") -> router_pb2.ExpertPolicy:
+    async def publish(self, policy: common_pb2.ExpertPolicy, expected_version: int,
+                      source: str = "operator") -> common_pb2.ExpertPolicy:
         """Validate, then compare-and-set: the new version is expected_version + 1."""
         if not policy.model:
             raise InvalidArgument("policy.model: required")
@@ -79,7 +80,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             protocol.validate(policy, **await self.shape(policy.model))
         except protocol.PolicyError as exc:
             raise InvalidArgument(f"policy.{exc}") from None
-        out = router_pb2.ExpertPolicy()
+        out = common_pb2.ExpertPolicy()
         out.CopyFrom(policy)
         out.version = expected_version + 1
         out.trace_context.clear()
@@ -112,7 +113,7 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             async for message in pubsub.listen():
                 if message.get("type") != "message":
                     continue
-                p = router_pb2.ExpertPolicy()
+                p = common_pb2.ExpertPolicy()
                 try:
                     p.ParseFromString(message["data"])
                 except Exception:  # noqa: BLE001 - garbage on the channel is not ours to relay
@@ -207,7 +208,7 @@ def proportional_rule(bias: list[float], counts: list[int], gamma: float) -> lis
 RULES = {"sign": sign_rule, "proportional": proportional_rule}
 
 
-async def balance_once(servicer: RouterServicer, model: str) -> router_pb2.ExpertPolicy | None:
+async def balance_once(servicer: RouterServicer, model: str) -> common_pb2.ExpertPolicy | None:
     """One balancing round: a new policy version when the load calls for one."""
     load = await expert_load(servicer.redis, model, servicer.cfg.balance_window_s)
     if not any(sum(c) for c in load.values()):
@@ -215,7 +216,7 @@ async def balance_once(servicer: RouterServicer, model: str) -> router_pb2.Exper
     servicer.metrics.balance.labels(model).set(sum(map(balancedness, load.values())) / len(load))
     current = await servicer.current(model)
     by_layer = {l.layer: l for l in current.layers}
-    new = router_pb2.ExpertPolicy(model=model, top_k=current.top_k)
+    new = common_pb2.ExpertPolicy(model=model, top_k=current.top_k)
     changed = False
     for layer, counts in sorted(load.items()):
         old = by_layer.get(layer)

@@ -23,10 +23,10 @@ import numpy as np
 
 # A request's latency feature row (LATENCY_FEATURES, latency_row) lives in common.latency: the gateway builds the
 # same rows to evaluate the trained trees itself.
+from cotserve.common.v1 import common_pb2
 from cotserve.common.latency import CLASS_INDEX
 from cotserve.common.sampling import SLA_PB, SlaClass
 from cotserve.common.sla import DEFAULT_SLA_TARGETS, SlaTarget
-from cotserve.slo.v1 import slo_pb2
 
 CLASS_NAMES = ("REALTIME", "INTERACTIVE", "BATCH")
 PB_CLASSES = tuple(SLA_PB.values())
@@ -70,7 +70,7 @@ def build_series(windows, t_end_ms: int | None = None) -> ModelSeries | None:
     n = (last - t0) // 1000 + 1
     z3, z1 = (lambda: np.zeros((3, n))), (lambda: np.zeros(n))
     s = ModelSeries(t0, n, z3(), z3(), z3(), z3(), z3(), z3(), z3(), z3(), z3(), z1(), z1(), z1(), z1(), z1(), z1(), z3())
-    per_worker: dict[tuple[int, str], slo_pb2.MetricsWindow] = {}
+    per_worker: dict[tuple[int, str], common_pb2.MetricsWindow] = {}
     for w in windows:
         c = CLASS_INDEX.get(w.sla_class)
         if c is None:

@@ -17,6 +17,7 @@ import struct
 from collections import deque
 from pathlib import Path
 
+from cotserve.common.v1 import common_pb2
 from cotserve.common.errors import InvalidArgument
 from cotserve.common.sampling import SLA_PB
 from cotserve.slo.v1 import slo_pb2
@@ -45,7 +46,7 @@ def _validate_common(m, where: str, floats: tuple[str, ...]) -> None:
             raise InvalidArgument(f"{where}.{name}: must be a finite number >= 0, got {v}")
 
 
-def validate_window(w: slo_pb2.MetricsWindow, where: str) -> None:
+def validate_window(w: common_pb2.MetricsWindow, where: str) -> None:
     """INVALID_ARGUMENT naming the field for NaN, infinite or negative values, an unknown class,
     a missing model or worker. (Counts are unsigned on the wire, so they cannot be negative.)"""
     _validate_common(w, where, _WINDOW_FLOATS)
@@ -62,7 +63,7 @@ class History:
 
     def __init__(self, path: Path | None, max_windows: int = 200_000, max_requests: int = 200_000) -> None:
         self.path = path
-        self.windows: deque[slo_pb2.MetricsWindow] = deque(maxlen=max_windows)
+        self.windows: deque[common_pb2.MetricsWindow] = deque(maxlen=max_windows)
         self.requests: deque[slo_pb2.RequestObservation] = deque(maxlen=max_requests)
         self.version = 0  # bumps on every change; the trainer compares it
         self._file_records = 0

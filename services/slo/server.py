@@ -73,7 +73,7 @@ class SloState:
         self.low_since: dict[str, float] = {}
         self.watchers: set[asyncio.Queue] = set()
 
-    def _remember(self, w: slo_pb2.MetricsWindow) -> None:
+    def _remember(self, w: common_pb2.MetricsWindow) -> None:
         q = self.recent[w.model]
         q.append(w)
         horizon = w.start_unix_ms - (F.LOOKBACK_S + STALE_S) * 1000

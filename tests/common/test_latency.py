@@ -10,7 +10,6 @@ import xgboost as xgb
 
 from cotserve.common.latency import LATENCY_FEATURES, TreeEnsemble, latency_row
 from cotserve.common.v1 import common_pb2
-from cotserve.slo.v1 import slo_pb2
 
 
 def _booster(objective: str, rounds: int = 60, **params) -> tuple[xgb.Booster, np.ndarray]:
@@ -64,7 +63,7 @@ def test_models_it_cannot_evaluate_are_refused_by_name():
 
 
 def test_a_row_is_the_window_with_the_requests_place_in_line_and_the_workers_own_load():
-    w = slo_pb2.MetricsWindow(in_flight=3, worker_waiting=2, waiting_for_first_token=4, prefill_tokens_ahead=100,
+    w = common_pb2.MetricsWindow(in_flight=3, worker_waiting=2, waiting_for_first_token=4, prefill_tokens_ahead=100,
                               worker_running=20, worker_step_ms=5.0, worker_tokens_per_s=4000.0, worker_max_num_seqs=4,
                               oldest_wait_ms=120.0, silent_ms=45.0, seat_wait_tokens=13.0)
     row = dict(zip(LATENCY_FEATURES, latency_row(50, 16, common_pb2.SLA_CLASS_REALTIME, w)))

@@ -8,9 +8,9 @@ import time
 
 import redis.asyncio as aioredis
 
+from cotserve.common.v1 import common_pb2
 from cotserve.common.procs import redis_child
 from cotserve.common import moe_protocol as protocol
-from cotserve.router.v1 import router_pb2
 from cotserve.worker.sequence import SamplingParams
 from cotserve.worker.config import WorkerConfig
 from cotserve.worker.server import start_worker
@@ -31,7 +31,7 @@ async def until(predicate, timeout_s: float) -> None:
 
 
 def encoded(version: int, disabled: list[int]) -> bytes:
-    p = router_pb2.ExpertPolicy(model="tiny-moe", version=version)
+    p = common_pb2.ExpertPolicy(model="tiny-moe", version=version)
     p.layers.add(layer=0, disabled_experts=disabled)
     return p.SerializeToString()
 

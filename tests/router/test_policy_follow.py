@@ -8,8 +8,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
+from cotserve.common.v1 import common_pb2
 from cotserve.common import moe_protocol as protocol
-from cotserve.router.v1 import router_pb2
 from cotserve.sdk import AsyncClient
 from cotserve.worker.config import WorkerConfig
 from cotserve.worker.server import start_worker
@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def policy(version: int, model: str = "tiny-moe", **layer0) -> bytes:
-    p = router_pb2.ExpertPolicy(model=model, version=version)
+    p = common_pb2.ExpertPolicy(model=model, version=version)
     p.layers.add(layer=0, **layer0)
     return p.SerializeToString()
 

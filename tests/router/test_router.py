@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from prometheus_client import generate_latest
 
+from cotserve.common.v1 import common_pb2
 from cotserve.common import moe_protocol as protocol
 from cotserve.router.server import (
     RouterConfig, balance_once, balancedness, consume_load, expert_load, proportional_rule, sign_rule, start_router,
@@ -39,8 +40,8 @@ def with_router(redis_url, body, **cfg):
     return asyncio.run(main())
 
 
-def layer_policy(**layer) -> router_pb2.ExpertPolicy:
-    p = router_pb2.ExpertPolicy(model="m")
+def layer_policy(**layer) -> common_pb2.ExpertPolicy:
+    p = common_pb2.ExpertPolicy(model="m")
     p.layers.add(**layer)
     return p
 
@@ -56,14 +57,14 @@ def test_set_policy_is_compare_and_set_and_validated(redis_url):
             router_pb2.SetPolicyRequest(policy=layer_policy(layer=0, expert_bias=[1.0, 2.0]), expected_version=1),
             router_pb2.SetPolicyRequest(policy=layer_policy(layer=7), expected_version=1),
             router_pb2.SetPolicyRequest(policy=layer_policy(layer=1, disabled_experts=[0, 1, 2]), expected_version=1),
-            router_pb2.SetPolicyRequest(policy=router_pb2.ExpertPolicy(model="nope"), expected_version=0),
+            router_pb2.SetPolicyRequest(policy=common_pb2.ExpertPolicy(model="nope"), expected_version=0),
             router_pb2.SetPolicyRequest(policy=layer_policy(layer=1, expert_bias=[0.0, float("nan"), 0.0, 0.0]), expected_version=1),
             router_pb2.SetPolicyRequest(policy=layer_policy(layer=0, expert_bias=[0.0, 0.0, 0.0, float("-inf")]), expected_version=1),
         ):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.SetPolicy(req)
             errors.append((err.value.code(), err.value.details()))
-        stored = router_pb2.ExpertPolicy()
+        stored = common_pb2.ExpertPolicy()
         stored.ParseFromString(await r.get(protocol.policy_key("m")))
         return v1, errors, stored, parse_metrics(generate_latest(router.servicer.metrics.registry).decode())
 
@@ -181,7 +182,7 @@ def test_set_policy_reaches_a_worker_in_the_same_trace(redis_url, mixtral):
         try:
             async with grpc.aio.insecure_channel(router.server.address) as ch:
                 stub = router_pb2_grpc.RouterServiceStub(ch)
-                p = router_pb2.ExpertPolicy(model="tiny-moe")
+                p = common_pb2.ExpertPolicy(model="tiny-moe")
                 p.layers.add(layer=1, disabled_experts=[0])
                 start = time.monotonic()
                 v = (await stub.SetPolicy(router_pb2.SetPolicyRequest(policy=p, expected_version=0))).policy.version

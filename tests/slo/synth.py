@@ -30,7 +30,7 @@ def simulate(seconds: int, seed: int = 0, worker: str = "w1", model: str = "m", 
         queue = max(0.0, queue + arrivals - 10)
         ttft = 60 + queue / 10 * 1000 + rng.uniform(0, 20)
         start = t0_ms + t * 1000
-        windows.append(slo_pb2.MetricsWindow(
+        windows.append(common_pb2.MetricsWindow(
             start_unix_ms=start, model=model, worker=worker, sla_class=common_pb2.SLA_CLASS_INTERACTIVE,
             arrivals=arrivals, completions=int(served), first_tokens=int(served), ttft_p50_ms=ttft, ttft_p95_ms=ttft * 1.3,
             ttft_p99_ms=ttft * 1.5, itl_p50_ms=8, itl_p95_ms=12, itl_p99_ms=15, queue_depth=int(queue), in_flight=int(served),
@@ -65,7 +65,7 @@ def simulate_prefill(seconds: int, seed: int = 0, worker: str = "w1", model: str
                 queued_at_start=0, waiting_for_first_token_at_start=i, prefill_tokens_ahead_at_start=ahead))
             ahead += p
         ttfts.sort()
-        windows.append(slo_pb2.MetricsWindow(
+        windows.append(common_pb2.MetricsWindow(
             start_unix_ms=start, model=model, worker=worker, sla_class=common_pb2.SLA_CLASS_INTERACTIVE, arrivals=n,
             completions=n, first_tokens=n, ttft_p50_ms=ttfts[len(ttfts) // 2], ttft_p95_ms=ttfts[-1], ttft_p99_ms=ttfts[-1],
             itl_p50_ms=8, itl_p95_ms=12, itl_p99_ms=15, in_flight=n, kv_used_fraction=0.3, output_tokens_per_s=n * 32,
@@ -97,7 +97,7 @@ def simulate_background(seconds: int, seed: int = 0, model: str = "m", t0_ms: in
                     in_flight_at_start=i, queued_at_start=0, waiting_for_first_token_at_start=i,
                     prefill_tokens_ahead_at_start=32 * i))
             ttfts.sort()
-            windows.append(slo_pb2.MetricsWindow(
+            windows.append(common_pb2.MetricsWindow(
                 start_unix_ms=start, model=model, worker=worker, sla_class=common_pb2.SLA_CLASS_INTERACTIVE, arrivals=n,
                 completions=n, first_tokens=n, ttft_p50_ms=ttfts[n // 2] if n else 0.0, ttft_p95_ms=max(ttfts, default=0.0),
                 ttft_p99_ms=max(ttfts, default=0.0), itl_p50_ms=step_ms if n else 0.0, itl_p95_ms=step_ms if n else 0.0,

@@ -8,14 +8,13 @@ import pytest
 from cotserve.common.v1 import common_pb2
 from cotserve.common.windows import worker_total
 from cotserve.slo import features as F
-from cotserve.slo.v1 import slo_pb2
 
 I = common_pb2.SLA_CLASS_INTERACTIVE
 T0 = 1_800_000_000_000
 
 
-def win(t: int, worker: str = "w1", cls=I, **kw) -> slo_pb2.MetricsWindow:
-    return slo_pb2.MetricsWindow(start_unix_ms=T0 + t * 1000 + 17, model="m", worker=worker, sla_class=cls, **kw)
+def win(t: int, worker: str = "w1", cls=I, **kw) -> common_pb2.MetricsWindow:
+    return common_pb2.MetricsWindow(start_unix_ms=T0 + t * 1000 + 17, model="m", worker=worker, sla_class=cls, **kw)
 
 
 def test_series_merges_workers_per_second_and_class():

@@ -63,7 +63,7 @@ def test_trains_on_reported_windows_and_serves_forecasts_and_predictions(tmp_pat
                 other = await stub.Forecast(slo_pb2.ForecastRequest(model="nobody", sla_class=I))
                 assert not other.is_trained and "no windows from model 'nobody'" in other.untrained_reason
 
-                busy, idle = slo_pb2.MetricsWindow(worker="a"), slo_pb2.MetricsWindow(worker="b")
+                busy, idle = common_pb2.MetricsWindow(worker="a"), common_pb2.MetricsWindow(worker="b")
                 busy.CopyFrom(max(windows, key=lambda w: w.queue_depth))
                 idle.CopyFrom(min(windows, key=lambda w: w.queue_depth))
                 for w in (busy, idle):  # a candidate's queue ahead of the request, as a gateway fills it in
@@ -83,9 +83,9 @@ def test_trains_on_reported_windows_and_serves_forecasts_and_predictions(tmp_pat
                 assert again.is_trained and again.version == model.version and not again.ttft_model_json
 
                 for bad, message in (
-                    (slo_pb2.ReportWindowsRequest(windows=[slo_pb2.MetricsWindow(start_unix_ms=1, model="m", worker="w", sla_class=I,
+                    (slo_pb2.ReportWindowsRequest(windows=[common_pb2.MetricsWindow(start_unix_ms=1, model="m", worker="w", sla_class=I,
                                                                                 ttft_p99_ms=math.nan)]), "windows[0].ttft_p99_ms"),
-                    (slo_pb2.ReportWindowsRequest(windows=[slo_pb2.MetricsWindow(start_unix_ms=1, model="m", worker="w", sla_class=7)]),
+                    (slo_pb2.ReportWindowsRequest(windows=[common_pb2.MetricsWindow(start_unix_ms=1, model="m", worker="w", sla_class=7)]),
                      "windows[0].sla_class"),
                 ):
                     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -134,7 +134,7 @@ def test_scale_advice_rules():
     from cotserve.slo.server import SloState
 
     state = SloState(SloConfig(state_dir=None, scale_down_after_s=100))
-    state.recent["m"].extend(slo_pb2.MetricsWindow(start_unix_ms=1000, model="m", worker=w, sla_class=I) for w in ("a", "b"))
+    state.recent["m"].extend(common_pb2.MetricsWindow(start_unix_ms=1000, model="m", worker=w, sla_class=I) for w in ("a", "b"))
     state.forecast = lambda model, cls: slo_pb2.ForecastResponse(is_trained=True, violation_probability=p)  # type: ignore[method-assign]
     p = 0.9
     up = state.decide("m", now=0)

@@ -22,41 +22,34 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from cotserve.common.v1 import common_pb2 as cotserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/router/v1/router.proto\x12\x12\x63otserve.router.v1\"K\n\x0bLayerPolicy\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0b\x65xpert_bias\x18\x02 \x03(\x02\x12\x18\n\x10\x64isabled_experts\x18\x03 \x03(\r\"\xee\x01\n\x0c\x45xpertPolicy\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12/\n\x06layers\x18\x03 \x03(\x0b\x32\x1f.cotserve.router.v1.LayerPolicy\x12\r\n\x05top_k\x18\x04 \x01(\r\x12I\n\rtrace_context\x18\x05 \x03(\x0b\x32\x32.cotserve.router.v1.ExpertPolicy.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"!\n\x10GetPolicyRequest\x12\r\n\x05model\x18\x01 \x01(\t\"E\n\x11GetPolicyResponse\x12\x30\n\x06policy\x18\x01 \x01(\x0b\x32 .cotserve.router.v1.ExpertPolicy\"^\n\x10SetPolicyRequest\x12\x30\n\x06policy\x18\x01 \x01(\x0b\x32 .cotserve.router.v1.ExpertPolicy\x12\x18\n\x10\x65xpected_version\x18\x02 \x01(\x04\"E\n\x11SetPolicyResponse\x12\x30\n\x06policy\x18\x01 \x01(\x0b\x32 .cotserve.router.v1.ExpertPolicy\"#\n\x12WatchPolicyRequest\x12\r\n\x05model\x18\x01 \x01(\t\"G\n\x13WatchPolicyResponse\x12\x30\n\x06policy\x18\x01 \x01(\x0b\x32 .cotserve.router.v1.ExpertPolicy\"8\n\x14GetExpertLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\twindow_ms\x18\x02 \x01(\r\"K\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x19\n\x11tokens_per_expert\x18\x02 \x03(\x04\x12\x14\n\x0c\x62\x61lancedness\x18\x03 \x01(\x01\"Y\n\x15GetExpertLoadResponse\x12-\n\x06layers\x18\x01 \x03(\x0b\x32\x1d.cotserve.router.v1.LayerLoad\x12\x11\n\twindow_ms\x18\x02 \x01(\r2\x8b\x03\n\rRouterService\x12X\n\tGetPolicy\x12$.cotserve.router.v1.GetPolicyRequest\x1a%.cotserve.router.v1.GetPolicyResponse\x12X\n\tSetPolicy\x12$.cotserve.router.v1.SetPolicyRequest\x1a%.cotserve.router.v1.SetPolicyResponse\x12`\n\x0bWatchPolicy\x12&.cotserve.router.v1.WatchPolicyRequest\x1a\'.cotserve.router.v1.WatchPolicyResponse0\x01\x12\x64\n\rGetExpertLoad\x12(.cotserve.router.v1.GetExpertLoadRequest\x1a).cotserve.router.v1.GetExpertLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/router/v1/router.proto\x12\x12\x63otserve.router.v1\x1a\x1f\x63otserve/common/v1/common.proto\"!\n\x10GetPolicyRequest\x12\r\n\x05model\x18\x01 \x01(\t\"E\n\x11GetPolicyResponse\x12\x30\n\x06policy\x18\x01 \x01(\x0b\x32 .cotserve.common.v1.ExpertPolicy\"^\n\x10SetPolicyRequest\x12\x30\n\x06policy\x18\x01 \x01(\x0b\x32 .cotserve.common.v1.ExpertPolicy\x12\x18\n\x10\x65xpected_version\x18\x02 \x01(\x04\"E\n\x11SetPolicyResponse\x12\x30\n\x06policy\x18\x01 \x01(\x0b\x32 .cotserve.common.v1.ExpertPolicy\"#\n\x12WatchPolicyRequest\x12\r\n\x05model\x18\x01 \x01(\t\"G\n\x13WatchPolicyResponse\x12\x30\n\x06policy\x18\x01 \x01(\x0b\x32 .cotserve.common.v1.ExpertPolicy\"8\n\x14GetExpertLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\twindow_ms\x18\x02 \x01(\r\"K\n\tLayerLoad\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x19\n\x11tokens_per_expert\x18\x02 \x03(\x04\x12\x14\n\x0c\x62\x61lancedness\x18\x03 \x01(\x01\"Y\n\x15GetExpertLoadResponse\x12-\n\x06layers\x18\x01 \x03(\x0b\x32\x1d.cotserve.router.v1.LayerLoad\x12\x11\n\twindow_ms\x18\x02 \x01(\r2\x8b\x03\n\rRouterService\x12X\n\tGetPolicy\x12$.cotserve.router.v1.GetPolicyRequest\x1a%.cotserve.router.v1.GetPolicyResponse\x12X\n\tSetPolicy\x12$.cotserve.router.v1.SetPolicyRequest\x1a%.cotserve.router.v1.SetPolicyResponse\x12`\n\x0bWatchPolicy\x12&.cotserve.router.v1.WatchPolicyRequest\x1a\'.cotserve.router.v1.WatchPolicyResponse0\x01\x12\x64\n\rGetExpertLoad\x12(.cotserve.router.v1.GetExpertLoadRequest\x1a).cotserve.router.v1.GetExpertLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cotserve.router.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EXPERTPOLICY_TRACECONTEXTENTRY']._loaded_options = None
-  _globals['_EXPERTPOLICY_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_LAYERPOLICY']._serialized_start=55
-  _globals['_LAYERPOLICY']._serialized_end=130
-  _globals['_EXPERTPOLICY']._serialized_start=133
-  _globals['_EXPERTPOLICY']._serialized_end=371
-  _globals['_EXPERTPOLICY_TRACECONTEXTENTRY']._serialized_start=320
-  _globals['_EXPERTPOLICY_TRACECONTEXTENTRY']._serialized_end=371
-  _globals['_GETPOLICYREQUEST']._serialized_start=373
-  _globals['_GETPOLICYREQUEST']._serialized_end=406
-  _globals['_GETPOLICYRESPONSE']._serialized_start=408
-  _globals['_GETPOLICYRESPONSE']._serialized_end=477
-  _globals['_SETPOLICYREQUEST']._serialized_start=479
-  _globals['_SETPOLICYREQUEST']._serialized_end=573
-  _globals['_SETPOLICYRESPONSE']._serialized_start=575
-  _globals['_SETPOLICYRESPONSE']._serialized_end=644
-  _globals['_WATCHPOLICYREQUEST']._serialized_start=646
-  _globals['_WATCHPOLICYREQUEST']._serialized_end=681
-  _globals['_WATCHPOLICYRESPONSE']._serialized_start=683
-  _globals['_WATCHPOLICYRESPONSE']._serialized_end=754
-  _globals['_GETEXPERTLOADREQUEST']._serialized_start=756
-  _globals['_GETEXPERTLOADREQUEST']._serialized_end=812
-  _globals['_LAYERLOAD']._serialized_start=814
-  _globals['_LAYERLOAD']._serialized_end=889
-  _globals['_GETEXPERTLOADRESPONSE']._serialized_start=891
-  _globals['_GETEXPERTLOADRESPONSE']._serialized_end=980
-  _globals['_ROUTERSERVICE']._serialized_start=983
-  _globals['_ROUTERSERVICE']._serialized_end=1378
+  _globals['_GETPOLICYREQUEST']._serialized_start=88
+  _globals['_GETPOLICYREQUEST']._serialized_end=121
+  _globals['_GETPOLICYRESPONSE']._serialized_start=123
+  _globals['_GETPOLICYRESPONSE']._serialized_end=192
+  _globals['_SETPOLICYREQUEST']._serialized_start=194
+  _globals['_SETPOLICYREQUEST']._serialized_end=288
+  _globals['_SETPOLICYRESPONSE']._serialized_start=290
+  _globals['_SETPOLICYRESPONSE']._serialized_end=359
+  _globals['_WATCHPOLICYREQUEST']._serialized_start=361
+  _globals['_WATCHPOLICYREQUEST']._serialized_end=396
+  _globals['_WATCHPOLICYRESPONSE']._serialized_start=398
+  _globals['_WATCHPOLICYRESPONSE']._serialized_end=469
+  _globals['_GETEXPERTLOADREQUEST']._serialized_start=471
+  _globals['_GETEXPERTLOADREQUEST']._serialized_end=527
+  _globals['_LAYERLOAD']._serialized_start=529
+  _globals['_LAYERLOAD']._serialized_end=604
+  _globals['_GETEXPERTLOADRESPONSE']._serialized_start=606
+  _globals['_GETEXPERTLOADRESPONSE']._serialized_end=695
+  _globals['_ROUTERSERVICE']._serialized_start=698
+  _globals['_ROUTERSERVICE']._serialized_end=1093
 # @@protoc_insertion_point(module_scope)

@@ -4,6 +4,7 @@ isort:skip_file
 The MoE router: expert-routing policy published to every worker over Redis."""
 
 from collections import abc as _abc
+from cotserve.common.v1 import common_pb2 as _common_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -17,102 +18,6 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-@_typing.final
-class LayerPolicy(_message.Message):
-    """Routing policy of one MoE layer."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    LAYER_FIELD_NUMBER: _builtins.int
-    EXPERT_BIAS_FIELD_NUMBER: _builtins.int
-    DISABLED_EXPERTS_FIELD_NUMBER: _builtins.int
-    layer: _builtins.int
-    """Decoder layer index."""
-    @_builtins.property
-    def expert_bias(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """Additive bias per expert used only to choose the top-k experts; empty means all zero."""
-
-    @_builtins.property
-    def disabled_experts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Experts never chosen."""
-
-    def __init__(
-        self,
-        *,
-        layer: _builtins.int = ...,
-        expert_bias: _abc.Iterable[_builtins.float] | None = ...,
-        disabled_experts: _abc.Iterable[_builtins.int] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["disabled_experts", b"disabled_experts", "expert_bias", b"expert_bias", "layer", b"layer"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___LayerPolicy: _TypeAlias = LayerPolicy  # noqa: Y015
-
-@_typing.final
-class ExpertPolicy(_message.Message):
-    """A whole model's routing policy."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    @_typing.final
-    class TraceContextEntry(_message.Message):
-        DESCRIPTOR: _descriptor.Descriptor
-
-        KEY_FIELD_NUMBER: _builtins.int
-        VALUE_FIELD_NUMBER: _builtins.int
-        key: _builtins.str
-        value: _builtins.str
-        def __init__(
-            self,
-            *,
-            key: _builtins.str = ...,
-            value: _builtins.str = ...,
-        ) -> None: ...
-        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
-        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-        def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-    MODEL_FIELD_NUMBER: _builtins.int
-    VERSION_FIELD_NUMBER: _builtins.int
-    LAYERS_FIELD_NUMBER: _builtins.int
-    TOP_K_FIELD_NUMBER: _builtins.int
-    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
-    model: _builtins.str
-    """Model name."""
-    version: _builtins.int
-    """Monotonically increasing version; workers ignore versions not newer than theirs."""
-    top_k: _builtins.int
-    """Experts per token; 0 keeps the checkpoint's value."""
-    @_builtins.property
-    def layers(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerPolicy]:
-        """Per-layer policy; layers not listed use the unbiased gate."""
-
-    @_builtins.property
-    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """W3C trace context of the publishing request, so apply spans join its trace."""
-
-    def __init__(
-        self,
-        *,
-        model: _builtins.str = ...,
-        version: _builtins.int = ...,
-        layers: _abc.Iterable[Global___LayerPolicy] | None = ...,
-        top_k: _builtins.int = ...,
-        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers", "model", b"model", "top_k", b"top_k", "trace_context", b"trace_context", "version", b"version"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___ExpertPolicy: _TypeAlias = ExpertPolicy  # noqa: Y015
 
 @_typing.final
 class GetPolicyRequest(_message.Message):
@@ -144,13 +49,13 @@ class GetPolicyResponse(_message.Message):
 
     POLICY_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def policy(self) -> Global___ExpertPolicy:
+    def policy(self) -> _common_pb2.ExpertPolicy:
         """The policy (version 0 when none was ever set)."""
 
     def __init__(
         self,
         *,
-        policy: Global___ExpertPolicy | None = ...,
+        policy: _common_pb2.ExpertPolicy | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -171,13 +76,13 @@ class SetPolicyRequest(_message.Message):
     expected_version: _builtins.int
     """The version the caller last saw; a different current version is ABORTED."""
     @_builtins.property
-    def policy(self) -> Global___ExpertPolicy:
+    def policy(self) -> _common_pb2.ExpertPolicy:
         """The new policy; its version is ignored and assigned by the router."""
 
     def __init__(
         self,
         *,
-        policy: Global___ExpertPolicy | None = ...,
+        policy: _common_pb2.ExpertPolicy | None = ...,
         expected_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
@@ -196,13 +101,13 @@ class SetPolicyResponse(_message.Message):
 
     POLICY_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def policy(self) -> Global___ExpertPolicy:
+    def policy(self) -> _common_pb2.ExpertPolicy:
         """The published policy with its new version."""
 
     def __init__(
         self,
         *,
-        policy: Global___ExpertPolicy | None = ...,
+        policy: _common_pb2.ExpertPolicy | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -242,13 +147,13 @@ class WatchPolicyResponse(_message.Message):
 
     POLICY_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def policy(self) -> Global___ExpertPolicy:
+    def policy(self) -> _common_pb2.ExpertPolicy:
         """The policy."""
 
     def __init__(
         self,
         *,
-        policy: Global___ExpertPolicy | None = ...,
+        policy: _common_pb2.ExpertPolicy | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["policy", b"policy"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...

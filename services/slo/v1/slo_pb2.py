@@ -25,49 +25,47 @@ _sym_db = _symbol_database.Default()
 from cotserve.common.v1 import common_pb2 as cotserve_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63otserve/slo/v1/slo.proto\x12\x0f\x63otserve.slo.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\xa6\x06\n\rMetricsWindow\x12\x15\n\rstart_unix_ms\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x10\n\x08\x61rrivals\x18\x05 \x01(\r\x12\x13\n\x0b\x63ompletions\x18\x06 \x01(\r\x12\x13\n\x0bttft_p50_ms\x18\x07 \x01(\x01\x12\x13\n\x0bttft_p95_ms\x18\x08 \x01(\x01\x12\x13\n\x0bttft_p99_ms\x18\t \x01(\x01\x12\x12\n\nitl_p50_ms\x18\n \x01(\x01\x12\x12\n\nitl_p95_ms\x18\x0b \x01(\x01\x12\x12\n\nitl_p99_ms\x18\x0c \x01(\x01\x12\x13\n\x0bqueue_depth\x18\r \x01(\r\x12\x11\n\tin_flight\x18\x0e \x01(\r\x12\x18\n\x10kv_used_fraction\x18\x0f \x01(\x01\x12\x13\n\x0bpreemptions\x18\x10 \x01(\r\x12\x1b\n\x13output_tokens_per_s\x18\x11 \x01(\x01\x12\x13\n\x0butilization\x18\x12 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x13 \x01(\x04\x12\x1a\n\x12utilization_is_cpu\x18\x14 \x01(\x08\x12\x14\n\x0c\x66irst_tokens\x18\x15 \x01(\r\x12\x1a\n\x12mean_prompt_tokens\x18\x16 \x01(\x01\x12\x16\n\x0eworker_waiting\x18\x17 \x01(\r\x12\x1f\n\x17waiting_for_first_token\x18\x18 \x01(\r\x12\x1c\n\x14prefill_tokens_ahead\x18\x19 \x01(\r\x12\x16\n\x0eworker_running\x18\x1a \x01(\r\x12\x16\n\x0eworker_step_ms\x18\x1b \x01(\x01\x12\x1b\n\x13worker_tokens_per_s\x18\x1c \x01(\x01\x12\x1b\n\x13worker_max_num_seqs\x18\x1d \x01(\r\x12\x14\n\x0cqueued_ahead\x18\x1e \x01(\r\x12\x16\n\x0eoldest_wait_ms\x18\x1f \x01(\x01\x12\x11\n\tsilent_ms\x18  \x01(\x01\x12\x18\n\x10seat_wait_tokens\x18! \x01(\x01\"\xec\x03\n\x12RequestObservation\x12\x15\n\rstart_unix_ms\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\t \x01(\x01\x12\x1a\n\x12in_flight_at_start\x18\n \x01(\r\x12\x17\n\x0fqueued_at_start\x18\x0b \x01(\r\x12(\n waiting_for_first_token_at_start\x18\x0c \x01(\r\x12%\n\x1dprefill_tokens_ahead_at_start\x18\r \x01(\r\x12\x1d\n\x15queued_ahead_at_start\x18\x0e \x01(\r\x12\x1f\n\x17oldest_wait_ms_at_start\x18\x0f \x01(\x01\x12\x1a\n\x12silent_ms_at_start\x18\x10 \x01(\x01\x12!\n\x19seat_wait_tokens_at_start\x18\x11 \x01(\x01\"~\n\x14ReportWindowsRequest\x12/\n\x07windows\x18\x01 \x03(\x0b\x32\x1e.cotserve.slo.v1.MetricsWindow\x12\x35\n\x08requests\x18\x02 \x03(\x0b\x32#.cotserve.slo.v1.RequestObservation\"L\n\x15ReportWindowsResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x1d\n\x15num_requests_accepted\x18\x02 \x01(\r\"e\n\x0f\x46orecastRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\tsla_class\x18\x02 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x12\n\nhorizon_ms\x18\x03 \x01(\r\"<\n\x13\x46\x65\x61tureContribution\x12\x0f\n\x07\x66\x65\x61ture\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontribution\x18\x02 \x01(\x01\"\xc2\x01\n\x10\x46orecastResponse\x12\x12\n\nis_trained\x18\x01 \x01(\x08\x12\x1d\n\x15violation_probability\x18\x02 \x01(\x01\x12:\n\x0ctop_features\x18\x03 \x03(\x0b\x32$.cotserve.slo.v1.FeatureContribution\x12\x18\n\x10untrained_reason\x18\x04 \x01(\t\x12\x11\n\tthreshold\x18\x05 \x01(\x01\x12\x12\n\nhorizon_ms\x18\x06 \x01(\r\"M\n\x0bWorkerState\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12.\n\x06window\x18\x02 \x01(\x0b\x32\x1e.cotserve.slo.v1.MetricsWindow\"\xa9\x01\n\x15PredictLatencyRequest\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12/\n\tsla_class\x18\x03 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x30\n\ncandidates\x18\x04 \x03(\x0b\x32\x1c.cotserve.slo.v1.WorkerState\"Z\n\x11LatencyPrediction\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x13\n\x0bttft_p90_ms\x18\x04 \x01(\x01\"e\n\x16PredictLatencyResponse\x12\x37\n\x0bpredictions\x18\x01 \x03(\x0b\x32\".cotserve.slo.v1.LatencyPrediction\x12\x12\n\nis_trained\x18\x02 \x01(\x08\"/\n\x16GetLatencyModelRequest\x12\x15\n\rknown_version\x18\x01 \x01(\x04\"\x93\x01\n\x17GetLatencyModelResponse\x12\x12\n\nis_trained\x18\x01 \x01(\x08\x12\x18\n\x10untrained_reason\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\t\x12\x17\n\x0fttft_model_json\x18\x05 \x01(\x0c\x12\x0e\n\x06target\x18\x06 \x01(\t\"#\n\x12WatchAdviceRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa9\x01\n\x13WatchAdviceResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x1c.cotserve.slo.v1.ScaleAction\x12\x1c\n\x14recommended_replicas\x18\x03 \x01(\r\x12\x1d\n\x15violation_probability\x18\x04 \x01(\x01\x12\x18\n\x10\x63urrent_replicas\x18\x05 \x01(\r\"B\n\x14\x45xportWindowsRequest\x12\x15\n\rsince_unix_ms\x18\x01 \x01(\x03\x12\x13\n\x0bmax_windows\x18\x02 \x01(\r\"\x9b\x01\n\x15\x45xportWindowsResponse\x12/\n\x07windows\x18\x01 \x03(\x0b\x32\x1e.cotserve.slo.v1.MetricsWindow\x12\x35\n\x08requests\x18\x02 \x03(\x0b\x32#.cotserve.slo.v1.RequestObservation\x12\x1a\n\x12next_since_unix_ms\x18\x03 \x01(\x03*z\n\x0bScaleAction\x12\x1c\n\x18SCALE_ACTION_UNSPECIFIED\x10\x00\x12\x15\n\x11SCALE_ACTION_HOLD\x10\x01\x12\x19\n\x15SCALE_ACTION_SCALE_UP\x10\x02\x12\x1b\n\x17SCALE_ACTION_SCALE_DOWN\x10\x03\x32\xc2\x04\n\nSloService\x12^\n\rReportWindows\x12%.cotserve.slo.v1.ReportWindowsRequest\x1a&.cotserve.slo.v1.ReportWindowsResponse\x12O\n\x08\x46orecast\x12 .cotserve.slo.v1.ForecastRequest\x1a!.cotserve.slo.v1.ForecastResponse\x12\x61\n\x0ePredictLatency\x12&.cotserve.slo.v1.PredictLatencyRequest\x1a\'.cotserve.slo.v1.PredictLatencyResponse\x12\x64\n\x0fGetLatencyModel\x12\'.cotserve.slo.v1.GetLatencyModelRequest\x1a(.cotserve.slo.v1.GetLatencyModelResponse\x12Z\n\x0bWatchAdvice\x12#.cotserve.slo.v1.WatchAdviceRequest\x1a$.cotserve.slo.v1.WatchAdviceResponse0\x01\x12^\n\rExportWindows\x12%.cotserve.slo.v1.ExportWindowsRequest\x1a&.cotserve.slo.v1.ExportWindowsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63otserve/slo/v1/slo.proto\x12\x0f\x63otserve.slo.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\xec\x03\n\x12RequestObservation\x12\x15\n\rstart_unix_ms\x18\x01 \x01(\x03\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x08 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\t \x01(\x01\x12\x1a\n\x12in_flight_at_start\x18\n \x01(\r\x12\x17\n\x0fqueued_at_start\x18\x0b \x01(\r\x12(\n waiting_for_first_token_at_start\x18\x0c \x01(\r\x12%\n\x1dprefill_tokens_ahead_at_start\x18\r \x01(\r\x12\x1d\n\x15queued_ahead_at_start\x18\x0e \x01(\r\x12\x1f\n\x17oldest_wait_ms_at_start\x18\x0f \x01(\x01\x12\x1a\n\x12silent_ms_at_start\x18\x10 \x01(\x01\x12!\n\x19seat_wait_tokens_at_start\x18\x11 \x01(\x01\"\x81\x01\n\x14ReportWindowsRequest\x12\x32\n\x07windows\x18\x01 \x03(\x0b\x32!.cotserve.common.v1.MetricsWindow\x12\x35\n\x08requests\x18\x02 \x03(\x0b\x32#.cotserve.slo.v1.RequestObservation\"L\n\x15ReportWindowsResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x1d\n\x15num_requests_accepted\x18\x02 \x01(\r\"e\n\x0f\x46orecastRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12/\n\tsla_class\x18\x02 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x12\n\nhorizon_ms\x18\x03 \x01(\r\"<\n\x13\x46\x65\x61tureContribution\x12\x0f\n\x07\x66\x65\x61ture\x18\x01 \x01(\t\x12\x14\n\x0c\x63ontribution\x18\x02 \x01(\x01\"\xc2\x01\n\x10\x46orecastResponse\x12\x12\n\nis_trained\x18\x01 \x01(\x08\x12\x1d\n\x15violation_probability\x18\x02 \x01(\x01\x12:\n\x0ctop_features\x18\x03 \x03(\x0b\x32$.cotserve.slo.v1.FeatureContribution\x12\x18\n\x10untrained_reason\x18\x04 \x01(\t\x12\x11\n\tthreshold\x18\x05 \x01(\x01\x12\x12\n\nhorizon_ms\x18\x06 \x01(\r\"P\n\x0bWorkerState\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x31\n\x06window\x18\x02 \x01(\x0b\x32!.cotserve.common.v1.MetricsWindow\"\xa9\x01\n\x15PredictLatencyRequest\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12/\n\tsla_class\x18\x03 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x30\n\ncandidates\x18\x04 \x03(\x0b\x32\x1c.cotserve.slo.v1.WorkerState\"Z\n\x11LatencyPrediction\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0f\n\x07tpot_ms\x18\x03 \x01(\x01\x12\x13\n\x0bttft_p90_ms\x18\x04 \x01(\x01\"e\n\x16PredictLatencyResponse\x12\x37\n\x0bpredictions\x18\x01 \x03(\x0b\x32\".cotserve.slo.v1.LatencyPrediction\x12\x12\n\nis_trained\x18\x02 \x01(\x08\"/\n\x16GetLatencyModelRequest\x12\x15\n\rknown_version\x18\x01 \x01(\x04\"\x93\x01\n\x17GetLatencyModelResponse\x12\x12\n\nis_trained\x18\x01 \x01(\x08\x12\x18\n\x10untrained_reason\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x03(\t\x12\x17\n\x0fttft_model_json\x18\x05 \x01(\x0c\x12\x0e\n\x06target\x18\x06 \x01(\t\"#\n\x12WatchAdviceRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xa9\x01\n\x13WatchAdviceResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x06\x61\x63tion\x18\x02 \x01(\x0e\x32\x1c.cotserve.slo.v1.ScaleAction\x12\x1c\n\x14recommended_replicas\x18\x03 \x01(\r\x12\x1d\n\x15violation_probability\x18\x04 \x01(\x01\x12\x18\n\x10\x63urrent_replicas\x18\x05 \x01(\r\"B\n\x14\x45xportWindowsRequest\x12\x15\n\rsince_unix_ms\x18\x01 \x01(\x03\x12\x13\n\x0bmax_windows\x18\x02 \x01(\r\"\x9e\x01\n\x15\x45xportWindowsResponse\x12\x32\n\x07windows\x18\x01 \x03(\x0b\x32!.cotserve.common.v1.MetricsWindow\x12\x35\n\x08requests\x18\x02 \x03(\x0b\x32#.cotserve.slo.v1.RequestObservation\x12\x1a\n\x12next_since_unix_ms\x18\x03 \x01(\x03*z\n\x0bScaleAction\x12\x1c\n\x18SCALE_ACTION_UNSPECIFIED\x10\x00\x12\x15\n\x11SCALE_ACTION_HOLD\x10\x01\x12\x19\n\x15SCALE_ACTION_SCALE_UP\x10\x02\x12\x1b\n\x17SCALE_ACTION_SCALE_DOWN\x10\x03\x32\xc2\x04\n\nSloService\x12^\n\rReportWindows\x12%.cotserve.slo.v1.ReportWindowsRequest\x1a&.cotserve.slo.v1.ReportWindowsResponse\x12O\n\x08\x46orecast\x12 .cotserve.slo.v1.ForecastRequest\x1a!.cotserve.slo.v1.ForecastResponse\x12\x61\n\x0ePredictLatency\x12&.cotserve.slo.v1.PredictLatencyRequest\x1a\'.cotserve.slo.v1.PredictLatencyResponse\x12\x64\n\x0fGetLatencyModel\x12\'.cotserve.slo.v1.GetLatencyModelRequest\x1a(.cotserve.slo.v1.GetLatencyModelResponse\x12Z\n\x0bWatchAdvice\x12#.cotserve.slo.v1.WatchAdviceRequest\x1a$.cotserve.slo.v1.WatchAdviceResponse0\x01\x12^\n\rExportWindows\x12%.cotserve.slo.v1.ExportWindowsRequest\x1a&.cotserve.slo.v1.ExportWindowsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cotserve.slo.v1.slo_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SCALEACTION']._serialized_start=3031
-  _globals['_SCALEACTION']._serialized_end=3153
-  _globals['_METRICSWINDOW']._serialized_start=80
-  _globals['_METRICSWINDOW']._serialized_end=886
-  _globals['_REQUESTOBSERVATION']._serialized_start=889
-  _globals['_REQUESTOBSERVATION']._serialized_end=1381
-  _globals['_REPORTWINDOWSREQUEST']._serialized_start=1383
-  _globals['_REPORTWINDOWSREQUEST']._serialized_end=1509
-  _globals['_REPORTWINDOWSRESPONSE']._serialized_start=1511
-  _globals['_REPORTWINDOWSRESPONSE']._serialized_end=1587
-  _globals['_FORECASTREQUEST']._serialized_start=1589
-  _globals['_FORECASTREQUEST']._serialized_end=1690
-  _globals['_FEATURECONTRIBUTION']._serialized_start=1692
-  _globals['_FEATURECONTRIBUTION']._serialized_end=1752
-  _globals['_FORECASTRESPONSE']._serialized_start=1755
-  _globals['_FORECASTRESPONSE']._serialized_end=1949
-  _globals['_WORKERSTATE']._serialized_start=1951
-  _globals['_WORKERSTATE']._serialized_end=2028
-  _globals['_PREDICTLATENCYREQUEST']._serialized_start=2031
-  _globals['_PREDICTLATENCYREQUEST']._serialized_end=2200
-  _globals['_LATENCYPREDICTION']._serialized_start=2202
-  _globals['_LATENCYPREDICTION']._serialized_end=2292
-  _globals['_PREDICTLATENCYRESPONSE']._serialized_start=2294
-  _globals['_PREDICTLATENCYRESPONSE']._serialized_end=2395
-  _globals['_GETLATENCYMODELREQUEST']._serialized_start=2397
-  _globals['_GETLATENCYMODELREQUEST']._serialized_end=2444
-  _globals['_GETLATENCYMODELRESPONSE']._serialized_start=2447
-  _globals['_GETLATENCYMODELRESPONSE']._serialized_end=2594
-  _globals['_WATCHADVICEREQUEST']._serialized_start=2596
-  _globals['_WATCHADVICEREQUEST']._serialized_end=2631
-  _globals['_WATCHADVICERESPONSE']._serialized_start=2634
-  _globals['_WATCHADVICERESPONSE']._serialized_end=2803
-  _globals['_EXPORTWINDOWSREQUEST']._serialized_start=2805
-  _globals['_EXPORTWINDOWSREQUEST']._serialized_end=2871
-  _globals['_EXPORTWINDOWSRESPONSE']._serialized_start=2874
-  _globals['_EXPORTWINDOWSRESPONSE']._serialized_end=3029
-  _globals['_SLOSERVICE']._serialized_start=3156
-  _globals['_SLOSERVICE']._serialized_end=3734
+  _globals['_SCALEACTION']._serialized_start=2232
+  _globals['_SCALEACTION']._serialized_end=2354
+  _globals['_REQUESTOBSERVATION']._serialized_start=80
+  _globals['_REQUESTOBSERVATION']._serialized_end=572
+  _globals['_REPORTWINDOWSREQUEST']._serialized_start=575
+  _globals['_REPORTWINDOWSREQUEST']._serialized_end=704
+  _globals['_REPORTWINDOWSRESPONSE']._serialized_start=706
+  _globals['_REPORTWINDOWSRESPONSE']._serialized_end=782
+  _globals['_FORECASTREQUEST']._serialized_start=784
+  _globals['_FORECASTREQUEST']._serialized_end=885
+  _globals['_FEATURECONTRIBUTION']._serialized_start=887
+  _globals['_FEATURECONTRIBUTION']._serialized_end=947
+  _globals['_FORECASTRESPONSE']._serialized_start=950
+  _globals['_FORECASTRESPONSE']._serialized_end=1144
+  _globals['_WORKERSTATE']._serialized_start=1146
+  _globals['_WORKERSTATE']._serialized_end=1226
+  _globals['_PREDICTLATENCYREQUEST']._serialized_start=1229
+  _globals['_PREDICTLATENCYREQUEST']._serialized_end=1398
+  _globals['_LATENCYPREDICTION']._serialized_start=1400
+  _globals['_LATENCYPREDICTION']._serialized_end=1490
+  _globals['_PREDICTLATENCYRESPONSE']._serialized_start=1492
+  _globals['_PREDICTLATENCYRESPONSE']._serialized_end=1593
+  _globals['_GETLATENCYMODELREQUEST']._serialized_start=1595
+  _globals['_GETLATENCYMODELREQUEST']._serialized_end=1642
+  _globals['_GETLATENCYMODELRESPONSE']._serialized_start=1645
+  _globals['_GETLATENCYMODELRESPONSE']._serialized_end=1792
+  _globals['_WATCHADVICEREQUEST']._serialized_start=1794
+  _globals['_WATCHADVICEREQUEST']._serialized_end=1829
+  _globals['_WATCHADVICERESPONSE']._serialized_start=1832
+  _globals['_WATCHADVICERESPONSE']._serialized_end=2001
+  _globals['_EXPORTWINDOWSREQUEST']._serialized_start=2003
+  _globals['_EXPORTWINDOWSREQUEST']._serialized_end=2069
+  _globals['_EXPORTWINDOWSRESPONSE']._serialized_start=2072
+  _globals['_EXPORTWINDOWSRESPONSE']._serialized_end=2230
+  _globals['_SLOSERVICE']._serialized_start=2357
+  _globals['_SLOSERVICE']._serialized_end=2935
 # @@protoc_insertion_point(module_scope)

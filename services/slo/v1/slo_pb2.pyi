@@ -49,172 +49,6 @@ SCALE_ACTION_SCALE_DOWN: ScaleAction.ValueType  # 3
 Global___ScaleAction: _TypeAlias = ScaleAction  # noqa: Y015
 
 @_typing.final
-class MetricsWindow(_message.Message):
-    """One second of metrics for one (model, worker, SLA class)."""
-
-    DESCRIPTOR: _descriptor.Descriptor
-
-    START_UNIX_MS_FIELD_NUMBER: _builtins.int
-    MODEL_FIELD_NUMBER: _builtins.int
-    WORKER_FIELD_NUMBER: _builtins.int
-    SLA_CLASS_FIELD_NUMBER: _builtins.int
-    ARRIVALS_FIELD_NUMBER: _builtins.int
-    COMPLETIONS_FIELD_NUMBER: _builtins.int
-    TTFT_P50_MS_FIELD_NUMBER: _builtins.int
-    TTFT_P95_MS_FIELD_NUMBER: _builtins.int
-    TTFT_P99_MS_FIELD_NUMBER: _builtins.int
-    ITL_P50_MS_FIELD_NUMBER: _builtins.int
-    ITL_P95_MS_FIELD_NUMBER: _builtins.int
-    ITL_P99_MS_FIELD_NUMBER: _builtins.int
-    QUEUE_DEPTH_FIELD_NUMBER: _builtins.int
-    IN_FLIGHT_FIELD_NUMBER: _builtins.int
-    KV_USED_FRACTION_FIELD_NUMBER: _builtins.int
-    PREEMPTIONS_FIELD_NUMBER: _builtins.int
-    OUTPUT_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
-    UTILIZATION_FIELD_NUMBER: _builtins.int
-    MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
-    UTILIZATION_IS_CPU_FIELD_NUMBER: _builtins.int
-    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
-    MEAN_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
-    WORKER_WAITING_FIELD_NUMBER: _builtins.int
-    WAITING_FOR_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
-    PREFILL_TOKENS_AHEAD_FIELD_NUMBER: _builtins.int
-    WORKER_RUNNING_FIELD_NUMBER: _builtins.int
-    WORKER_STEP_MS_FIELD_NUMBER: _builtins.int
-    WORKER_TOKENS_PER_S_FIELD_NUMBER: _builtins.int
-    WORKER_MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
-    QUEUED_AHEAD_FIELD_NUMBER: _builtins.int
-    OLDEST_WAIT_MS_FIELD_NUMBER: _builtins.int
-    SILENT_MS_FIELD_NUMBER: _builtins.int
-    SEAT_WAIT_TOKENS_FIELD_NUMBER: _builtins.int
-    start_unix_ms: _builtins.int
-    """Window start, Unix milliseconds."""
-    model: _builtins.str
-    """Model name."""
-    worker: _builtins.str
-    """Worker address."""
-    sla_class: _common_pb2.SlaClass.ValueType
-    """SLA class."""
-    arrivals: _builtins.int
-    """Requests that arrived."""
-    completions: _builtins.int
-    """Requests that completed."""
-    ttft_p50_ms: _builtins.float
-    """TTFT p50."""
-    ttft_p95_ms: _builtins.float
-    """TTFT p95."""
-    ttft_p99_ms: _builtins.float
-    """TTFT p99."""
-    itl_p50_ms: _builtins.float
-    """Inter-token latency p50."""
-    itl_p95_ms: _builtins.float
-    """Inter-token latency p95."""
-    itl_p99_ms: _builtins.float
-    """Inter-token latency p99."""
-    queue_depth: _builtins.int
-    """Requests waiting in the gateway."""
-    in_flight: _builtins.int
-    """Requests in flight on the worker."""
-    kv_used_fraction: _builtins.float
-    """Fraction of KV blocks in use, 0..1."""
-    preemptions: _builtins.int
-    """Preemptions in the window."""
-    output_tokens_per_s: _builtins.float
-    """Output tokens per second."""
-    utilization: _builtins.float
-    """Accelerator (or worker CPU) utilisation, 0..1."""
-    memory_used_bytes: _builtins.int
-    """Accelerator memory in use."""
-    utilization_is_cpu: _builtins.bool
-    """True when utilization is the worker's CPU utilisation (no GPU)."""
-    first_tokens: _builtins.int
-    """Requests that got their first token in the window (the TTFT samples)."""
-    mean_prompt_tokens: _builtins.float
-    """Mean prompt tokens of the requests that arrived in the window."""
-    worker_waiting: _builtins.int
-    """Worker sequences waiting to be scheduled (its own queue, preempted ones included)."""
-    waiting_for_first_token: _builtins.int
-    """In a latency prediction's candidate: requests this gateway has sent the worker that have no first token yet
-    (reported windows leave it 0).
-    """
-    prefill_tokens_ahead: _builtins.int
-    """In a latency prediction's candidate: their prompt tokens (estimated from the prompts' bytes), the prefill work
-    queued ahead of a new request (reported windows leave it 0).
-    """
-    worker_running: _builtins.int
-    """Sequences in the worker's running batch, every client's (not only this gateway's), at its last Stats poll."""
-    worker_step_ms: _builtins.float
-    """The worker's median engine step latency over recent steps, at its last Stats poll."""
-    worker_tokens_per_s: _builtins.float
-    """Tokens the worker generated per second, every client's, at its last Stats poll."""
-    worker_max_num_seqs: _builtins.int
-    """The most sequences the worker runs at once (its Info's max_num_seqs; 0: unknown)."""
-    queued_ahead: _builtins.int
-    """In a latency prediction's candidate: the requests in this gateway's queues for the worker that a new request of
-    the predicted class would wait behind (its class's queue, and INTERACTIVE's for BATCH; reported windows leave it 0).
-    """
-    oldest_wait_ms: _builtins.float
-    """In a latency prediction's candidate: how long the oldest request this gateway sent the worker without a first
-    token yet has waited, ms (0: none waiting; reported windows leave it 0). A stalled worker shows here before any
-    window or Stats poll reports it.
-    """
-    silent_ms: _builtins.float
-    """In a latency prediction's candidate: how long since this gateway last read anything from the worker for any of
-    its requests, ms, while it has requests in flight there (0: none in flight; reported windows leave it 0).
-    """
-    seat_wait_tokens: _builtins.float
-    """In a latency prediction's candidate, for a request of the candidate's class: decode tokens left before a batch
-    seat frees for it. Counted over this gateway's requests in flight on the worker of classes at least as urgent
-    (a less urgent one gives up its seat): when they fill the worker's seats (max_num_seqs) it waits for the k-th of
-    them to finish, k the ones beyond the seats counting itself, and this is that one's tokens left to its
-    max_new_tokens, fewest first among those with a first token (0: a seat is free; reported windows leave it 0).
-    """
-    def __init__(
-        self,
-        *,
-        start_unix_ms: _builtins.int = ...,
-        model: _builtins.str = ...,
-        worker: _builtins.str = ...,
-        sla_class: _common_pb2.SlaClass.ValueType = ...,
-        arrivals: _builtins.int = ...,
-        completions: _builtins.int = ...,
-        ttft_p50_ms: _builtins.float = ...,
-        ttft_p95_ms: _builtins.float = ...,
-        ttft_p99_ms: _builtins.float = ...,
-        itl_p50_ms: _builtins.float = ...,
-        itl_p95_ms: _builtins.float = ...,
-        itl_p99_ms: _builtins.float = ...,
-        queue_depth: _builtins.int = ...,
-        in_flight: _builtins.int = ...,
-        kv_used_fraction: _builtins.float = ...,
-        preemptions: _builtins.int = ...,
-        output_tokens_per_s: _builtins.float = ...,
-        utilization: _builtins.float = ...,
-        memory_used_bytes: _builtins.int = ...,
-        utilization_is_cpu: _builtins.bool = ...,
-        first_tokens: _builtins.int = ...,
-        mean_prompt_tokens: _builtins.float = ...,
-        worker_waiting: _builtins.int = ...,
-        waiting_for_first_token: _builtins.int = ...,
-        prefill_tokens_ahead: _builtins.int = ...,
-        worker_running: _builtins.int = ...,
-        worker_step_ms: _builtins.float = ...,
-        worker_tokens_per_s: _builtins.float = ...,
-        worker_max_num_seqs: _builtins.int = ...,
-        queued_ahead: _builtins.int = ...,
-        oldest_wait_ms: _builtins.float = ...,
-        silent_ms: _builtins.float = ...,
-        seat_wait_tokens: _builtins.float = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals", b"arrivals", "completions", b"completions", "first_tokens", b"first_tokens", "in_flight", b"in_flight", "itl_p50_ms", b"itl_p50_ms", "itl_p95_ms", b"itl_p95_ms", "itl_p99_ms", b"itl_p99_ms", "kv_used_fraction", b"kv_used_fraction", "mean_prompt_tokens", b"mean_prompt_tokens", "memory_used_bytes", b"memory_used_bytes", "model", b"model", "oldest_wait_ms", b"oldest_wait_ms", "output_tokens_per_s", b"output_tokens_per_s", "preemptions", b"preemptions", "prefill_tokens_ahead", b"prefill_tokens_ahead", "queue_depth", b"queue_depth", "queued_ahead", b"queued_ahead", "seat_wait_tokens", b"seat_wait_tokens", "silent_ms", b"silent_ms", "sla_class", b"sla_class", "start_unix_ms", b"start_unix_ms", "ttft_p50_ms", b"ttft_p50_ms", "ttft_p95_ms", b"ttft_p95_ms", "ttft_p99_ms", b"ttft_p99_ms", "utilization", b"utilization", "utilization_is_cpu", b"utilization_is_cpu", "waiting_for_first_token", b"waiting_for_first_token", "worker", b"worker", "worker_max_num_seqs", b"worker_max_num_seqs", "worker_running", b"worker_running", "worker_step_ms", b"worker_step_ms", "worker_tokens_per_s", b"worker_tokens_per_s", "worker_waiting", b"worker_waiting"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___MetricsWindow: _TypeAlias = MetricsWindow  # noqa: Y015
-
-@_typing.final
 class RequestObservation(_message.Message):
     """One finished request, as the gateway saw it (trains the latency predictor)."""
 
@@ -315,7 +149,7 @@ class ReportWindowsRequest(_message.Message):
     WINDOWS_FIELD_NUMBER: _builtins.int
     REQUESTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def windows(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricsWindow]:
+    def windows(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MetricsWindow]:
         """The windows."""
 
     @_builtins.property
@@ -325,7 +159,7 @@ class ReportWindowsRequest(_message.Message):
     def __init__(
         self,
         *,
-        windows: _abc.Iterable[Global___MetricsWindow] | None = ...,
+        windows: _abc.Iterable[_common_pb2.MetricsWindow] | None = ...,
         requests: _abc.Iterable[Global___RequestObservation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
@@ -473,14 +307,14 @@ class WorkerState(_message.Message):
     worker: _builtins.str
     """Worker address."""
     @_builtins.property
-    def window(self) -> Global___MetricsWindow:
+    def window(self) -> _common_pb2.MetricsWindow:
         """Latest window of that worker."""
 
     def __init__(
         self,
         *,
         worker: _builtins.str = ...,
-        window: Global___MetricsWindow | None = ...,
+        window: _common_pb2.MetricsWindow | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["window", b"window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -756,7 +590,7 @@ class ExportWindowsResponse(_message.Message):
     next_since_unix_ms: _builtins.int
     """When more is held: ask again with this since_unix_ms; 0 when this was the last page."""
     @_builtins.property
-    def windows(self) -> _containers.RepeatedCompositeFieldContainer[Global___MetricsWindow]:
+    def windows(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MetricsWindow]:
         """Windows, oldest first."""
 
     @_builtins.property
@@ -766,7 +600,7 @@ class ExportWindowsResponse(_message.Message):
     def __init__(
         self,
         *,
-        windows: _abc.Iterable[Global___MetricsWindow] | None = ...,
+        windows: _abc.Iterable[_common_pb2.MetricsWindow] | None = ...,
         requests: _abc.Iterable[Global___RequestObservation] | None = ...,
         next_since_unix_ms: _builtins.int = ...,
     ) -> None: ...
