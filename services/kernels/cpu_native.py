@@ -1,55 +1,40 @@
 """Decode attention, cache writes, a decoder layer's small operations and its linear layers on the CPU as small C
 kernels (`cpu_decode.c`), built at first use and called through ctypes.
 
-Why not the reference compiled by inductor (`cpu_compile`): a decode step's attention is a memory-bound read of
-every row's pages, and the loop nest inductor makes of `decode_all_pages_ref` reads them several times over, the
-value reduction one scalar at a time; on FP8 pages it is slower still (the bit-shuffling dequantization does not
-vectorise there). Demo model shapes, batch 32, contexts 64-128, one thread, per layer call:
+Why not the reference compiled by inductor (`cpu_compile`): a decode step's attention is a memory-bound read of every
+row's pages, and the loop nest inductor makes of `decode_all_pages_ref` reads them several times over, the value
+reduction one scalar at a time; on FP8 pages it is slower still (the bit-shuffling dequantization does not vectorise
+there).
 
-    cache   compiled reference   this kernel
-    fp32    0.70 ms              0.29 ms
-    fp8     7.0 ms               0.40 ms      (E4M3 through a 256-entry table, one fp16 scale per token and head)
+Attention goes one (row, KV head) at a time, a page at a time: the page's keys and values for that head are read once
+for every query head of its group (from the cache's f32 pages in place, or dequantized into a page buffer), with an
+online softmax whose exponentials are one vectorised pass over the page's scores, each query head's accumulator in
+registers over the page (the head size a compile-time constant for 64 and 128), four tokens' dot products reduced to
+their scores together, never a token past the row's context, and nothing copied. E4M3 is decoded by placing its bits
+in a float's exponent and mantissa and multiplying by 2^120 (exact, and it vectorises, which a table's gathers do
+not); with one query head per KV head the FP8 pages are read in place (each token's scale multiplies its score or its
+softmax weight once), a larger group dequantizes the page into a buffer once for all its heads. (row, KV head) pairs
+are spread over torch's thread count with OpenMP when the build has it: torch's own OpenMP runtime, loaded once per
+process, so the two share one thread team.
 
-E4M3 is now decoded by placing its bits in a float's exponent and mantissa and multiplying by 2^120 (exact, and it
-vectorises, which the table's gathers did not): fp8 pages 0.635 -> 0.313 ms per call in one run (fp32 0.207 there).
-
-The kernel goes one (row, KV head) at a time, a page at a time: the page's keys and values for that head are read
-once for every query head of its group (from the cache's f32 pages in place, or dequantized into a page buffer), with
-an online softmax whose exponentials are one vectorised pass over the page's scores, each query head's accumulator in
-registers over the page (the head size a compile-time constant for 64 and 128), four tokens' dot products reduced
-to their scores together (with AVX-512: 10-30% off each call), never a token past the row's
-context, and nothing copied. It replaced a token-at-a-time loop over every head (libm's `expf` per score, the
-accumulators in memory): per layer call as above, f32 pages 0.20-0.23 -> 0.135 ms, FP8 0.45-0.52 -> 0.27-0.34 ms (a
-query head per KV head reads FP8 pages in place: each token's scale multiplies its score or its softmax weight once,
-the codes are decoded in registers; a larger group dequantizes the page into a buffer once for all its heads). In the
-engine a decode step's attention reads each layer's pages from memory rather than cache (about 5 MB a layer call at
-batch 32 with f32 pages), so it costs there about twice what it does hot. It is plain C (no torch headers), so
-building it takes a fraction of a second with the system's C compiler: `cc -O3 -march=native -fopenmp`, cached under
-`~/.cache/cotserve/kernels` by the source, the flags and the CPU's features. (row, KV head) pairs are spread over
-torch's thread count with OpenMP (when the build has it; it is torch's own OpenMP runtime, loaded once per process, so
-the two share one thread team).
-
-FP8 writes (`write_kv`): the reference quantizes a layer's new keys and values, writes payload and scales and folds
-the keys into their pages' bounds in about twenty torch operations, each a pass over the tokens and a dispatch; on a
-decode step of 32 rows that was about 1 ms of the step's 7 on the demo model. The C write does it in one pass per
-token and head, bit for bit the reference's (round to nearest even, as torch's float8_e4m3fn cast). fp32 pages are
-written by the same pass (a copy, and the page bounds folded in), instead of two index copies and a scatter.
+FP8 writes (`write_kv`): the reference quantizes a layer's new keys and values, writes payload and scales and folds the
+keys into their pages' bounds in about twenty torch operations, each a pass over the tokens and a dispatch; the C
+write does it in one pass per token and head, bit for bit the reference's (round to nearest even, as torch's
+float8_e4m3fn cast). fp32 pages are written by the same pass (a copy, and the page bounds folded in).
 
 The layer's small operations (`layer_ops`: RMSNorm with the residual add, RoPE while splitting q/k/v, SiLU times up)
-are one pass each instead of 3-12 torch operations. Per call at batch 32, demo shapes, one thread: RMSNorm 17.1 -> 5.6
-us, RoPE and split 43.3 -> 8.1 us, SiLU times up 12.0 -> 9.7 us (its exponential in plain arithmetic, `exp_approx`:
-libm's expf, a call per element, made it 43 us); at a 2048-token prefill 2.0 -> 0.1 ms, 5.4 -> 1.6 ms and 3.4 -> 2.5
-ms. Engine alone at batch 32 (`COTSERVE_LAYER_OPS=reference` against the default, three interleaved runs each, medians):
-5,372 -> 5,792 tok/s on one thread (1.08x), 5,318 -> 5,886 on two (1.11x).
+are one pass each instead of 3-12 torch operations; SiLU's exponential is plain arithmetic (`exp_approx`), not a libm
+call per element.
 
 The linear layers (`linear`, `cotserve_linear`): MKL's sgemm packs the weight into its own panel format on every call,
-about a third of each multiply at a decode step's few rows (perf, engine alone at batch 32: the copy 12.7% of the
-time beside the kernel's 17.8%). The served model stores each weight transposed ([in, out] contiguous, the parameter a
-transposed view of it: `layer_ops.store_transposed`), whose rows already are panels, and a 6-row x 64-column tile
-keeps its accumulators in vector registers over the whole input. The demo model's 17 multiplies of a decode step, one
-thread, best of five: batch 1 15 -> 18 GFLOP/s, 8 40-50 -> 66-67, 32 57-73 -> 72-87, 64 67-73 -> 81-88; two threads
-at batch 32 115 -> 164; prefill chunks of 256-2048 rows 1.05-1.18x MKL. Up to `LINEAR_MAX_ROWS` rows; beyond, MKL on
-the same transposed weight.
+a large share of each multiply at a decode step's few rows. The served model stores each weight transposed ([in, out]
+contiguous, the parameter a transposed view of it: `layer_ops.store_transposed`), whose rows already are panels, and a
+6-row x 64-column tile keeps its accumulators in vector registers over the whole input. Up to `LINEAR_MAX_ROWS` rows;
+beyond, MKL on the same transposed weight.
+
+It is plain C (no torch headers), so building it takes a fraction of a second with the system's C compiler: `cc -O3
+-march=native -fopenmp`, cached under `~/.cache/cotserve/kernels` by the source, the flags and the CPU's features.
+What each kernel gained over the reference it replaced is in docs/benchmarks/cpu-kernels.md.
 
 Where they do not apply (a query or keys that are not float32, another cache dtype, no C compiler) the references
 run, as they do under `COTSERVE_KERNELS=reference`; `cotserve.kernels.dispatch` makes the choice once.

@@ -337,18 +337,16 @@ def _fit_relative(X: np.ndarray, ms: np.ndarray, scale: np.ndarray | float = 1.0
 
 
 TTFT_TREES = {"rounds": 200, "max_depth": 8, "min_child_weight": 5, "subsample": 0.8}
-"""The typical-TTFT booster's size: deeper than TPOT's. On the three 600 s recordings of a `bench slo --seeds 3` run
-(seeds 0, 2, 4; the 70/30 split, offline) it took held-out TTFT MAPE from 29.7 / 30.9 / 30.5% (120 trees of depth 5)
-to 28.2 / 29.9 / 29.4%; the same size moved TPOT's 22.4 / 28.4% to 22.6 / 30.8%, so TPOT keeps the smaller trees.
-Only `PredictLatency` and the evaluation use it: the gateway routes by the p90 trees, which it evaluates in Python
+"""The typical-TTFT booster's size: deeper than TPOT's, whose held-out error the larger size does not lower (`cotserve
+bench slo` reports both models' held-out MAPE). Only `PredictLatency` and the evaluation use it: the gateway routes by the p90 trees, which it evaluates in Python
 per candidate, and those stay small."""
 
 
 def _fit_tail(X: np.ndarray, ratio: np.ndarray):
     """A booster predicting the `TAIL_QUANTILE` quantile of TTFT as a multiple of its estimate (a quantile of the ratio
     times the row's estimate is that quantile of TTFT): what routing minimises. The MAPE-fit model predicts low where
-    TTFT is noisy, and a slowed worker's TTFT is noisier than the others': routed by it, bench slo-routing sent a
-    quarter-batch worker more requests than least-loaded routing did (p90 31% worse)."""
+    TTFT is noisy, and a slowed worker's TTFT is noisier than the others': routed by it, a slowed worker would get
+    more requests than least-loaded routing sends it (`cotserve bench slo-routing` compares the two)."""
     return _train_booster(X, ratio, LATENCY_FEATURES, "reg:quantileerror", 120, max_depth=5, quantile_alpha=TAIL_QUANTILE)
 
 

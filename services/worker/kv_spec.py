@@ -1,7 +1,6 @@
 """The KV cache's format, resolved once from the settings and passed down typed.
 
-`KvCacheSpec` answers everything that used to be re-derived from the `--kv-cache-dtype` string in
-several places: each layer's payload dtype (FP8 layers listed in `--kv-skip-layers` keep the model's),
+`KvCacheSpec` answers, in one place, everything that follows from the `--kv-cache-dtype` setting: each layer's payload dtype (FP8 layers listed in `--kv-skip-layers` keep the model's),
 whether it has per-token scales, whether top-k page selection keeps per-page key bounds and which
 layers read every page anyway, and what a token, a block and the whole pool cost in bytes. Sizing
 (`sizing.py`) and the engine resolve it from the same settings with `KvCacheSpec.resolve`; the model

@@ -55,9 +55,8 @@ class StreamInbox:
     """One request's engine outputs, on the event loop, and when its `Generate` is woken for them: only once it has
     something to write. That is `due` tokens pending (what the stream interval still holds back; 1 before the
     first token), or the request's last output (or error) — not at every engine step while the interval holds
-    tokens back. A held BATCH stream (interval 8) used to wake at every step to convert one token and write
-    nothing: 32 streams, 32 wake-ups and conversions a step in the worker front, whose core the gateway and the
-    clients share."""
+    tokens back: a held stream woken at every step would convert one token and write nothing, a wake-up and a
+    conversion per stream and step in the worker front, whose core the gateway and the clients share."""
 
     __slots__ = ("items", "tokens", "due", "final", "_waiter")
 
