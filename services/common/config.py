@@ -7,6 +7,12 @@ say (an alias, a flag kept from an earlier release) is in the class's `CLI` tabl
 command also takes `--config FILE`, a TOML table of the same field names; precedence is flag > environment > file >
 default (the file fills click's `default_map`, which click consults after the command line and the environment).
 
+A field whose type is itself a settings dataclass (a part of the service with settings of its own, e.g. the
+gateway's SLO rules) is a group: its fields are settings named `<prefix><field>` on the command line, in the
+environment and in the file (the prefix is the group field's name and an underscore unless its `Cli` entry says
+otherwise), and the command builds the group's object from them. So a part's settings are defined once, in its own
+dataclass, with their defaults, and the service's config holds that object.
+
 Typer stays (every other command is typer): this adapter only writes a signature for typer to read, about a
 hundred lines instead of another CLI library beside it.
 """
@@ -36,6 +42,8 @@ class Cli:
     env: tuple[str, ...] = ()  # environment variables earlier releases read, after the canonical one
     none_flag: str | None = None  # a flag that sets the field to None, e.g. "--no-state"
     none_help: str = ""
+    prefix: str | None = None  # a group field: what its settings' names begin with (default: the field's name and "_")
+    name: str | None = None  # a group's field: its setting's whole name, when not the group's prefix and its own
 
 
 def legacy_env(*fields: str) -> dict[str, Cli]:
@@ -74,6 +82,7 @@ class Setting:
     help: str
     cli: Cli
     container: type = tuple  # a "many" field's collection: tuple, list or frozenset
+    path: tuple[str, ...] = ()  # the field's place in the config: ("slo", "shed_over") for a group's field
 
     def to_field(self, value: Any) -> Any:
         """The command line's value as the field's."""
@@ -95,17 +104,28 @@ def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def settings(cls: type, service: str) -> dict[str, Setting]:
-    """Every field of `cls` as a command-line setting (fields without a docstring are an error: each needs help)."""
+def is_group(hint: Any) -> bool:
+    """Whether a field of this type is a group of settings (a dataclass of its own)."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint)
+
+
+def settings(cls: type, service: str, prefix: str = "", path: tuple[str, ...] = ()) -> dict[str, Setting]:
+    """Every field of `cls` as a command-line setting, a group's fields flattened in (fields without a docstring are
+    an error: each needs help)."""
     hints, docs, out = typing.get_type_hints(cls), field_docs(cls), {}
     own = cls.__dict__.get("__annotations__", {})  # the class's own settings first, inherited ones (TLS) after
     for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
+        meta: Cli = getattr(cls, "CLI", {}).get(f.name, Cli())
+        if is_group(hints[f.name]):
+            group_prefix = meta.prefix if meta.prefix is not None else f"{f.name}_"
+            out.update(settings(hints[f.name], service, prefix + group_prefix, (*path, f.name)))
+            continue
         if f.name not in docs:
             raise TypeError(f"{cls.__name__}.{f.name}: no docstring under the field (it is the setting's help)")
-        meta: Cli = getattr(cls, "CLI", {}).get(f.name, Cli())
+        name = meta.name or prefix + f.name
         default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
         base, optional = _unwrap_optional(hints[f.name])
-        dash, container = f.name.replace("_", "-"), tuple
+        dash, container = name.replace("_", "-"), tuple
         if base is bool:
             kind, annotation, flag = "bool", bool, meta.flag or f"--{dash}/--no-{dash}"
         elif typing.get_origin(base) in (tuple, frozenset, list):
@@ -117,9 +137,22 @@ def settings(cls: type, service: str) -> dict[str, Setting]:
             flag = meta.flag or f"--{dash}"
         else:
             kind, annotation, flag = "plain", Optional[base] if optional else base, meta.flag or f"--{dash}"
-        out[f.name] = Setting(f.name, kind, annotation, default, flag, (env_name(service, f.name), *meta.env),
-                              docs[f.name], meta, container)
+        out[name] = Setting(name, kind, annotation, default, flag, (env_name(service, name), *meta.env),
+                            docs[f.name], meta, container, (*path, f.name))
     return out
+
+
+def build_config(cls: type, values: dict[str, Any]) -> Any:
+    """`cls` (groups included) from values keyed by each field's path (`Setting.path`)."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if is_group(hints[f.name]):
+            inner = {path[1:]: v for path, v in values.items() if path[0] == f.name}
+            kwargs[f.name] = build_config(hints[f.name], inner)
+        elif (f.name,) in values:
+            kwargs[f.name] = values[(f.name,)]
+    return cls(**kwargs)
 
 
 def _config_file_callback(known: dict[str, Setting], service: str) -> Callable:
@@ -164,12 +197,12 @@ def serve_command(app: typer.Typer, cls: type, service: str, run: Callable[[Any]
 
     def command(**values: Any) -> None:
         values.pop("config", None)
-        kwargs = {}
+        by_path = {}
         try:
             for s in known.values():
                 none = values.pop(f"_none_{s.name}", False)
-                kwargs[s.name] = None if none else s.to_field(values[s.name])
-            config = cls(**kwargs)
+                by_path[s.path] = None if none else s.to_field(values[s.name])
+            config = build_config(cls, by_path)
         except ValueError as exc:
             fail(service, exc)
         run(config)

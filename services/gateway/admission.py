@@ -1,33 +1,23 @@
 """Per-worker, per-class admission in the gateway ("elastic batch size").
 
-- REALTIME is never queued here: it goes straight to the worker, whose scheduler lets it in at
-  the next step.
-- INTERACTIVE has an in-flight limit that follows its inter-token latency target. Every Stats
-  poll, with enough recent samples, `limit = clamp(round(target_ms / p95_ms * limit), 2, ceiling)`:
-  multiplicative in both directions, so it converges in a few polls when load changes, and it
-  reacts to the latency users see (measured here, per token) rather than to a proxy. Chosen over
-  AIMD because the additive increase would take tens of polls to climb from 2 to the ceiling.
-  The ceiling is twice the worker's seats (its `max_num_seqs`; 32 until its Info says): a full
-  batch running and one waiting in the worker, whose scheduler refills a finished sequence's seat
-  in the same step, where a request queued here waits for the stream's end to reach the gateway
-  first. A fixed 32 held a worker of 64 seats to half of them while its inter-token p95 was 5-8 ms
-  against a 100 ms target: open-loop INTERACTIVE alone at 0.8 of the capacity measured through the
-  gateway missed its TTFT target in 28-55% of requests (the gateway's queue full, some turned away),
-  with a ceiling of 128 in none (`/tmp` driver of `bench slo`'s load functions, 15 s steady runs
-  alternated with the other gateways on one worker: six runs with 32, two with 128; without admission
-  at all, none in four).
-- BATCH is admitted only while the worker has spare KV blocks and no urgent work waiting (there
-  or in this gateway's INTERACTIVE queue), up to a large limit (128 by default), restarted slowly after urgent
-  work queued here: its in-flight ceiling drops to `batch_restart_limit` (8) the moment an INTERACTIVE request has
-  to queue, and doubles at every Stats poll during which none did. Without it, a burst's INTERACTIVE queue
-  emptying for a moment let the whole BATCH queue (up to 128 requests) start at once, and the worker's steps
-  grew by that many prefills and decodes while INTERACTIVE kept arriving. Replaying `bench slo`'s bursty load
-  (120 s, no SLO predictor; `/tmp` driver, four runs alternated): INTERACTIVE missed its target in 11.4% and 12.1%
-  of requests without the restart rule (some turned away, its queue full) and in 0.9% and 0.0% with it, at about
-  the same output tokens; with no BATCH at all, in none.
+- REALTIME is never queued here: it goes straight to the worker, whose scheduler lets it in at the next step.
+- INTERACTIVE has an in-flight limit that follows its inter-token latency target. Every Stats poll, with enough
+  recent samples, `limit = clamp(round(target_ms / p95_ms * limit), min, ceiling)`: multiplicative in both
+  directions, so it converges in a few polls when load changes, and it reacts to the latency users see (measured
+  here, per token) rather than to a proxy. Chosen over AIMD because the additive increase would take tens of polls to
+  climb from the minimum to the ceiling. The ceiling is twice the worker's seats (its `max_num_seqs`; 32 until its
+  Info says): a full batch running and one waiting in the worker, whose scheduler refills a finished sequence's seat
+  in the same step, where a request queued here waits for the stream's end to reach the gateway first. A ceiling
+  below the worker's seats would leave seats empty while INTERACTIVE queues here, its inter-token latency far under
+  the target.
+- BATCH is admitted only while the worker has spare KV blocks and no urgent work waiting (there or in this gateway's
+  INTERACTIVE queue), up to a large limit, restarted slowly after urgent work queued here: its in-flight ceiling drops
+  to `batch_restart_limit` the moment an INTERACTIVE request has to queue, and doubles at every Stats poll during
+  which none did. Without it, a burst's INTERACTIVE queue emptying for a moment would let the whole BATCH queue start
+  at once, and the worker's steps grow by that many prefills and decodes while INTERACTIVE keeps arriving.
 
-Waiters queue per class with their own deadlines; a full queue is `RESOURCE_EXHAUSTED` with a
-`retry-after-ms` estimate. No grpc here: the servicer maps the exceptions.
+Waiters queue per class with their own deadlines; a full queue is `RESOURCE_EXHAUSTED` with a `retry-after-ms`
+estimate. No grpc here: the servicer maps the exceptions.
 """
 
 from __future__ import annotations
@@ -36,8 +26,10 @@ import asyncio
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
+from cotserve.common.config import Cli, legacy_env
 from cotserve.common.errors import ResourceExhausted
 from cotserve.common.sampling import SlaClass
 from cotserve.common.sla import SlaTarget, sla_targets
@@ -54,17 +46,58 @@ UNKNOWN_SEATS_CEILING = 32  # INTERACTIVE's default ceiling while the worker's s
 
 @dataclass(slots=True)
 class AdmissionConfig:
-    enabled: bool = True  # False: every request goes straight to its worker (a benchmark baseline)
-    targets: dict[SlaClass, SlaTarget] = field(default_factory=sla_targets)
-    interactive_initial_limit: int = 8
-    interactive_min_limit: int = 2
-    interactive_max_limit: int = 0  # INTERACTIVE's ceiling; 0: `INTERACTIVE_CEILING_PER_SEAT` x the worker's seats
+    """The gateway's per-worker admission settings (a group of `GatewayConfig`: each a setting of `serve gateway`)."""
+
+    enabled: bool = True
+    """Per-class admission: limits and queues per worker (--no-admission forwards every request at once, a
+    benchmark baseline)."""
     batch_limit: int = 128
-    batch_restart_limit: int = 8  # BATCH's in-flight ceiling once INTERACTIVE queued here (doubles every quiet poll)
+    """BATCH requests in flight per worker at most."""
+    batch_restart_limit: int = 8
+    """BATCH's in-flight ceiling per worker right after an INTERACTIVE request had to queue here; it doubles at every
+    poll without one, back up to batch_limit (BATCH restarts slowly after a burst instead of all at once)."""
+    max_queue_interactive: int = 256
+    """INTERACTIVE requests waiting per worker at most (then RESOURCE_EXHAUSTED)."""
+    max_queue_batch: int = 1024
+    """BATCH requests waiting per worker at most (then RESOURCE_EXHAUSTED)."""
+    interactive_initial_limit: int = 8
+    """INTERACTIVE requests in flight per worker at first, before its inter-token latency has been measured."""
+    interactive_min_limit: int = 2
+    """INTERACTIVE's in-flight limit per worker never goes below this, however slow its tokens."""
+    interactive_max_limit: int = 0
+    """INTERACTIVE's in-flight ceiling per worker; 0: twice the worker's seats (its max_num_seqs)."""
     batch_min_free_kv_fraction: float = 0.1
-    max_queue: dict[SlaClass, int] = field(default_factory=lambda: {SlaClass.INTERACTIVE: 256, SlaClass.BATCH: 1024})
+    """BATCH starts on a worker only while at least this share of its KV blocks is free (0..1)."""
     min_samples: int = 20
+    """Inter-token gaps needed in the window before INTERACTIVE's limit follows their p95."""
     window_s: float = 2.0
+    """Seconds of INTERACTIVE inter-token gaps INTERACTIVE's limit follows."""
+
+    CLI: ClassVar[dict[str, Cli]] = {
+        "enabled": Cli(name="admission", env=("COTSERVE_ADMISSION",)),
+        **legacy_env("batch_limit", "max_queue_interactive", "max_queue_batch"),
+        "min_samples": Cli(name="admission_min_samples"),
+        "window_s": Cli(name="admission_window_s"),
+    }
+
+    def max_queue(self, cls: SlaClass) -> int:
+        """Requests of `cls` that may wait per worker."""
+        return self.max_queue_interactive if cls == SlaClass.INTERACTIVE else self.max_queue_batch
+
+    def validate(self) -> None:
+        """ValueError naming the first setting out of its range."""
+        for name in ("batch_limit", "batch_restart_limit", "max_queue_interactive", "max_queue_batch",
+                     "interactive_max_limit"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: {getattr(self, name)}, must be >= 0")
+        if not 1 <= self.interactive_min_limit <= self.interactive_initial_limit:
+            raise ValueError(f"interactive_min_limit / interactive_initial_limit: {self.interactive_min_limit} / "
+                             f"{self.interactive_initial_limit}, need 1 <= min <= initial")
+        if not 0.0 <= self.batch_min_free_kv_fraction <= 1.0:
+            raise ValueError(f"batch_min_free_kv_fraction: {self.batch_min_free_kv_fraction}, allowed 0..1")
+        if self.min_samples < 1 or self.window_s <= 0:
+            raise ValueError(f"admission_min_samples / admission_window_s: {self.min_samples} / {self.window_s}, "
+                             "need >= 1 and > 0")
 
 
 @dataclass(slots=True)
@@ -80,8 +113,9 @@ class WorkerLoad:
 class Admission:
     """The admission state of one worker. All methods run on the gateway's event loop."""
 
-    def __init__(self, config: AdmissionConfig | None = None) -> None:
+    def __init__(self, config: AdmissionConfig | None = None, targets: dict[SlaClass, SlaTarget] | None = None) -> None:
         self.config = config or AdmissionConfig()
+        self.targets = targets or sla_targets()  # INTERACTIVE's inter-token target steers its limit
         self.limit = {SlaClass.INTERACTIVE: self.config.interactive_initial_limit, SlaClass.BATCH: self.config.batch_limit}
         self.in_flight = {c: 0 for c in SlaClass}
         self.queues: dict[SlaClass, deque[asyncio.Future]] = {SlaClass.INTERACTIVE: deque(), SlaClass.BATCH: deque()}
@@ -118,7 +152,7 @@ class Admission:
         queue = self.queues[cls]
         if cls == SlaClass.INTERACTIVE:
             self.restrain_batch()
-        if len(queue) >= self.config.max_queue[cls]:
+        if len(queue) >= self.config.max_queue(cls):
             raise ResourceExhausted(
                 f"sla_class {cls.name}: the gateway queue for this worker is full ({len(queue)} waiting)",
                 trailers={"retry-after-ms": str(self.retry_after_ms(cls))},
@@ -216,7 +250,7 @@ class Admission:
         p95 = self.itl_p95_ms()
         if p95 is not None and p95 > 0:
             cfg = self.config
-            target = cfg.targets[SlaClass.INTERACTIVE].itl_p95_ms
+            target = self.targets[SlaClass.INTERACTIVE].itl_p95_ms
             current = self.limit[SlaClass.INTERACTIVE]
             wanted = round(target / p95 * current)
             self.limit[SlaClass.INTERACTIVE] = min(self.interactive_ceiling(), max(cfg.interactive_min_limit, wanted))

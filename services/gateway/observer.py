@@ -11,7 +11,8 @@ from opentelemetry.trace import Span
 from cotserve.common.sampling import SlaClass, finish_reason_name
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.pool import WorkerHandle
-from cotserve.gateway.slo_link import DEFAULT_TOKENS_PER_BYTE, SloLink, counts_now
+from cotserve.gateway.slo_link import SloLink, counts_now
+from cotserve.gateway.slo_report import DEFAULT_TOKENS_PER_BYTE
 from cotserve.gateway.v1 import gateway_pb2
 from cotserve.worker.v1 import worker_pb2
 
@@ -56,7 +57,7 @@ class AttemptObserver:
         """The request leaves for the worker after `gateway_queue_ms` in this gateway's class queue."""
         self.sent_at = self.last_at = time.monotonic()
         w = self.worker
-        per_byte = self.slo.tokens_per_byte_of(self.model) if self.slo is not None else DEFAULT_TOKENS_PER_BYTE
+        per_byte = self.slo.recorder.tokens_per_byte_of(self.model) if self.slo is not None else DEFAULT_TOKENS_PER_BYTE
         self.prefill_tokens = max(1, round(self.prompt_bytes * per_byte))
         if not w.in_flight:  # silence counts from here, not from the last request before an idle spell
             w.last_heard = self.sent_at
@@ -64,7 +65,7 @@ class AttemptObserver:
         w.waiting_since[self] = self.sent_at
         w.prefill_tokens_ahead += self.prefill_tokens
         if self.slo is not None:
-            self.slo.arrival(self.model, self.worker.address, self.sla)
+            self.slo.recorder.arrival(self.model, self.worker.address, self.sla)
         self.span.set_attribute("cotserve.gateway_queue_ms", gateway_queue_ms)
         self.m.queue.labels(self.model, self.sla.name).observe(gateway_queue_ms / 1000)
 
@@ -73,7 +74,7 @@ class AttemptObserver:
         self.worker.attempts.pop(self, None)
         self._prefilled()
         if self.slo is not None:
-            self.slo.done(self.model, self.worker.address, self.sla)
+            self.slo.recorder.done(self.model, self.worker.address, self.sla)
         self.worker.admission.release(self.sla, service_ms=(time.monotonic() - self.sent_at) * 1000)
 
     def chunk(self, chunk: worker_pb2.GenerateResponse, out: gateway_pb2.GenerateStreamResponse, now: float) -> None:
@@ -102,7 +103,7 @@ class AttemptObserver:
         for _ in range(k):
             self.itl_h.observe(per_token)
         if self.slo is not None:
-            self.slo.token(self.model, self.worker.address, self.sla, per_token * 1000)
+            self.slo.recorder.token(self.model, self.worker.address, self.sla, per_token * 1000)
 
     def _prefilled(self) -> None:
         """The request no longer waits for its first token (it has it, or the attempt ended without)."""
@@ -117,7 +118,7 @@ class AttemptObserver:
         ttft_ms = (now - self.start) * 1000
         self.ttft_h.observe(now - self.start)
         if self.slo is not None:
-            self.slo.first_token(self.model, self.worker.address, self.sla, ttft_ms)
+            self.slo.recorder.first_token(self.model, self.worker.address, self.sla, ttft_ms)
         self.span.set_attributes({
             "cotserve.ttft_ms": ttft_ms,
             "cotserve.queue_ms": (self.sent_at - self.start) * 1000 + chunk.timing.queue_ms,
@@ -135,7 +136,7 @@ class AttemptObserver:
         n_out = usage.completion_tokens
         tpot_ms = (now - first_at) * 1000 / (n_out - 1) if n_out > 1 else None
         if self.slo is not None:  # the latency model learns what a worker choice changes: the hold came before it
-            self.slo.finished(self.model, self.worker.address, self.sla, self.chosen_unix_ms, self.prompt_bytes,
+            self.slo.recorder.finished(self.model, self.worker.address, self.sla, self.chosen_unix_ms, self.prompt_bytes,
                               usage.prompt_tokens, self.max_new_tokens, n_out, (first_at - start - self.held_s) * 1000,
                               tpot_ms or 0.0, self.at_start)
         self.span.set_attributes({

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import NotFound, Unavailable
 from cotserve.common.sampling import SlaClass
+from cotserve.common.sla import SlaTarget, sla_targets
 from cotserve.gateway.admission import Admission, AdmissionConfig, WorkerLoad
 from cotserve.gateway.config import split_name
 from cotserve.gateway.multiplex import CallStream, MuxStream, WorkerStreams
@@ -111,6 +112,8 @@ class WorkerPool:
     poll_timeout_s: float = 1.0
     tracer_provider: TracerProvider | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    targets: dict[SlaClass, SlaTarget] = field(default_factory=sla_targets)
+    """Each class's SLA targets (INTERACTIVE's inter-token target steers each worker's admission)."""
     down_after_failed_polls: int = 3
     on_change: Callable[[bool], None] | None = None
     """Called with whether any worker is healthy, whenever that changes."""
@@ -134,7 +137,7 @@ class WorkerPool:
                               interceptors=client_interceptors(self.tracer_provider))
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         streams = WorkerStreams(stub, self.tracer_provider, address) if self.multiplex else None
-        return WorkerHandle(address, channel, stub, admission=Admission(self.admission), streams=streams)
+        return WorkerHandle(address, channel, stub, admission=Admission(self.admission, self.targets), streams=streams)
 
     async def start(self) -> None:
         self.workers.extend(self._handle(a) for a in self.addresses)

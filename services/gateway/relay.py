@@ -1,6 +1,7 @@
 """The gateway's one relay: what happens to a request between the edge that received it and the worker that
 serves it. The gRPC servicer (`gateway/server.py`) and the OpenAI HTTP API (`gateway/http.py`) both hand their
-requests here as a `GenerateStreamRequest` and read `GenerateStreamResponse` chunks back."""
+requests here as a `GenerateStreamRequest` and read `GenerateStreamResponse` chunks back. Every check on the way is a
+rule of the admission chain (`rules.py`); the relay validates, picks workers, streams, and retries once."""
 
 from __future__ import annotations
 
@@ -9,25 +10,21 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from typing import AsyncIterator, Iterable, Protocol
+from typing import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import CotserveError, DeadlineExceeded, InvalidArgument, RelayedError, ResourceExhausted, Unavailable
-from cotserve.common.sampling import (
-    SlaClass, check_self_consistency, max_new_tokens_of, reasoning_from_pb, sampling_from_pb,
-    sla_from_pb,
-)
+from cotserve.common.errors import CotserveError, InvalidArgument, RelayedError, Unavailable
+from cotserve.common.sampling import check_self_consistency, max_new_tokens_of, reasoning_from_pb, sampling_from_pb, sla_from_pb
 from cotserve.common.streams import coalesce
 from cotserve.common.v1 import common_pb2
-from cotserve.gateway.admission import QueueDeadlineExceeded
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.observer import AttemptObserver, to_client_chunk
 from cotserve.gateway.pool import WorkerHandle, WorkerPool
 from cotserve.gateway.processors import Processors
-from cotserve.gateway.quota import RENEW_EVERY_S, SPECIAL_TOKENS_ALLOWANCE, Grant, QuotaEnforcer, token_reservation
+from cotserve.gateway.rules import Call, Chain, RequestContext, Stage, prompt_text
 from cotserve.gateway.slo_link import SloLink
 from cotserve.gateway.tenants import Tenant, TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2
@@ -37,14 +34,6 @@ log = logging.getLogger("cotserve.gateway")
 MAX_CACHE_SALT_CHARS = 256
 
 
-class Call(Protocol):
-    """The edge's request, as the relay sees it (a grpc.aio servicer context is one)."""
-
-    def invocation_metadata(self) -> Iterable[tuple[str, str | bytes]] | None: ...
-
-    def time_remaining(self) -> float | None: ...
-
-
 def samples_of(request: worker_pb2.GenerateRequest) -> int:
     """The most samples `request` may run at once: self-consistency's max_samples, else n (at least 1)."""
     if request.reasoning.HasField("self_consistency"):
@@ -52,30 +41,19 @@ def samples_of(request: worker_pb2.GenerateRequest) -> int:
     return max(1, request.sampling.n)
 
 
-def prompt_text(request) -> str:
-    """What a request's prompt says: its text, or its chat messages' contents (what quotas and the SLO predictor
-    count before the worker renders and tokenizes them)."""
-    text = getattr(request, "prompt", None) or getattr(request, "prompt_text", "")
-    return text or "".join(m.content for m in request.messages)
-
-
 class Relay:
-    """One request's way through the gateway, whichever edge received it (gRPC or HTTP): authenticate, validate,
-    quota, pre-processor, pick a worker, admit, call with one retry, relay each chunk, post-processor. `call` is the
-    edge's view of the request: its metadata (`invocation_metadata()`) and its deadline (`time_remaining()`), as a
-    grpc.aio servicer context has them."""
+    """One request's way through the gateway, whichever edge received it (gRPC or HTTP): the caller's rules, validation,
+    the request's rules (`chain`), then per attempt a worker picked, the worker's rules and the stream, with one retry;
+    each chunk relayed, the post-processor on each sample's text. `call` is the edge's view of the request: its
+    metadata (`invocation_metadata()`) and its deadline (`time_remaining()`), as a grpc.aio servicer context has them."""
 
-    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, tenants: TenantRegistry | None = None,
-                 quota: QuotaEnforcer | None = None, processors: Processors | None = None,
-                 tracer_provider: TracerProvider | None = None, slo: SloLink | None = None,
-                 prefix_cache_scope: str = "tenant", max_prompt_chars: int = 0, max_prompt_tokens: int = 0,
-                 worker_wait_s: float = 0.0) -> None:
+    def __init__(self, pool: WorkerPool, metrics: GatewayMetrics, chain: Chain, tenants: TenantRegistry | None = None,
+                 processors: Processors | None = None, tracer_provider: TracerProvider | None = None,
+                 slo: SloLink | None = None, prefix_cache_scope: str = "tenant", max_prompt_chars: int = 0,
+                 max_prompt_tokens: int = 0, worker_wait_s: float = 0.0) -> None:
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.gateway")
-        self.slo = slo
-        self.pool = pool
-        self.metrics = metrics
+        self.pool, self.metrics, self.chain, self.slo = pool, metrics, chain, slo
         self.tenants = tenants or TenantRegistry.open()
-        self.quota = quota
         self.processors = processors or Processors(None)
         self.prefix_cache_scope = prefix_cache_scope
         self.max_prompt_chars = max_prompt_chars
@@ -83,6 +61,7 @@ class Relay:
         self.worker_wait_s = worker_wait_s
 
     def authenticate(self, call: Call) -> Tenant:
+        """The caller's tenant, for the calls that are not requests (ListModels, Tokenize)."""
         return self.tenants.authenticate(call.invocation_metadata() or ())
 
     def _cache_salt(self, tenant: Tenant, request_salt: str) -> str:
@@ -95,13 +74,14 @@ class Relay:
         return f"tenant:{tenant.name}\x00{request_salt}"
 
     async def counted(self, request, call: Call) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        """`_relay`, counted in `cotserve_gateway_requests_total` by final status."""
+        """The request relayed, counted in `cotserve_gateway_requests_total` by final status."""
         labels = {"model": request.model or "unknown", "sla_class": "UNKNOWN", "tenant": "default"}
+        ctx = RequestContext(call, request)
         code = "OK"
         try:
-            tenant = self.authenticate(call)
-            labels["tenant"] = tenant.name
-            async for chunk in self._relay(request, call, labels, tenant):
+            await self.chain.admit(Stage.CALLER, ctx)
+            labels["tenant"] = ctx.tenant.name
+            async for chunk in self._relay(ctx, labels):
                 yield chunk
         except CotserveError as exc:
             code = exc.code
@@ -115,10 +95,10 @@ class Relay:
         finally:
             self.metrics.requests.labels(labels["model"], labels["sla_class"], code, labels["tenant"]).inc()
 
-    def _worker_request(self, request: gateway_pb2.GenerateStreamRequest | gateway_pb2.GenerateRequest,
-                        labels: dict[str, str]) -> tuple[str, SlaClass, worker_pb2.GenerateRequest]:
-        """Validate at the edge; the worker re-checks what needs its tokenizer (prompt length).
-        `labels` (metrics) learn the model and class as soon as each is known."""
+    def _validate(self, ctx: RequestContext, labels: dict[str, str]) -> None:
+        """Validate at the edge and fill in the context's request fields; the worker re-checks what needs its
+        tokenizer (prompt length). `labels` (metrics) learn the model and class as soon as each is known."""
+        request = ctx.request
         sla = sla_from_pb(request.sla_class)
         labels["sla_class"] = sla.name
         model = self.pool.resolve_model(request.model)
@@ -148,41 +128,27 @@ class Relay:
             reasoning = reasoning_from_pb(request.reasoning)  # the worker checks what its model's format allows
             check_self_consistency(reasoning, params)
             wreq.reasoning.CopyFrom(request.reasoning)
-        return model, sla, wreq
+        wreq.cache_salt = self._cache_salt(ctx.tenant, request.cache_salt)
+        ctx.model, ctx.sla, ctx.wreq = model, sla, wreq
+        ctx.prompt_bytes = len(prompt_text(wreq).encode())
+        ctx.max_new_tokens, ctx.samples = max_new_tokens_of(wreq.sampling), samples_of(wreq)
 
-    async def _relay(self, request, call: Call, labels: dict[str, str],
-                     tenant: Tenant) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        """Authenticated already; then validation, the class grant, quota, the pre-processor, and the stream
-        (admission inside it), in that order: nothing a tenant may not have costs a sandbox run or a worker slot."""
-        start = time.monotonic()
-        model, sla, wreq = self._worker_request(request, labels)
-        wreq.cache_salt = self._cache_salt(tenant, request.cache_salt)
-        self.tenants.authorize(tenant, sla)
-        trace.get_current_span().set_attribute("cotserve.tenant", tenant.name)
-        if request.pre_processor:
-            self.processors.check_allowed("pre_processor", request.pre_processor, tenant)
-        if request.post_processor:
-            self.processors.check_allowed("post_processor", request.post_processor, tenant)
-        grant = None
-        if self.quota is not None and tenant.has_limits:
-            # Reserved on the prompt as sent: the pre-processor has not run yet (the refund settles on actual use).
-            sp = wreq.sampling
-            max_new = max_new_tokens_of(sp)
-            grant = await self.quota.admit(tenant, token_reservation(prompt_text(wreq), max_new * samples_of(wreq)))
-        renewer = asyncio.create_task(self._renew_lease(grant)) if grant is not None and grant.lease_id else None
+    async def _relay(self, ctx: RequestContext, labels: dict[str, str]) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """Validation, the request's rules (nothing a tenant may not have costs a sandbox run or a worker slot), the
+        stream, the post-processor; what the rules took is given back however it ends."""
+        self._validate(ctx, labels)
+        ctx.span = self._annotate(ctx.model, ctx.wreq)
+        request = ctx.request
         # With a post-processor the client sees only its output: token ids, logprobs and the worker's own
         # reasoning/answer split would give the rewritten text back, unless the tenant may have raw tokens.
-        withhold = bool(request.post_processor) and not tenant.raw_tokens
-        generated, used_tokens = 0, None
+        withhold = bool(request.post_processor) and not ctx.tenant.raw_tokens
         completion: dict[int, list[str]] = {}  # per sample
         try:
-            if request.pre_processor:
-                wreq.prompt_text = await self.processors.apply("pre_processor", request.pre_processor, request.prompt, tenant,
-                                                               call.time_remaining())
-            async for out in self._stream(start, model, sla, wreq, call):
-                generated += max(1, len(out.token_ids))
+            await self.chain.admit(Stage.REQUEST, ctx)
+            async for out in self._stream(ctx):
+                ctx.generated += max(1, len(out.token_ids))
                 if out.HasField("usage"):
-                    used_tokens = out.usage.prompt_tokens + out.usage.completion_tokens
+                    ctx.used_tokens = out.usage.prompt_tokens + out.usage.completion_tokens
                 if request.post_processor:
                     # Each sample's text is held back until the post-processor has seen all of it.
                     completion.setdefault(out.index, []).append(out.text)
@@ -192,28 +158,11 @@ class Relay:
                             out.ClearField(name)
                     if out.finish_reason:
                         out.text = await self.processors.apply("post_processor", request.post_processor,
-                                                               "".join(completion.pop(out.index)), tenant,
-                                                               call.time_remaining())
+                                                               "".join(completion.pop(out.index)), ctx.tenant,
+                                                               ctx.time_remaining())
                 yield out
         finally:
-            if renewer is not None:
-                renewer.cancel()
-            if grant is not None:
-                if used_tokens is None:  # failed or cancelled: charge what it may have used so far
-                    used_tokens = len(prompt_text(wreq).encode()) + SPECIAL_TOKENS_ALLOWANCE + generated
-                try:
-                    await asyncio.shield(self.quota.release(grant, used_tokens))
-                except CotserveError as exc:  # the lease expires by itself; the answer stands
-                    log.warning("request %s: could not release its quota grant: %s", wreq.request_id, exc.message)
-
-    async def _renew_lease(self, grant: Grant) -> None:
-        """Keep a live stream's concurrency lease from expiring (a lost renewal is retried next period)."""
-        while True:
-            await asyncio.sleep(RENEW_EVERY_S)
-            try:
-                await self.quota.renew(grant)
-            except CotserveError as exc:
-                log.warning("tenant %s: lease renewal failed: %s", grant.tenant.name, exc.message)
+            await ctx.end()
 
     def _annotate(self, model: str, wreq: worker_pb2.GenerateRequest):
         """The request's span (the gRPC server span): named for the model, with what was asked."""
@@ -230,16 +179,17 @@ class Relay:
         })
         return span
 
-    async def _pick(self, model: str, sla: SlaClass, tried: set[WorkerHandle], prompt_bytes: int, max_new: int,
-                    call: Call, span) -> WorkerHandle:
+    async def _pick(self, ctx: RequestContext, tried: set[WorkerHandle]) -> WorkerHandle:
         """A worker of `model` not tried yet (waiting for one to come into rotation, within the deadline); among
         several, the SLO predictor's lowest predicted TTFT when it answers in time."""
-        remaining = call.time_remaining()
+        model, sla, span = ctx.model, ctx.sla, ctx.span
+        remaining = ctx.time_remaining()
         wait_s = self.worker_wait_s if remaining is None else max(0.0, min(self.worker_wait_s, remaining - 0.05))
         worker = await self.pool.pick_waiting(model, tried, sla, wait_s)
         candidates = [w for w in self.pool.workers if w.healthy and w.model == model and w not in tried]
         if len(candidates) > 1:
-            better = await self.slo.pick(model, candidates, sla, prompt_bytes, max_new) if self.slo is not None else None
+            better = (await self.slo.pick(model, candidates, sla, ctx.prompt_bytes, ctx.max_new_tokens)
+                      if self.slo is not None else None)
             if better is not None:
                 worker = better
             by = "load" if better is None else "predicted_ttft"
@@ -249,44 +199,21 @@ class Relay:
                              "cotserve.model_version": f"{model}@{worker.info.model_revision}"})
         return worker
 
-    async def _admit(self, worker: WorkerHandle, sla: SlaClass, call: Call) -> float:
-        """Wait for the worker's admission of `sla` (a "queue wait" span); the milliseconds waited."""
-        with self.tracer.start_as_current_span("queue wait", attributes={"cotserve.worker": worker.address}) as qspan:
-            try:
-                return await worker.admission.acquire(sla, call.time_remaining())
-            except QueueDeadlineExceeded as exc:
-                qspan.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
-                raise DeadlineExceeded(f"deadline: {exc}; the request never reached a worker") from None
-
-    async def _stream(self, start: float, model: str, sla: SlaClass, wreq: worker_pb2.GenerateRequest,
-                      call: Call) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        """Admission, the worker stream with its one retry (only before the first token), each chunk relayed."""
-        span = self._annotate(model, wreq)
-        held_ms = 0.0
-        if self.slo is not None and sla == SlaClass.BATCH:
-            held_ms, why = await self.slo.hold_batch(model, call.time_remaining())
-            if why is not None:
-                span.add_event("held", {"cotserve.reason": why, "cotserve.held_ms": held_ms})
-                self.metrics.batch_held.labels(model).observe(held_ms / 1000)
+    async def _stream(self, ctx: RequestContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+        """Per attempt: a worker picked, the worker's rules (its admission inside), the worker stream; one retry,
+        only before the first token; each chunk relayed."""
         tried: set[WorkerHandle] = set()
-        sp = wreq.sampling
-        max_new, samples = max_new_tokens_of(sp), samples_of(wreq)
-        prompt_bytes = len(prompt_text(wreq).encode())
         while True:
-            worker = await self._pick(model, sla, tried, prompt_bytes, max_new, call, span)
-            if self.slo is not None and not tried:  # a retry is not turned away: it has waited already
-                try:
-                    self.slo.shed(model, worker, sla, prompt_bytes, max_new)
-                except ResourceExhausted as exc:
-                    self.metrics.shed.labels(model).inc()
-                    span.add_event("shed", {"cotserve.reason": str(exc), "cotserve.worker": worker.address})
-                    raise
+            worker = await self._pick(ctx, tried)
+            ctx.worker, ctx.attempt = worker, len(tried)
+            # the worker's state as chosen (what routing predicts from), before its admission queue
+            observer = AttemptObserver(self.metrics, self.slo, ctx.span, ctx.model, ctx.sla, worker, ctx.start,
+                                       ctx.prompt_bytes, ctx.max_new_tokens, ctx.held_ms / 1000, ctx.samples)
             tried.add(worker)
-            observer = AttemptObserver(self.metrics, self.slo, span, model, sla, worker, start, prompt_bytes, max_new,
-                                       held_ms / 1000, samples)
-            observer.sent(await self._admit(worker, sla, call))
+            await self.chain.admit(Stage.WORKER, ctx)
+            observer.sent(ctx.queue_ms)
             try:
-                async with aclosing(self._attempt(worker, wreq, observer, call)) as relay:
+                async with aclosing(self._attempt(worker, ctx.wreq, observer, ctx)) as relay:
                     async for out in relay:
                         yield out
                 return
@@ -297,20 +224,20 @@ class Relay:
                 self.pool.mark_down(worker)
                 if observer.first_at is None and len(tried) == 1:
                     log.warning("worker %s failed before the first token; retrying once", worker.address)
-                    span.add_event("retry", {"cotserve.failed_worker": worker.address})
+                    ctx.span.add_event("retry", {"cotserve.failed_worker": worker.address})
                     continue
                 where = "after the first token" if observer.first_at is not None else "on retry"
                 raise Unavailable(f"worker {worker.address} failed {where}: {err.details()}") from None
 
     @staticmethod
     async def _attempt(worker: WorkerHandle, wreq: worker_pb2.GenerateRequest, observer: AttemptObserver,
-                       call: Call) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
+                       ctx: RequestContext) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
         """One worker stream (of the worker's Multiplex call, or a Generate call), relayed: what has arrived since the
         last write goes out merged; the admission slot is given back and the stream cancelled unless it ended
         (freeing the worker's pages) however it ends."""
         stream = None
         try:
-            stream = await worker.open_stream(wreq, call.time_remaining())
+            stream = await worker.open_stream(wreq, ctx.time_remaining())
             while (pending := await stream.pending()) is not None:
                 now = time.monotonic()
                 outs = []

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.errors import RelayedError
@@ -24,7 +25,9 @@ from cotserve.gateway.processors import Processors
 from cotserve.gateway.quota import QuotaEnforcer
 from cotserve.gateway.relay import Relay
 from cotserve.gateway.session import session_call
-from cotserve.gateway.slo_link import SloLink, SloLinkConfig
+from cotserve.gateway.rules import Authenticate, Chain, Grant, PreProcess, Quota, WorkerAdmission
+from cotserve.gateway.slo_link import SloLink
+from cotserve.gateway.slo_rules import BatchHold, BatchPauses, InteractiveShed
 from cotserve.gateway.tenants import TenantRegistry
 from cotserve.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from cotserve.worker.v1 import worker_pb2
@@ -150,6 +153,21 @@ class RunningGateway:
             await self.processors.close()
 
 
+def default_chain(cfg: GatewayConfig, tenants: TenantRegistry, quota: QuotaEnforcer | None, processors: Processors,
+                  slo: SloLink | None, metrics: GatewayMetrics, tracer) -> Chain:
+    """The gateway's admission rules, in order (`rules.py`): what a request passes between the edge and a worker."""
+    rules: list = [Authenticate(tenants), Grant(tenants, processors)]
+    if quota is not None:
+        rules.append(Quota(quota))
+    rules.append(PreProcess(processors))
+    if slo is not None:
+        rules += [BatchHold(slo, metrics), InteractiveShed(slo, cfg.targets, metrics)]
+        if cfg.slo.pause_batch:
+            BatchPauses(slo)  # steers the workers' pauses at every forecast refresh (not a per-request rule)
+    rules.append(WorkerAdmission(tracer))
+    return Chain(rules)
+
+
 def tenancy(cfg: GatewayConfig) -> tuple[TenantRegistry, QuotaEnforcer | None]:
     if cfg.tenants_file is None:
         log.info("no tenants file: one open tenant 'default', no API keys checked, no limits")
@@ -171,20 +189,16 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     cfg.validate()
     upstream = cfg.client_credentials(cfg.upstream_tls_ca)
     pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
-                      admission=cfg.admission_config, dns=list(cfg.worker_dns), dns_interval_s=cfg.dns_interval_s,
-                      resolve=resolve, credentials=upstream, multiplex=cfg.worker_multiplex)
+                      admission=cfg.admission, targets=cfg.targets, dns=list(cfg.worker_dns),
+                      dns_interval_s=cfg.dns_interval_s, resolve=resolve, credentials=upstream,
+                      multiplex=cfg.worker_multiplex)
     metrics = GatewayMetrics(pool)
     tenants, quota = tenancy(cfg)
     processors = Processors(cfg.sandbox_address, cfg.fail_open_modules, tracer_provider, upstream)
-    slo = None
-    if cfg.slo_address:
-        slo = SloLink(SloLinkConfig(cfg.slo_address, admission=cfg.slo_admission, routing=cfg.slo_routing,
-                                    predict_budget_ms=cfg.slo_predict_budget_ms, retry_after_ms=cfg.slo_retry_after_ms,
-                                    throttle_from=cfg.slo_throttle_from, max_hold_ms=cfg.slo_max_hold_ms,
-                                    max_held=cfg.slo_max_held, pause_batch=cfg.slo_pause_batch,
-                                    max_pause_ms=cfg.slo_max_pause_ms, shed_over=cfg.slo_shed_over,
-                                    targets=cfg.targets, credentials=upstream), pool)
-    relay = Relay(pool, metrics, tenants, quota, processors, tracer_provider, slo, cfg.prefix_cache_scope,
+    slo = SloLink(cfg.slo, pool, upstream) if cfg.slo.address else None
+    tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.gateway")
+    chain = default_chain(cfg, tenants, quota, processors, slo, metrics, tracer)
+    relay = Relay(pool, metrics, chain, tenants, processors, tracer_provider, slo, cfg.prefix_cache_scope,
                   cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.worker_wait_s)
     servicer = GatewayServicer(relay, traced=tracer_provider is not None)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",

@@ -387,8 +387,8 @@ def test_each_replay_names_every_admission_rule_so_off_is_off_whatever_the_gatew
         return seen[0]
 
     linked = parsed(())
-    assert (linked.slo_admission, linked.slo_shed_over, linked.slo_pause_batch) == (False, 0.8, True)
-    rules = {name: (c.slo_admission, c.slo_throttle_from, c.slo_shed_over, c.slo_pause_batch)
+    assert (linked.slo.admission, linked.slo.shed_over, linked.slo.pause_batch) == (False, 0.8, True)
+    rules = {name: (c.slo.admission, c.slo.throttle_from, c.slo.shed_over, c.slo.pause_batch)
              for name, c in ((name, parsed(flags)) for name, flags in ADMISSION_VARIANTS.items())}
     assert rules == {"off": (False, 1.0, 0.0, False), "off again": (False, 1.0, 0.0, False), "no BATCH": (False, 1.0, 0.0, False),
                      "all-or-nothing": (True, 1.0, 0.0, False), "proportional": (True, 0.5, 0.0, False),

@@ -142,10 +142,13 @@ def test_earlier_names_and_flags_are_kept():
 
 
 def test_the_gateway_keeps_its_earlier_flags_and_variables():
-    """The gateway's settings became fields (its admission settings flat, as AdmissionConfig is built from them);
-    the flags and variables of earlier releases still work, and the same variable sets both services' targets."""
+    """The gateway's settings are fields, its admission's and SLO rules' in groups of their own (AdmissionConfig,
+    SloSettings) under the flat names they always had; the flags and variables of earlier releases still work, and the
+    same variable sets both services' targets."""
     from cotserve.common.sampling import SlaClass
+    from cotserve.gateway.admission import AdmissionConfig
     from cotserve.gateway.config import GatewayConfig
+    from cotserve.gateway.slo_settings import SloSettings
 
     gw = settings(GatewayConfig, "gateway")
     assert gw["workers"].flag == "--worker" and gw["workers"].envvars == ("COTSERVE_GATEWAY_WORKERS", "COTSERVE_WORKERS")
@@ -154,13 +157,17 @@ def test_the_gateway_keeps_its_earlier_flags_and_variables():
     assert gw["slo_predict_budget_ms"].envvars[1:] == ("COTSERVE_SLO_BUDGET_MS",)
     assert gw["sla_target"].envvars[1:] == settings(__import__("cotserve.slo.config", fromlist=["x"]).SloConfig, "slo")["sla_target"].envvars[1:]
     assert gw["admission"].flag == "--admission/--no-admission" and gw["fail_open_modules"].flag == "--fail-open"
-    cfg = GatewayConfig(sla_target=("interactive=500/80",), batch_limit=7, batch_restart_limit=2, max_queue_batch=3,
-                        admission=False)
-    adm = cfg.admission_config
-    assert (adm.enabled, adm.batch_limit, adm.batch_restart_limit, adm.max_queue[SlaClass.BATCH],
-            adm.targets[SlaClass.INTERACTIVE].ttft_ms) == (False, 7, 2, 3, 500)
-    for bad, message in ((dict(max_queue_batch=-1), "max_queue_batch: -1, must be >= 0"),
-                         (dict(batch_restart_limit=-1), "batch_restart_limit: -1, must be >= 0"),
+    assert gw["batch_limit"].envvars == ("COTSERVE_GATEWAY_BATCH_LIMIT", "COTSERVE_BATCH_LIMIT")
+    assert gw["slo_shed_over"].flag == "--slo-shed-over" and gw["slo_shed_over"].path == ("slo", "shed_over")
+    assert gw["admission"].path == ("admission", "enabled") and gw["admission_window_s"].path == ("admission", "window_s")
+    cfg = GatewayConfig(sla_target=("interactive=500/80",),
+                        admission=AdmissionConfig(enabled=False, batch_limit=7, batch_restart_limit=2, max_queue_batch=3))
+    adm = cfg.admission
+    assert (adm.enabled, adm.batch_limit, adm.batch_restart_limit, adm.max_queue(SlaClass.BATCH),
+            cfg.targets[SlaClass.INTERACTIVE].ttft_ms) == (False, 7, 2, 3, 500)
+    for bad, message in ((dict(admission=AdmissionConfig(max_queue_batch=-1)), "max_queue_batch: -1, must be >= 0"),
+                         (dict(admission=AdmissionConfig(batch_restart_limit=-1)), "batch_restart_limit: -1, must be >= 0"),
+                         (dict(slo=SloSettings(throttle_from=0.0)), r"slo_throttle_from: 0.0, allowed \(0, 1\]"),
                          (dict(sla_target=("gold=1/2",)), "sla_target: 'gold=1/2'"),
                          (dict(prefix_cache_scope="all"), "prefix_cache_scope: 'all', allowed: tenant, global")):
         with pytest.raises(ValueError, match=message):
@@ -186,8 +193,9 @@ def test_the_gateway_command_builds_its_config_from_flags_environment_and_file(t
                                 env={"COTSERVE_MAX_QUEUE_BATCH": "5", "COTSERVE_GATEWAY_BATCH_LIMIT": "11"})
     assert result.exit_code == 0, result.output
     cfg = seen[0]
-    assert cfg.workers == ["127.0.0.1:1", "127.0.0.1:2"] and cfg.admission is False and cfg.slo_address == "127.0.0.1:3"
-    assert cfg.batch_limit == 11 and cfg.max_queue_batch == 5 and cfg.sla_target == ("batch=20000/900",)
+    assert cfg.workers == ["127.0.0.1:1", "127.0.0.1:2"] and cfg.admission.enabled is False
+    assert cfg.slo.address == "127.0.0.1:3" and cfg.slo.shed_over == 0.8  # a group's field keeps its default
+    assert cfg.admission.batch_limit == 11 and cfg.admission.max_queue_batch == 5 and cfg.sla_target == ("batch=20000/900",)
 
 
 def test_a_repeatable_setting_keeps_its_field_collection():

@@ -64,7 +64,7 @@ def test_interactive_waits_for_a_slot_in_order_and_release_grants_it():
 
 def test_full_queue_is_resource_exhausted_with_retry_after():
     async def main():
-        a = make(interactive_initial_limit=2, max_queue={I: 1, B: 1})
+        a = make(interactive_initial_limit=2, max_queue_interactive=1, max_queue_batch=1)
         await a.acquire(I, None)
         await a.acquire(I, None)
         t = asyncio.create_task(a.acquire(I, 5))

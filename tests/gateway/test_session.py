@@ -12,6 +12,7 @@ import contextlib
 import grpc
 import pytest
 
+from cotserve.gateway.admission import AdmissionConfig
 from cotserve.bench.relay import BareRelay
 from cotserve.gateway.v1 import gateway_pb2_grpc
 from cotserve.gateway.tenants import add_key
@@ -78,7 +79,7 @@ def test_a_bad_request_fails_its_own_stream_and_no_other():
 def test_a_full_queue_answers_a_session_stream_with_its_retry_after():
     async def main():
         # one BATCH request runs, one waits, the third finds the queue full
-        async with worker_and_gateway(max_num_seqs=8, batch_limit=1, max_queue_batch=1) as (_, gateway):
+        async with worker_and_gateway(max_num_seqs=8, admission=AdmissionConfig(batch_limit=1, max_queue_batch=1)) as (_, gateway):
             async with AsyncClient(gateway.server.address, multiplex=True) as client:
                 long = dict(max_new_tokens=200, ignore_eos=True, sla="batch", timeout_s=60)
                 running = client.stream("1+2+3=", **long)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import random
 import time
 from types import SimpleNamespace
 
 import grpc
 import pytest
+from opentelemetry import trace
 
 from cotserve.common import errors
 from cotserve.common.procs import free_port
@@ -22,7 +25,12 @@ from cotserve.common.sampling import SlaClass
 from cotserve.common.sla import sla_targets
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.server import GatewayConfig, start_gateway
-from cotserve.gateway.slo_link import SloLink, SloLinkConfig, deferred_share
+from cotserve.gateway.admission import AdmissionConfig
+from cotserve.gateway.metrics import GatewayMetrics
+from cotserve.gateway.rules import Chain, RequestContext, Stage
+from cotserve.gateway.slo_link import SloLink
+from cotserve.gateway.slo_rules import BatchHold, BatchPauses, InteractiveShed, deferred_share
+from cotserve.gateway.slo_settings import SloSettings
 from cotserve.common.latency import LATENCY_FEATURES, latency_row, predicted_ttft_ms
 from cotserve.common.windows import worker_total
 from cotserve.sdk import AsyncClient
@@ -34,6 +42,11 @@ from cotserve.worker.server import start_worker
 from tests.slo.synth import simulate
 
 I, B = common_pb2.SLA_CLASS_INTERACTIVE, common_pb2.SLA_CLASS_BATCH
+
+
+def rule_of(gateway, kind: type):
+    """The running gateway's admission rule of type `kind`."""
+    return next(r for r in gateway.servicer.relay.chain.rules if isinstance(r, kind))
 
 
 async def trained_slo(seconds: int = 600):
@@ -50,14 +63,14 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
     async def main():
         slo, windows = await trained_slo()
         worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address,
-                                                    slo_admission=True, slo_max_hold_ms=3000))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address],
+                                                    slo=SloSettings(slo.server.address, admission=True, max_hold_ms=3000)))
         peak = max(windows, key=lambda w: w.queue_depth)
         stop = asyncio.Event()
 
         async def overload():  # another gateway's worker of the same model, deep in a queue build-up
             while not stop.is_set():
-                w = slo_pb2.MetricsWindow()
+                w = common_pb2.MetricsWindow()
                 w.CopyFrom(peak)
                 w.model, w.worker, w.start_unix_ms = "cotserve-demo", "127.0.0.1:1", int(time.time()) * 1000
                 slo.state.report(slo_pb2.ReportWindowsRequest(windows=[w]))
@@ -85,7 +98,7 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
                 assert (await client.generate("1+2=", max_new_tokens=8, sla="batch")).text  # forecast low: BATCH goes
                 task = asyncio.create_task(overload())
                 deadline = time.monotonic() + 15
-                while gateway.slo.defer_share("cotserve-demo")[0] < 1:
+                while rule_of(gateway, BatchHold).defer_share("cotserve-demo")[0] < 1:
                     assert time.monotonic() < deadline, f"the forecast never passed the threshold: {gateway.slo.forecasts}"
                     await asyncio.sleep(0.2)
                 urgent_done = asyncio.Event()
@@ -99,14 +112,14 @@ def test_gateway_reports_windows_and_requests_and_defers_batch_on_a_high_forecas
                 await asyncio.sleep(0.05)
                 t = time.monotonic()
                 held = asyncio.create_task(client.generate("1+2=", max_new_tokens=8, sla="batch"))
-                while gateway.slo.held == 0:  # held in the gateway, not turned away
+                while rule_of(gateway, BatchHold).held == 0:  # held in the gateway, not turned away
                     assert not held.done(), held.result()
                     await asyncio.sleep(0.02)
                 held_out = await held
                 urgent_done.set()
                 await urgent
                 assert held_out.text and time.monotonic() - t >= 2.5  # it went after --slo-max-hold-ms (3 s)
-                assert gateway.slo.held == 0
+                assert rule_of(gateway, BatchHold).held == 0
                 assert held_out.timing.ttft_ms >= 2500  # the client's TTFT counts the hold
                 await asyncio.sleep(2.5)  # its observation is reported with the next window
                 async with grpc.aio.insecure_channel(slo.server.address) as ch:
@@ -129,15 +142,15 @@ def test_gateway_carries_on_when_the_predictor_is_down():
     async def main():
         worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
         dead = f"127.0.0.1:{free_port()}"
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=dead))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo=SloSettings(dead)))
         try:
             async with AsyncClient(gateway.server.address) as client:
                 for sla in ("realtime", "interactive", "batch", "batch"):
                     r = await client.generate("37+48-12=", max_new_tokens=32, sla=sla)
                     assert r.text == "<think>37+48=85. 85-12=73.</think> 73"
                 await asyncio.sleep(1.5)
-            assert gateway.slo.reports_failed >= 1 and gateway.slo.defer_share("cotserve-demo")[0] == 0
-            assert len(gateway.slo.backlog) >= 1  # kept for when the predictor is back
+            assert gateway.slo.recorder.reports_failed >= 1 and rule_of(gateway, BatchHold).defer_share("cotserve-demo")[0] == 0
+            assert len(gateway.slo.recorder.backlog) >= 1  # kept for when the predictor is back
         finally:
             await gateway.stop()
             await worker.stop()
@@ -145,7 +158,7 @@ def test_gateway_carries_on_when_the_predictor_is_down():
     asyncio.run(main())
 
 
-def handle(address: str, window: slo_pb2.MetricsWindow):
+def handle(address: str, window: common_pb2.MetricsWindow):
     return SimpleNamespace(address=address, in_flight=window.in_flight, waiting_for_first_token=0, prefill_tokens_ahead=0,
                            waiting_since={}, last_heard=time.monotonic(), stats=None, info=None, seats=0,
                            admission=SimpleNamespace(can_start=lambda cls: True, queues={SlaClass.INTERACTIVE: [None] * window.queue_depth},
@@ -158,8 +171,8 @@ def test_routing_picks_the_lower_predicted_ttft_and_falls_back_within_its_budget
         slo, windows = await trained_slo()
         busy = worker_total([max(windows, key=lambda w: w.queue_depth)], "busy:1")
         idle = worker_total([min(windows, key=lambda w: w.queue_depth)], "idle:1")
-        link = SloLink(SloLinkConfig(slo.server.address, predict_budget_ms=1000), SimpleNamespace(workers=[]))
-        link.last_worker_window = {"busy:1": busy, "idle:1": idle}
+        link = SloLink(SloSettings(slo.server.address, routing=True, predict_budget_ms=1000), SimpleNamespace(workers=[]))
+        link.recorder.last_worker_window = {"busy:1": busy, "idle:1": idle}
         cands = [handle("busy:1", busy), handle("idle:1", idle)]
         try:
             assert (await link.pick("m", cands, SlaClass.INTERACTIVE, 200, 64)).address == "idle:1"
@@ -189,7 +202,7 @@ def test_predictions_order_the_workers_with_a_free_seat_before_those_without():
                                seats=seats, admission=SimpleNamespace(can_start=lambda cls: True))
 
     async def main():
-        link = SloLink(SloLinkConfig("127.0.0.1:1"), SimpleNamespace(workers=[]))
+        link = SloLink(SloSettings("127.0.0.1:1", routing=True), SimpleNamespace(workers=[]))
         predicted = {"queued:1": 10.0, "full:1": 20.0, "free:1": 90.0, "free:2": 80.0}
 
         async def ask(cands, sla, prompt_tokens, max_new):
@@ -215,9 +228,9 @@ def test_the_gateway_routes_by_the_predictors_trees_evaluated_in_process():
         slo, _ = await trained_slo()
         workers = [await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4)) for _ in range(2)]
         addresses = [w.server.address for w in workers]
-        gateway = await start_gateway(GatewayConfig(port=0, workers=addresses, slo_address=slo.server.address,
-                                                    slo_routing=True))
-        plain = await start_gateway(GatewayConfig(port=0, workers=addresses, slo_address=slo.server.address))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=addresses,
+                                                    slo=SloSettings(slo.server.address, routing=True)))
+        plain = await start_gateway(GatewayConfig(port=0, workers=addresses, slo=SloSettings(slo.server.address)))
 
         def routed(gw, by: str) -> float:
             return gw.metrics.registry.get_sample_value("cotserve_gateway_routed_total", {"model": "cotserve-demo", "by": by}) or 0.0
@@ -259,17 +272,17 @@ def test_the_fetched_trees_predict_what_the_predictor_would_and_are_refetched_on
         slo, windows = await trained_slo()
         busy = worker_total([max(windows, key=lambda w: w.queue_depth)], "busy:1")
         idle = worker_total([min(windows, key=lambda w: w.queue_depth)], "idle:1")
-        link = SloLink(SloLinkConfig(slo.server.address), SimpleNamespace(workers=[]))
-        link.last_worker_window = {"busy:1": busy, "idle:1": idle}
+        link = SloLink(SloSettings(slo.server.address, routing=True), SimpleNamespace(workers=[]))
+        link.recorder.last_worker_window = {"busy:1": busy, "idle:1": idle}
         cands = [handle("busy:1", busy), handle("idle:1", idle)]
         try:
             await link.fetch_model()
             version = link.ttft_model_version
             assert link.ttft_model is not None and version == slo.state.latency_version
-            states = [slo_pb2.WorkerState(worker=c.address, window=link._state_now(c, SlaClass.INTERACTIVE)) for c in cands]
+            states = [slo_pb2.WorkerState(worker=c.address, window=link.state_now(c, SlaClass.INTERACTIVE)) for c in cands]
             theirs = slo.state.predict_latency(slo_pb2.PredictLatencyRequest(
-                prompt_tokens=round(200 * link.tokens_per_byte_of("m")), max_new_tokens=64, sla_class=I, candidates=states))
-            ours = [predicted_ttft_ms(link.ttft_model, latency_row(round(200 * link.tokens_per_byte_of("m")), 64, I, s.window))
+                prompt_tokens=round(200 * link.recorder.tokens_per_byte_of("m")), max_new_tokens=64, sla_class=I, candidates=states))
+            ours = [predicted_ttft_ms(link.ttft_model, latency_row(round(200 * link.recorder.tokens_per_byte_of("m")), 64, I, s.window))
                     for s in states]
             assert ours == pytest.approx([p.ttft_p90_ms for p in theirs.predictions], rel=1e-4)
             assert ours[0] > ours[1]
@@ -308,78 +321,88 @@ def test_deferred_share_rises_from_the_throttle_point_to_all_at_the_threshold():
     assert deferred_share(0.69, 0.7, 1.0) == 0.0 and deferred_share(0.71, 0.7, 1.0) == 1.0  # 1: all or nothing
 
 
+async def held_by(rule: BatchHold, model: str, time_remaining_s: float | None) -> tuple[float, str | None]:
+    """A BATCH request of `model` through the hold rule, as the chain runs it: (ms held, why; None when not held)."""
+    ctx = RequestContext(SimpleNamespace(time_remaining=lambda: time_remaining_s), None, model=model, sla=SlaClass.BATCH,
+                         span=trace.INVALID_SPAN)
+    await Chain([rule]).admit(Stage.REQUEST, ctx)
+    return ctx.held_ms, ctx.state["hold"]["why"]
+
+
 def test_held_batch_goes_in_a_trickle_as_the_forecast_falls_and_a_full_hold_turns_requests_away():
     async def main():
-        link = SloLink(SloLinkConfig("127.0.0.1:1", admission=True, retry_after_ms=10_000, throttle_from=0.5, max_held=200),
-                       SimpleNamespace(workers=[]))
-        link._rng.seed(7)
-        link.arrival("m", "w", SlaClass.INTERACTIVE)  # urgent work in flight: there is something to protect
+        link = SloLink(SloSettings("127.0.0.1:1", admission=True, retry_after_ms=10_000, throttle_from=0.5, max_held=200),
+                       SimpleNamespace(workers=[], models=dict))
+        rule = BatchHold(link, GatewayMetrics(SimpleNamespace(workers=[])), random.Random(7))
+        hold = functools.partial(held_by, rule)
+        link.recorder.arrival("m", "w", SlaClass.INTERACTIVE)  # urgent work in flight: there is something to protect
         link.forecasts["m"] = (0.9, 0.7, time.monotonic())  # over the threshold: every BATCH request held
-        tasks = [asyncio.create_task(link.hold_batch("m", None)) for _ in range(200)]
+        tasks = [asyncio.create_task(hold("m", None)) for _ in range(200)]
         await asyncio.sleep(0.05)
-        assert link.held == 200 and not any(t.done() for t in tasks)
+        assert rule.held == 200 and not any(t.done() for t in tasks)
         with pytest.raises(errors.ResourceExhausted) as err:  # the hold is full: turned away, retry-after jittered
-            await link.hold_batch("m", None)
+            await hold("m", None)
         assert 5_000 <= int(err.value.trailers["retry-after-ms"]) <= 15_000
         assert "200 BATCH requests are already held" in str(err.value)
         link.forecasts["m"] = (0.525, 0.7, time.monotonic())  # half way from 0.35 to the threshold: half stay each refresh
-        link.refreshed()
+        await rule.on_refresh()
         await asyncio.sleep(0.05)
-        assert 70 < sum(t.done() for t in tasks) < 130 and link.held == 200 - sum(t.done() for t in tasks)
+        assert 70 < sum(t.done() for t in tasks) < 130 and rule.held == 200 - sum(t.done() for t in tasks)
         link.forecasts["m"] = (0.3, 0.7, time.monotonic())  # below the throttle point: all go
-        link.refreshed()
+        await rule.on_refresh()
         results = await asyncio.gather(*tasks)
-        assert link.held == 0 and all(why is not None and "% of BATCH held" in why for _, why in results)
-        assert await link.hold_batch("m", None) == (pytest.approx(0, abs=5), None)  # not held now
+        assert rule.held == 0 and all(why is not None and "% of BATCH held" in why for _, why in results)
+        assert await hold("m", None) == (pytest.approx(0, abs=5), None)  # not held now
         link.forecasts["m"] = (0.9, 0.7, time.monotonic() - 60)  # stale: nothing held on an old forecast
-        assert (await link.hold_batch("m", None))[1] is None
+        assert (await hold("m", None))[1] is None
         link.forecasts["m"] = (0.9, 0.7, time.monotonic())
-        ms, why = await link.hold_batch("m", 1.2)  # a deadline 1.2 s away: it goes a second before it
+        ms, why = await hold("m", 1.2)  # a deadline 1.2 s away: it goes a second before it
         assert why is not None and 150 <= ms <= 1000
-        held = [asyncio.create_task(link.hold_batch("m", None)) for _ in range(20)]
+        held = [asyncio.create_task(hold("m", None)) for _ in range(20)]
         await asyncio.sleep(0.05)
-        assert link.held == 20
-        link.cfg.urgent_idle_s = 0.2
-        link.done("m", "w", SlaClass.INTERACTIVE)  # the last urgent request ends: the forecast alone holds nothing
-        link.refreshed()
+        assert rule.held == 20
+        link.settings.urgent_idle_s = 0.2
+        link.recorder.done("m", "w", SlaClass.INTERACTIVE)  # the last urgent request ends: the forecast alone holds nothing
+        await rule.on_refresh()
         await asyncio.sleep(0.05)
-        assert link.held == 20  # not idle for urgent_idle_s yet
+        assert rule.held == 20  # not idle for urgent_idle_s yet
         await asyncio.sleep(0.2)
-        link.refreshed()  # the next refresh (the forecast still 0.9) lets them all go
+        await rule.on_refresh()  # the next refresh (the forecast still 0.9) lets them all go
         assert all(0.2 <= ms / 1000 < 0.5 and why is not None for ms, why in await asyncio.gather(*held))
-        assert link.held == 0 and (await link.hold_batch("m", None))[1] is None
-        link.arrival("m", "w", SlaClass.REALTIME)  # and a new urgent request makes the forecast count again
-        held = asyncio.create_task(link.hold_batch("m", None))
+        assert rule.held == 0 and (await hold("m", None))[1] is None
+        link.recorder.arrival("m", "w", SlaClass.REALTIME)  # and a new urgent request makes the forecast count again
+        held = asyncio.create_task(hold("m", None))
         await asyncio.sleep(0.05)
-        assert link.held == 1 and not held.done()
-        link.cfg.admission = False
-        link.refreshed()
-        assert (await held)[1] is not None and (await link.hold_batch("m", None))[1] is None
+        assert rule.held == 1 and not held.done()
+        link.settings.admission = False
+        await rule.on_refresh()
+        assert (await held)[1] is not None and (await hold("m", None))[1] is None
         await link.stop()
 
     asyncio.run(main())
 
 
 def test_a_forecast_that_holds_batch_also_restrains_the_workers_batch_ceiling():
-    """Holding BATCH arrivals on the forecast, the link keeps its workers' admission at the restart ceiling too (what
+    """Holding BATCH arrivals on the forecast, the rule keeps its workers' admission at the restart ceiling too (what
     is queued there starts 4 at a time, not 64): only while a share is deferred and urgent work is not idle, and only
     with the hold on."""
     from cotserve.gateway.admission import Admission, AdmissionConfig
 
     async def main():
         w = SimpleNamespace(admission=Admission(AdmissionConfig(batch_limit=64, batch_restart_limit=4)))
-        link = SloLink(SloLinkConfig("127.0.0.1:1", admission=True, throttle_from=0.5),
+        link = SloLink(SloSettings("127.0.0.1:1", admission=True, throttle_from=0.5),
                        SimpleNamespace(workers=[w], models=lambda: {"m": [w]}))
+        rule = BatchHold(link, GatewayMetrics(SimpleNamespace(workers=[])))
         ceilings = []
         for forecast, urgent in ((0.6, False), (0.3, True), (0.6, True)):  # urgent idle; below 0.35; held
             if urgent:
-                link.arrival("m", "w", SlaClass.INTERACTIVE)
+                link.recorder.arrival("m", "w", SlaClass.INTERACTIVE)
             link.forecasts["m"] = (forecast, 0.7, time.monotonic())
-            link.restrain_batch()
+            await rule.on_refresh()
             ceilings.append(w.admission.limit[SlaClass.BATCH])
-        link.cfg.admission = False
+        link.settings.admission = False
         w.admission.limit[SlaClass.BATCH] = 64
-        link.restrain_batch()
+        await rule.on_refresh()
         ceilings.append(w.admission.limit[SlaClass.BATCH])
         await link.stop()
         return ceilings
@@ -394,7 +417,7 @@ async def reporting_stack(max_num_seqs: int):
     observations the predictor has from `since_ms` on."""
     slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
     worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=max_num_seqs))
-    gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address))
+    gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo=SloSettings(slo.server.address)))
 
     async def exported(since_ms: int) -> list:
         await asyncio.sleep(2.5)  # reported with the next window
@@ -566,8 +589,8 @@ def test_a_request_that_queued_in_the_gateway_reports_the_state_its_worker_was_c
     async def main():
         slo = await start_slo(SloConfig(port=0, state_dir=None, retrain_interval_s=3600, advice_interval_s=3600))
         worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=8))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address,
-                                                    batch_limit=1))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo=SloSettings(slo.server.address),
+                                                    admission=AdmissionConfig(batch_limit=1)))
         try:
             async with AsyncClient(gateway.server.address) as client:
                 started = int(time.time() * 1000)
@@ -612,43 +635,44 @@ def test_a_forecast_miss_pauses_running_batch_on_the_models_workers_for_a_renewe
             live = SimpleNamespace(address=worker.server.address, healthy=True, stub=worker_pb2_grpc.WorkerServiceStub(ch))
             dead = SimpleNamespace(address=dead_addr, healthy=True, stub=worker_pb2_grpc.WorkerServiceStub(dead_ch))
             down = SimpleNamespace(address="127.0.0.1:2", healthy=False, stub=None)  # not asked at all
-            link = SloLink(SloLinkConfig("127.0.0.1:1", pause_batch=True, max_pause_ms=2000, forecast_interval_s=1.0),
+            link = SloLink(SloSettings("127.0.0.1:1", pause_batch=True, max_pause_ms=2000, forecast_interval_s=1.0),
                            SimpleNamespace(models=lambda: {"m": [live, dead, down]}))
+            pauses = BatchPauses(link)
 
             async def settled() -> float:  # the engine thread applies the pause between steps
                 await asyncio.sleep(0.1)
                 return sched.batch_paused_until - time.monotonic()
 
-            link.arrival("m", live.address, SlaClass.INTERACTIVE)
+            link.recorder.arrival("m", live.address, SlaClass.INTERACTIVE)
             link.forecasts["m"] = (0.6, 0.7, time.monotonic())  # under the threshold: no pause
-            await link.steer_pauses()
-            assert await settled() < 0 and link.pauses_asked == 0 and link.pause_failures == 0
+            await pauses.steer_pauses()
+            assert await settled() < 0 and pauses.pauses_asked == 0 and pauses.pause_failures == 0
             link.forecasts["m"] = (0.8, 0.7, time.monotonic())
-            await link.steer_pauses()
+            await pauses.steer_pauses()
             assert 2.7 < await settled() <= 3.0  # a 3 s lease
-            assert link.pauses_asked == 1 and link.pause_failures == 1  # the dead worker: counted, not raised
+            assert pauses.pauses_asked == 1 and pauses.pause_failures == 1  # the dead worker: counted, not raised
             await asyncio.sleep(0.5)
-            await link.steer_pauses()  # renewed: 3 s from now again
-            assert 2.7 < await settled() <= 3.0 and link.pauses_asked == 2
+            await pauses.steer_pauses()  # renewed: 3 s from now again
+            assert 2.7 < await settled() <= 3.0 and pauses.pauses_asked == 2
             link.forecasts["m"] = (0.5, 0.7, time.monotonic())  # the risk passed: ended now, not at the lease's end
-            await link.steer_pauses()
+            await pauses.steer_pauses()
             assert sched.batch_paused_until == 0.0 or await settled() < 0
-            assert "m" not in link.pausing_since
+            assert "m" not in pauses.pausing_since
             link.forecasts["m"] = (0.9, 0.7, time.monotonic())
-            await link.steer_pauses()
+            await pauses.steer_pauses()
             assert await settled() > 2
-            link.pausing_since["m"] -= 2.0  # paused max_pause_ms (2 s) already: it ends and rests 1 s
-            await link.steer_pauses()
-            assert await settled() < 0 and link.pause_rest_until["m"] > time.monotonic() + 0.5
-            await link.steer_pauses()
+            pauses.pausing_since["m"] -= 2.0  # paused max_pause_ms (2 s) already: it ends and rests 1 s
+            await pauses.steer_pauses()
+            assert await settled() < 0 and pauses.pause_rest_until["m"] > time.monotonic() + 0.5
+            await pauses.steer_pauses()
             assert await settled() < 0  # still resting
-            link.pause_rest_until["m"] = 0.0
-            link.cfg.urgent_idle_s = 0.0
-            link.done("m", live.address, SlaClass.INTERACTIVE)  # nothing urgent in flight: nothing to protect
-            await link.steer_pauses()
+            pauses.pause_rest_until["m"] = 0.0
+            link.settings.urgent_idle_s = 0.0
+            link.recorder.done("m", live.address, SlaClass.INTERACTIVE)  # nothing urgent in flight: nothing to protect
+            await pauses.steer_pauses()
             assert await settled() < 0
-            link.arrival("m", live.address, SlaClass.REALTIME)
-            await link.steer_pauses()
+            link.recorder.arrival("m", live.address, SlaClass.REALTIME)
+            await pauses.steer_pauses()
             assert await settled() > 2
         await link.stop()
         await worker.stop()
@@ -658,33 +682,45 @@ def test_a_forecast_miss_pauses_running_batch_on_the_models_workers_for_a_renewe
 
 def test_a_linked_gateway_sheds_and_pauses_by_default_its_flags_reach_the_link_and_a_bad_max_pause_names_the_range():
     with pytest.raises(ValueError, match=r"slo_max_pause_ms: 500, allowed 1000\.\.60000"):
-        GatewayConfig(workers=["127.0.0.1:1"], slo_max_pause_ms=500).validate()
+        GatewayConfig(workers=["127.0.0.1:1"], slo=SloSettings(max_pause_ms=500)).validate()
 
     async def main():
-        gateway = await start_gateway(GatewayConfig(port=0, workers=["127.0.0.1:1"], slo_address="127.0.0.1:2",
-                                                    slo_max_pause_ms=1500))
-        try:  # the rules never worse than none in bench slo's full runs are on with the predictor linked
-            assert gateway.slo.cfg.pause_batch and gateway.slo.cfg.max_pause_ms == 1500
-            assert gateway.slo.cfg.shed_over == 0.8
-            assert not gateway.slo.cfg.admission  # holding BATCH arrivals is opt-in (--slo-admission)
+        gateway = await start_gateway(GatewayConfig(port=0, workers=["127.0.0.1:1"],
+                                                    slo=SloSettings("127.0.0.1:2", max_pause_ms=1500)))
+        try:  # shedding and pausing are on with the predictor linked; holding BATCH arrivals is opt-in
+            settings = gateway.slo.settings
+            assert settings.pause_batch and settings.max_pause_ms == 1500 and settings.shed_over == 0.8
+            assert not settings.admission
+            assert [type(r).__name__ for r in gateway.servicer.relay.chain.rules] == [
+                "Authenticate", "Grant", "PreProcess", "BatchHold", "InteractiveShed", "WorkerAdmission"]
+            assert [type(f.__self__).__name__ for f in gateway.slo.on_refresh] == ["BatchHold", "BatchPauses"]
         finally:
             await gateway.stop()
-        gateway = await start_gateway(GatewayConfig(port=0, workers=["127.0.0.1:1"], slo_address="127.0.0.1:2",
-                                                    slo_pause_batch=False, slo_shed_over=0.0))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=["127.0.0.1:1"],
+                                                    slo=SloSettings("127.0.0.1:2", pause_batch=False, shed_over=0.0)))
         try:
-            assert not gateway.slo.cfg.pause_batch and gateway.slo.cfg.shed_over == 0.0
+            assert not gateway.slo.settings.pause_batch and gateway.slo.settings.shed_over == 0.0
+            assert [type(f.__self__).__name__ for f in gateway.slo.on_refresh] == ["BatchHold"]
         finally:
             await gateway.stop()
 
     asyncio.run(main())
 
 
-def waiting_handle(address: str, window: slo_pb2.MetricsWindow, can_start: bool):
+def waiting_handle(address: str, window: common_pb2.MetricsWindow, can_start: bool):
     """`handle`, where a new INTERACTIVE request can start at once or not (its class's in-flight limit reached)."""
     w = handle(address, window)
     w.admission.can_start = lambda cls: can_start
     w.admission.starts_now = lambda cls: can_start and not window.queue_depth
     return w
+
+
+async def shed_by(rule: InteractiveShed, worker, sla: SlaClass, prompt_bytes: int, max_new_tokens: int) -> None:
+    """A first attempt of a request of `sla` on `worker` through the shed rule, as the chain runs it (raises its
+    refusal)."""
+    ctx = RequestContext(SimpleNamespace(time_remaining=lambda: None), None, model="m", sla=sla, worker=worker,
+                         prompt_bytes=prompt_bytes, max_new_tokens=max_new_tokens, span=trace.INVALID_SPAN)
+    await Chain([rule]).admit(Stage.WORKER, ctx)
 
 
 def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turned_away_and_nothing_else_is():
@@ -699,57 +735,57 @@ def test_an_interactive_request_that_would_queue_predicted_over_the_line_is_turn
         busy = worker_total([max(windows, key=lambda w: w.queue_depth)], "busy:1")
         idle = worker_total([min(windows, key=lambda w: w.queue_depth)], "idle:1")
         busy_w, idle_w = handle("busy:1", busy), waiting_handle("idle:1", idle, can_start=False)
-        probe = SloLink(SloLinkConfig(slo.server.address), SimpleNamespace(workers=[]))
+        probe = SloLink(SloSettings(slo.server.address), SimpleNamespace(workers=[]))
         links = []
         try:
             await probe.fetch_model()
-            probe.last_worker_window = {"busy:1": busy, "idle:1": idle}
+            probe.recorder.last_worker_window = {"busy:1": busy, "idle:1": idle}
             tokens = probe.prompt_tokens_of("m", 200)
 
             def p90(w) -> float:
-                return predicted_ttft_ms(probe.ttft_model, latency_row(tokens, 64, I, probe._state_now(w, SlaClass.INTERACTIVE)))
+                return predicted_ttft_ms(probe.ttft_model, latency_row(tokens, 64, I, probe.state_now(w, SlaClass.INTERACTIVE)))
             p_busy, p_idle = p90(busy_w), p90(idle_w)
             assert p_busy > 2 * p_idle
             target = (p_busy * p_idle) ** 0.5 / 2  # shed_over 2: the line at twice this, between the two
             targets = sla_targets([f"interactive={target}/100"])
 
-            def link_with(shed_over: float) -> SloLink:
-                link = SloLink(SloLinkConfig(slo.server.address, shed_over=shed_over, targets=targets), SimpleNamespace(workers=[]))
-                link.last_worker_window, link.ttft_model = probe.last_worker_window, probe.ttft_model
+            def link_with(shed_over: float) -> InteractiveShed:
+                link = SloLink(SloSettings(slo.server.address, shed_over=shed_over), SimpleNamespace(workers=[]))
+                link.recorder.last_worker_window, link.ttft_model = probe.recorder.last_worker_window, probe.ttft_model
                 link.forecasts["m"] = (0.8, 0.7, time.monotonic())  # a miss forecast: shedding may act
                 links.append(link)
-                return link
+                return InteractiveShed(link, targets, GatewayMetrics(SimpleNamespace(workers=[])))
 
             link = link_with(2.0)
             with pytest.raises(errors.ResourceExhausted) as caught:
-                link.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+                await shed_by(link, busy_w, SlaClass.INTERACTIVE, 200, 64)
             assert (f"sla_class INTERACTIVE: shed: the SLO predictor puts this request's TTFT p90 on worker busy:1 at "
                     f"{p_busy:.0f} ms, over 2 x the class's {target:.0f} ms target") in str(caught.value)
             assert caught.value.trailers == {"retry-after-ms": str(round(p_busy))}
-            link.shed("m", idle_w, SlaClass.INTERACTIVE, 200, 64)
+            await shed_by(link, idle_w, SlaClass.INTERACTIVE, 200, 64)
             assert busy.queue_depth and not idle.queue_depth  # busy_w would queue behind its window's queue
             low = link_with(2.0)
-            low.cfg.targets = sla_targets([f"interactive={p_idle / 4}/100"])  # the idle worker's prediction over the line
+            low.targets = sla_targets([f"interactive={p_idle / 4}/100"])  # the idle worker's prediction over the line
             with pytest.raises(errors.ResourceExhausted):
-                low.shed("m", idle_w, SlaClass.INTERACTIVE, 200, 64)
-            low.shed("m", waiting_handle("idle:1", idle, can_start=True), SlaClass.INTERACTIVE, 200, 64)  # would not queue
+                await shed_by(low, idle_w, SlaClass.INTERACTIVE, 200, 64)
+            await shed_by(low, waiting_handle("idle:1", idle, can_start=True), SlaClass.INTERACTIVE, 200, 64)  # would not queue
             for sla in (SlaClass.BATCH, SlaClass.REALTIME):
-                link.shed("m", busy_w, sla, 200, 64)
+                await shed_by(link, busy_w, sla, 200, 64)
             assert link.shed_total == 1
-            link_with(0.0).shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+            await shed_by(link_with(0.0), busy_w, SlaClass.INTERACTIVE, 200, 64)
             untrained = link_with(2.0)
-            untrained.ttft_model = None
-            untrained.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+            untrained.link.ttft_model = None
+            await shed_by(untrained, busy_w, SlaClass.INTERACTIVE, 200, 64)
             calm = link_with(2.0)  # the same request as the one turned away above, under other forecasts
             for forecast in ((0.69, 0.7, time.monotonic()), (0.9, 0.7, time.monotonic() - 60), None):
                 if forecast is None:
-                    del calm.forecasts["m"]
+                    del calm.link.forecasts["m"]
                 else:
-                    calm.forecasts["m"] = forecast
-                calm.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
-            calm.forecasts["m"] = (0.7, 0.7, time.monotonic())  # at the threshold: turned away
+                    calm.link.forecasts["m"] = forecast
+                await shed_by(calm, busy_w, SlaClass.INTERACTIVE, 200, 64)
+            calm.link.forecasts["m"] = (0.7, 0.7, time.monotonic())  # at the threshold: turned away
             with pytest.raises(errors.ResourceExhausted):
-                calm.shed("m", busy_w, SlaClass.INTERACTIVE, 200, 64)
+                await shed_by(calm, busy_w, SlaClass.INTERACTIVE, 200, 64)
         finally:
             for link in (probe, *links):
                 await link.stop()
@@ -765,13 +801,14 @@ def test_a_gateway_shedding_over_the_target_turns_away_interactive_that_would_qu
     INTERACTIVE request gets RESOURCE_EXHAUSTED with a retry-after at the client and reaches no worker; BATCH (never
     shed) is served, and so is INTERACTIVE once the place is free (it would not queue). A bad factor names its range."""
     with pytest.raises(ValueError, match=r"slo_shed_over: 0\.1, allowed 0 \(off\) or 0\.25\.\.100"):
-        GatewayConfig(workers=["127.0.0.1:1"], slo_shed_over=0.1).validate()
+        GatewayConfig(workers=["127.0.0.1:1"], slo=SloSettings(shed_over=0.1)).validate()
 
     async def main():
         slo, _ = await trained_slo()
         worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4))
-        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], slo_address=slo.server.address,
-                                                    slo_shed_over=1.0, sla_target=("interactive=0.001/100",)))
+        gateway = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address],
+                                                    slo=SloSettings(slo.server.address, shed_over=1.0),
+                                                    sla_target=("interactive=0.001/100",)))
         admission = gateway.pool.workers[0].admission
         admission.config.interactive_max_limit, admission.limit[SlaClass.INTERACTIVE] = 1, 1
         try:
@@ -791,7 +828,7 @@ def test_a_gateway_shedding_over_the_target_turns_away_interactive_that_would_qu
                 async for _ in long:
                     pass
                 assert (await client.generate("4+4=", max_new_tokens=4, sla="interactive")).text
-            assert gateway.slo.shed_total == 1
+            assert rule_of(gateway, InteractiveShed).shed_total == 1
             assert gateway.metrics.registry.get_sample_value("cotserve_gateway_shed_total", {"model": "cotserve-demo"}) == 1
             assert worker.engine.stats().num_requests_finished_total == 3  # all but the one turned away
         finally:
