@@ -87,6 +87,7 @@ def test_the_image_runs_as_a_user_and_builds_dependencies_before_the_code():
     kinds = [k for k, _ in steps]
     copies = [i for i, (k, rest) in enumerate(steps) if k == "COPY"]
     code = next(i for i in copies if steps[i][1].startswith("services"))
+    assert any(steps[i][1].startswith("kernels") for i in copies), "the kernels (kernels/, cotserve.kernels) are copied"
     torch = next(i for i, (k, rest) in enumerate(steps) if k == "RUN" and "torch" in rest)
     deps = next(i for i, (k, rest) in enumerate(steps) if k == "RUN" and "requirements" in rest)
     assert torch < deps < code, "torch and the requirements are layers below the code"
@@ -109,7 +110,7 @@ def test_the_image_runs_as_a_user_and_builds_dependencies_before_the_code():
             assert inside in made.split() and "chown -R cotserve:cotserve /var/lib/cotserve" in made, (name, inside)
     ignored = [ln.strip() for ln in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
                if ln.strip() and not ln.startswith("#")]
-    assert not {"services", "pyproject.toml", "README.md", "LICENSE"} & set(ignored)
+    assert not {"services", "kernels", "pyproject.toml", "README.md", "LICENSE"} & set(ignored)
     assert {".git", "deploy/envoy/tls"} <= set(ignored)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -31,7 +33,7 @@ def test_demo_models_are_package_data_and_small(name):
 
 def test_the_editable_install_is_a_tree_of_links_editors_can_follow():
     """`make install` uses setuptools' strict editable mode; when this checkout is installed that way, the link tree
-    holds every module of services/ (a module added since the install needs `make install` again)."""
+    holds every module of services/ and of kernels/ (a module added since the install needs `make install` again)."""
     makefile = (ROOT / "Makefile").read_text()
     assert "EDITABLE := --config-settings editable_mode=strict" in makefile
     assert 'install -q -e ".[all]" $(EDITABLE)' in makefile and 'install -q -e ".[all,dev]" $(EDITABLE)' in makefile
@@ -40,20 +42,38 @@ def test_the_editable_install_is_a_tree_of_links_editors_can_follow():
     tree = Path(cotserve.__file__).parent
     if not (tree / "__init__.py").is_symlink():
         pytest.skip("not installed in strict editable mode here")
-    for f in (ROOT / "services").rglob("*.py"):
-        if "__pycache__" in f.parts:
-            continue
-        link = tree / f.relative_to(ROOT / "services")
-        assert link.resolve() == f.resolve(), f"{link} is missing from the editable install: run `make install`"
+    for source, linked in ((ROOT / "services", tree), (ROOT / "kernels", tree / "kernels")):
+        for f in source.rglob("*.py"):
+            if "__pycache__" in f.parts:
+                continue
+            link = linked / f.relative_to(source)
+            assert link.resolve() == f.resolve(), f"{link} is missing from the editable install: run `make install`"
 
 
 def test_no_package_folder_at_the_root_shadows_an_installed_package():
     """The repository root is on sys.path whenever Python runs from it (`python -m pytest`, `python -m cotserve.cli`):
-    a package folder there is imported instead of an installed package of the same name. The kernels used to live
-    in `kernels/`, which shadowed Hugging Face's `kernels` (transformers imports it): only `services/` (installed as
-    `cotserve`) and `tests/` may be one."""
+    a regular package folder there would be imported instead of an installed package of the same name. Only
+    `services/` (installed as `cotserve`) and `tests/` are one; `kernels/` (installed as `cotserve.kernels`) has no
+    `__init__.py`, and a folder without one yields to an installed package of its name."""
     folders = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert folders <= {"services", "tests"}, f"package folders at the repository root: {sorted(folders - {'services', 'tests'})}"
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+
+
+def test_import_kernels_from_the_root_finds_the_installed_package_and_ours_is_cotserve_kernels():
+    """Run from the repository root (the root first on sys.path): Hugging Face's `kernels` package, which
+    transformers imports, is the one found, not our kernels/ folder; ours is `cotserve.kernels`."""
+    import importlib.util
+
+    if importlib.util.find_spec("kernels") is None:
+        pytest.skip("no installed `kernels` package here to shadow")
+    code = ("import kernels, cotserve.kernels.dispatch as d; from pathlib import Path; "
+            "print(Path(kernels.__file__).resolve()); print(Path(d.__file__).resolve())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": ""}).stdout.split()
+    theirs, ours = map(Path, out)
+    assert ROOT not in theirs.parents, f"`import kernels` found {theirs}, a folder of this repository"
+    assert ours == (ROOT / "kernels" / "dispatch.py").resolve() or "site-packages" in ours.parts
 
 
 def test_the_declared_license_ships_and_the_python_floor_is_true():

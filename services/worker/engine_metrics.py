@@ -108,7 +108,7 @@ class EngineMetrics:
         steps = sorted(self.step_ms)  # once for both percentiles
         bm = scheduler.block_manager
         running = {s.request_id for s in scheduler.running if not s.is_probe}  # the batch, not the queue: no O(waiting)
-        waiting = scheduler.waiting_requests
+        waiting = scheduler.waiting.requests
         return EngineStats(
             num_running_requests=len(running),
             num_waiting_requests=len(waiting) - sum(r in waiting for r in running),
@@ -121,7 +121,7 @@ class EngineMetrics:
             num_batch_yields_total=scheduler.num_batch_yields_total,
             num_batch_paused_steps_total=scheduler.num_batch_paused_steps_total,
             num_requests_finished_total=self.requests_finished, num_generated_tokens_total=self.generated_tokens,
-            moe_policy_version=policy_version, num_waiting_urgent_seqs=scheduler.num_waiting_urgent,
+            moe_policy_version=policy_version, num_waiting_urgent_seqs=scheduler.waiting.num_urgent,
             prefix_cache_queried_tokens=bm.num_queried_tokens, prefix_cache_hit_tokens=bm.num_hit_tokens,
             prefix_cache_blocks=bm.num_cached_blocks, prefix_cache_evictions=bm.num_evictions,
             num_prompt_tokens_computed_total=self.prompt_tokens_computed, kv_blocks_used_peak=self.kv_blocks_peak,

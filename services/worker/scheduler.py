@@ -62,6 +62,61 @@ def is_stop_token(params: SamplingParams, eos_token_ids: frozenset[int], token: 
     return token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
 
 
+class WaitingQueue:
+    """The sequences waiting to be scheduled, always in the policy's `key` order (a binary search as each joins or
+    leaves), counted as they come and go: per class, the urgent ones with prompt tokens to compute, and per request
+    (probes aside), so no step sorts or scans it. Read it as a sequence; change it only through `add` and `remove`."""
+
+    __slots__ = ("key", "seqs", "by_class", "urgent_prompts", "requests")
+
+    def __init__(self, key: Callable[[Sequence], tuple]) -> None:
+        self.key = key
+        self.seqs: list[Sequence] = []
+        self.by_class = [0] * len(SlaClass)  # waiting sequences (probes included) per class
+        self.urgent_prompts = 0  # waiting REALTIME/INTERACTIVE sequences with prompt tokens to compute
+        self.requests: dict[str, int] = {}  # request id -> its waiting sequences (not probes)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self.seqs)
+
+    def __getitem__(self, i: int) -> Sequence:
+        return self.seqs[i]
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self.seqs
+
+    @property
+    def num_urgent(self) -> int:
+        return len(self.seqs) - self.by_class[SlaClass.BATCH]
+
+    def add(self, seq: Sequence) -> None:
+        bisect.insort(self.seqs, seq, key=self.key)
+        self._count(seq, 1)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take `seq` out (found by its key: the keys are distinct); nothing when it is not here."""
+        i = bisect.bisect_left(self.seqs, self.key(seq), key=self.key)
+        if i < len(self.seqs) and self.seqs[i] is seq:
+            del self.seqs[i]
+            self._count(seq, -1)
+
+    def _count(self, seq: Sequence, n: int) -> None:
+        """Count `seq` joining (n = 1) or leaving (-1). What is counted of it does not change while it waits: nothing
+        computes a waiting sequence (one preempted starts again from no computed tokens)."""
+        self.by_class[seq.sla_class] += n
+        if seq.sla_class != SlaClass.BATCH and seq.num_computed_tokens < len(seq) - 1:
+            self.urgent_prompts += n
+        if not seq.is_probe:
+            left = self.requests.get(seq.request_id, 0) + n
+            if left:
+                self.requests[seq.request_id] = left
+            else:
+                del self.requests[seq.request_id]
+
+
 class Scheduler:
     """Waiting and running queues over one `BlockManager`, in the order of a scheduling policy (SLA-class priority
     with BATCH yielding to urgent prompts by default).
@@ -69,9 +124,8 @@ class Scheduler:
     Rules (each has a test in tests/worker/test_scheduler.py):
     - Every step walks running and waiting sequences in the policy's `key` order within a token budget; the waiting
       ones only up to the first it cannot admit (strict priority: nothing newer is admitted past it), so a step's
-      cost follows its batch, not the queue. The waiting queue is kept in that order as sequences join and leave it
-      (a binary search each), with counts per class, of urgent prompts and of waiting requests beside it: no step
-      sorts or scans it.
+      cost follows its batch, not the queue (`WaitingQueue` keeps that order and its counts: no step sorts or scans
+      it).
     - When blocks run short, the victim is the lowest-priority sequence not yet scheduled this
       step whose priority is at most the requester's: BATCH before INTERACTIVE, newest first,
       never a more urgent class for a less urgent one.
@@ -106,10 +160,7 @@ class Scheduler:
         self.num_batch_paused_steps_total = 0
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.waiting: list[Sequence] = []  # in `key` order, always (`_enqueue`, `_dequeue`): read it, never change it
-        self.waiting_by_class = [0] * len(SlaClass)  # waiting sequences (probes included) per class
-        self.waiting_requests: dict[str, int] = {}  # request id -> its waiting sequences (not probes)
-        self._waiting_urgent_prompts = 0  # waiting REALTIME/INTERACTIVE sequences with prompt tokens to compute
+        self.waiting = WaitingQueue(self.key)
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
 
@@ -125,47 +176,18 @@ class Scheduler:
         if not self.can_ever_fit(seq):
             raise ValueError(f"sequence of up to {seq.max_len} tokens exceeds the KV pool ({self.capacity_tokens} tokens)")
         seq.status = SequenceStatus.WAITING
-        self._enqueue(seq)
+        self.waiting.add(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- the waiting queue: kept in order, counted as it changes ------------------------------------------------------
-    def _enqueue(self, seq: Sequence) -> None:
-        bisect.insort(self.waiting, seq, key=self.key)
-        self._count_waiting(seq, 1)
-
-    def _dequeue(self, seq: Sequence) -> None:
-        """Take `seq` out of the waiting queue (found by its key: the keys are distinct)."""
-        i = bisect.bisect_left(self.waiting, self.key(seq), key=self.key)
-        if i < len(self.waiting) and self.waiting[i] is seq:
-            del self.waiting[i]
-            self._count_waiting(seq, -1)
-
-    def _count_waiting(self, seq: Sequence, n: int) -> None:
-        """Count `seq` joining (n = 1) or leaving (-1) the queue. What is counted of it does not change while it
-        waits: nothing computes a waiting sequence (one preempted starts again from no computed tokens)."""
-        self.waiting_by_class[seq.sla_class] += n
-        if seq.sla_class != SlaClass.BATCH and seq.num_computed_tokens < len(seq) - 1:
-            self._waiting_urgent_prompts += n
-        if not seq.is_probe:
-            left = self.waiting_requests.get(seq.request_id, 0) + n
-            if left:
-                self.waiting_requests[seq.request_id] = left
-            else:
-                del self.waiting_requests[seq.request_id]
-
-    @property
-    def num_waiting_urgent(self) -> int:
-        return len(self.waiting) - self.waiting_by_class[SlaClass.BATCH]
-
     def has_batch_work(self) -> bool:
         """A BATCH sequence waits or runs."""
-        return bool(self.waiting_by_class[SlaClass.BATCH]) or any(s.sla_class == SlaClass.BATCH for s in self.running)
+        return bool(self.waiting.by_class[SlaClass.BATCH]) or any(s.sla_class == SlaClass.BATCH for s in self.running)
 
     def has_urgent_prompt(self) -> bool:
         """A REALTIME/INTERACTIVE sequence, waiting or running, has prompt tokens to compute."""
-        return self._waiting_urgent_prompts > 0 or any(
+        return self.waiting.urgent_prompts > 0 or any(
             s.sla_class != SlaClass.BATCH and s.num_computed_tokens < len(s) - 1 for s in self.running)
 
     def pause_batch(self, seconds: float) -> None:
@@ -225,7 +247,7 @@ class Scheduler:
                 used_urgent += n
                 urgent_prompt = urgent_prompt or start < len(seq) - 1
         else:  # no BATCH sequence was reached: one still waiting past a blocked admission sits this step out as well
-            yielded = admission_blocked and urgent_prompt and may_yield and self.waiting_by_class[SlaClass.BATCH] > sum(
+            yielded = admission_blocked and urgent_prompt and may_yield and self.waiting.by_class[SlaClass.BATCH] > sum(
                 s.sla_class == SlaClass.BATCH for s in batch.preempted)  # those wait too (this step skips them)
         if paused:  # a pause is not a yield: the every-other-step rule counts only yields
             yielded = False
@@ -240,7 +262,7 @@ class Scheduler:
         """Running and waiting sequences in `key` order (as of the step's start), the waiting ones only while
         `admitting()`: once one cannot be admitted, strict priority admits nothing newer this step, so the rest of the
         queue is not walked (the queue is kept in order: a copy of it, not a sort)."""
-        running, waiting = sorted(self.running, key=self.key), self.waiting[:]
+        running, waiting = sorted(self.running, key=self.key), self.waiting.seqs[:]
         i = j = 0
         while i < len(running) or (j < len(waiting) and admitting()):
             if j < len(waiting) and admitting() and (i == len(running) or self.key(waiting[j]) < self.key(running[i])):
@@ -258,7 +280,7 @@ class Scheduler:
             self._make_seat(seq, batch, scheduled) and self._make_room(seq, target, batch, scheduled, False, hit)
         ):
             return False
-        self._dequeue(seq)
+        self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         if not seq.num_preemptions:
             bm = self.block_manager
@@ -365,7 +387,7 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.record(TraceEvent.PREEMPTED)
         self.num_preemptions_total += 1
-        self._enqueue(seq)
+        self.waiting.add(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
         """End a sequence with a finished `status` and free its blocks (again on a finished one: only the status)."""
@@ -383,7 +405,7 @@ class Scheduler:
 
     def _remove(self, seq: Sequence) -> None:
         if seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
-            self._dequeue(seq)
+            self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
         self.block_manager.free(seq)

@@ -87,7 +87,7 @@ class Priority(SchedulingPolicy):
         return False
 
     def step_rules(self, sched: Scheduler) -> StepRules:
-        urgent = bool(sched.num_waiting_urgent or any(s.sla_class != SlaClass.BATCH for s in sched.running))
+        urgent = bool(sched.waiting.num_urgent or any(s.sla_class != SlaClass.BATCH for s in sched.running))
         pause = sched.batch_paused_until > 0.0 and time.monotonic() < sched.batch_paused_until
         paused = urgent and pause
         may_yield = paused or self.may_yield(sched)

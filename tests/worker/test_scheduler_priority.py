@@ -291,9 +291,9 @@ def test_the_waiting_queue_stays_in_order_and_its_counts_stay_true_through_admis
         live = [q for q in live if not q.is_finished]
         in_order, by_class, urgent_prompts, requests, waiting_requests = _brute_force(s)
         assert in_order, step
-        assert s.waiting_by_class == by_class and s._waiting_urgent_prompts == urgent_prompts, step
-        assert s.waiting_requests == requests and s.num_waiting_urgent == by_class[R] + by_class[I], step
-        assert len(s.waiting_requests) - sum(r in s.waiting_requests for r in {q.request_id for q in s.running}) \
+        assert s.waiting.by_class == by_class and s.waiting.urgent_prompts == urgent_prompts, step
+        assert s.waiting.requests == requests and s.waiting.num_urgent == by_class[R] + by_class[I], step
+        assert len(s.waiting.requests) - sum(r in s.waiting.requests for r in {q.request_id for q in s.running}) \
             == waiting_requests
         assert_no_leak(s)
         longest = max(longest, len(s.waiting))
