@@ -37,12 +37,16 @@ class Sampling:
     n: int | None = None  # samples of the prompt (1..16): the result's `choices`, the chunks' `index`
 
     def to_pb(self) -> common_pb2.SamplingParams:
-        sp = common_pb2.SamplingParams(stop=list(self.stop or ()), stop_token_ids=list(self.stop_token_ids or ()),
-                                       logprobs=self.logprobs, ignore_eos=self.ignore_eos)
-        for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "n"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(sp, name, value)
+        """The proto message, field by field of the same name (None: not sent, so the server's default holds)."""
+        sp = common_pb2.SamplingParams()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple)):
+                getattr(sp, f.name).extend(value)
+            else:
+                setattr(sp, f.name, value)
         return sp
 
 
