@@ -328,9 +328,8 @@ def _fit_relative(X: np.ndarray, ms: np.ndarray, scale: np.ndarray | float = 1.0
     """A booster predicting `ms / scale` (TPOT in ms, or TTFT as a multiple of its estimate), fit to the relative error
     of `ms` it is judged by (MAPE, the same for any positive scale): absolute error weighted by 1 / the true value (at
     least 1 ms), whose minimiser is that weighted median (below the median when the noise is skewed, as TTFT's is).
-    The weights are scaled to mean 1, so min_child_weight keeps meaning rows. Fit to squared error on log(1 + ms)
-    before, two recordings of bench slo-routing gave held-out MAPE 0.97 and 1.02; with this objective 0.82 and 0.71.
-    `params` override the trees' size (`TTFT_TREES` for TTFT)."""
+    The weights are scaled to mean 1, so min_child_weight keeps meaning rows. Chosen over squared error on log(1 + ms),
+    whose held-out MAPE was higher on `cotserve bench slo-routing`'s recordings. `params` override the trees' size (`TTFT_TREES` for TTFT)."""
     weight = scale / np.maximum(ms, 1.0)
     return _train_booster(X, ms / scale, LATENCY_FEATURES, "reg:absoluteerror", params.pop("rounds", 120),
                           weight=weight / weight.mean(), **{"max_depth": 5, **params})

@@ -94,7 +94,7 @@ class WorkerConfig(TlsSettings):
     then never queues behind a burst of them on any hop."""
     engine_process: bool = True
     """Run the engine (model, KV cache, scheduler) in a process of its own, so that serving work in this one
-    never shares a GIL with the model's steps; False: a thread of this process (as before, for debugging)."""
+    never shares a GIL with the model's steps; False: a thread of this process (for debugging)."""
 
     @property
     def model_names(self) -> dict:

@@ -3,14 +3,9 @@ reaches a worker.
 
 Why: a Generate call per request costs a call's set-up at both ends (HTTP/2 stream, headers, the server's handler
 task and its interceptors) before the first token can move, and one gRPC message per stream per engine step after
-it. Measured on this machine's 2 cores with a bare relay in front of a toy worker (`/tmp` prototype, last round):
-a call per request added 0.52-0.63 ms to time to first token over calling the worker directly, one long-lived
-bidirectional stream 0.29-0.37 ms. Here every stream's chunks that are ready after an engine step go out as one
-`MultiplexResponse`: at 32 streams a step, one message instead of 32 for the gateway to read. Measured through the
-real gateway (`cotserve bench baseline`'s TTFT paths, 300 requests one at a time, three runs): the gateway adds
-0.77-0.95 ms to TTFT multiplexed against 1.04-1.18 per call; at concurrency 32, stream interval 1, the worker front's
-CPU per token 0.061-0.071 -> 0.027-0.028 ms and the gateway's 0.120-0.163 -> 0.082-0.090 ms, 3,802-4,425 ->
-5,100-5,116 tok/s (README, the model worker).
+it. Here every stream's chunks that are ready after an engine step go out as one `MultiplexResponse`: at 32 streams a
+step, one message instead of 32 for the gateway to read. `cotserve bench baseline` measures what the gateway adds to
+time to first token both ways, and the CPU time per token of each process.
 
 Each opened stream runs `WorkerServicer.Generate` (the same code a Generate call runs: stream interval, stop strings,
 phases, the abort on cancel); the call itself is `common/multiplex.MultiplexCall` (chunks, ends, cancels, deadlines,
