@@ -129,6 +129,7 @@ class Relay:
             check_self_consistency(reasoning, params)
             wreq.reasoning.CopyFrom(request.reasoning)
         wreq.cache_salt = self._cache_salt(ctx.tenant, request.cache_salt)
+        wreq.tenant = ctx.tenant.name
         ctx.model, ctx.sla, ctx.wreq = model, sla, wreq
         ctx.prompt_bytes = len(prompt_text(wreq).encode())
         ctx.max_new_tokens, ctx.samples = max_new_tokens_of(wreq.sampling), samples_of(wreq)

@@ -32,6 +32,7 @@ class AddRequest:
     cache_salt: str = ""  # prefix-cache partition: blocks cached under one salt are never found under another
     budget: ReasoningParams = ReasoningParams()
     detokenize: bool = True  # False: the caller makes the text (`front_text.FrontText`)
+    tenant: str = ""  # who the request is for (tenant-fair scheduling)
     arrival_time: float = field(default_factory=time.monotonic)  # when the worker took it (one clock per machine)
 
 

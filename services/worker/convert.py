@@ -25,6 +25,7 @@ class GenerateCall:
     sla_class: SlaClass
     cache_salt: str = ""
     budget: ReasoningParams = ReasoningParams()
+    tenant: str = ""
 
 
 def max_token_chars(tokenizer: Tokenizer) -> int:
@@ -81,7 +82,7 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     budget = reasoning_from_pb(req.reasoning) if req.HasField("reasoning") else ReasoningParams()
     check_self_consistency(budget, params)
     check_budget(budget, reasoning)
-    return GenerateCall(ids, params, sla_from_pb(req.sla_class), req.cache_salt, budget)
+    return GenerateCall(ids, params, sla_from_pb(req.sla_class), req.cache_salt, budget, req.tenant)
 
 
 def render_messages(messages, chat_template: Any) -> str:

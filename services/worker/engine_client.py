@@ -49,14 +49,14 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "",
-               budget: ReasoningParams = ReasoningParams(), detokenize: bool = True) -> None:
-        """Queue a request of `params.n` samples. `cache_salt` separates prefix-cache users: blocks cached under one
+               budget: ReasoningParams = ReasoningParams(), detokenize: bool = True, tenant: str = "") -> None:
+        """Queue a request of `params.n` samples for `tenant`. `cache_salt` separates prefix-cache users: blocks cached under one
         salt are never found under another. Raises ValueError when it can never fit the KV pool or the batch, or when
         `budget` is set for a model without reasoning markers. `detokenize=False` (only where `needs_engine_text` is
         False): outputs carry no text and no reasoning/answer split, and a stop string does not end a sample in the
         engine: the caller makes the text from the token ids and ends a sample on its stop string with
         `stop_sample` (`FrontText`)."""
-        cmd = AddRequest(request_id, list(prompt_ids), params, sla_class, cache_salt, budget, detokenize)
+        cmd = AddRequest(request_id, list(prompt_ids), params, sla_class, cache_salt, budget, detokenize, tenant)
         self.check(cmd)
         self._send(cmd, sink)
 

@@ -291,7 +291,7 @@ class EngineProcess(EngineClient):
     # -- the engine's API (EngineClient's, with:) ---------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "",
-               budget: ReasoningParams = ReasoningParams(), detokenize: bool = True) -> None:
+               budget: ReasoningParams = ReasoningParams(), detokenize: bool = True, tenant: str = "") -> None:
         """`EngineClient.submit`; the text is made here (`FrontText`) unless the engine must read it."""
         if self.dead is not None:
             raise EngineDied(self.dead)
@@ -301,7 +301,7 @@ class EngineProcess(EngineClient):
                 self._token_bytes = (TokenBytes.of(self.loaded.tokenizer),)
             sink = FrontText(sink, self.loaded.tokenizer, self._token_bytes[0], prompt_ids, params,
                              self.loaded.eos_token_ids, self.reasoning, lambda index: self._stop_sample(request_id, index))
-        super().submit(request_id, prompt_ids, params, sink, sla_class, cache_salt, budget, detokenize)
+        super().submit(request_id, prompt_ids, params, sink, sla_class, cache_salt, budget, detokenize, tenant)
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -120,7 +120,7 @@ class ReasoningController:
                                 stop_token_ids=seq.params.stop_token_ids, ignore_eos=seq.params.ignore_eos)
         return Sequence(seq.request_id, seq.all_token_ids[:-1] + end_ids, params, seq.sla_class, index=seq.index,
                         arrival_time=seq.arrival_time, cache_root=seq.cache_root, probe_of=seq,
-                        num_forced_tokens=len(end_ids))
+                        num_forced_tokens=len(end_ids), tenant=seq.tenant, fair_tag=seq.fair_tag)
 
     def probe_done(self, req: RequestState, probe: Sequence, answer_ids: list[int]) -> list[Action]:
         """A probe finished with `answer_ids` (its stop token left out): once the last probes agree, its sample stops

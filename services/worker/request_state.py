@@ -69,10 +69,11 @@ class RequestState:
         base = head.params  # the request's own: sample i draws from its seed + i
         if first:
             head = Sequence(head.request_id, head.prompt_ids, sample_params(base, first), head.sla_class,
-                            index=first, arrival_time=head.arrival_time, cache_root=head.cache_root)
+                            index=first, arrival_time=head.arrival_time, cache_root=head.cache_root, tenant=head.tenant)
         head.group_size = k
         forks = [Sequence(head.request_id, head.prompt_ids, sample_params(base, i), head.sla_class, index=i,
-                          arrival_time=head.arrival_time, cache_root=head.cache_root) for i in range(first + 1, first + k)]
+                          arrival_time=head.arrival_time, cache_root=head.cache_root, tenant=head.tenant)
+                 for i in range(first + 1, first + k)]
         for s in (head, *forks):
             self.samples.append(s)
             self.detoks.append(IncrementalDetokenizer(tokenizer, s.prompt_ids, s.params.stop, token_bytes)

@@ -52,6 +52,7 @@ class Requests:
             return
         vote = cmd.budget.self_consistency
         seq = Sequence(cmd.request_id, list(cmd.prompt_ids), cmd.params, cmd.sla_class, arrival_time=cmd.arrival_time,
+                       tenant=cmd.tenant,
                        group_size=vote.min_samples if vote is not None else cmd.params.n)
         seq.cache_root = cache_root(self.cache_identity, policy_version, cmd.cache_salt)
         req = RequestState(sink, reasoning=cmd.budget, vote=VoteState(vote) if vote is not None else None,

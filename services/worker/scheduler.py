@@ -176,6 +176,7 @@ class Scheduler:
         if not self.can_ever_fit(seq):
             raise ValueError(f"sequence of up to {seq.max_len} tokens exceeds the KV pool ({self.capacity_tokens} tokens)")
         seq.status = SequenceStatus.WAITING
+        self.policy.on_add(seq)
         self.waiting.add(seq)
 
     def has_work(self) -> bool:
@@ -282,6 +283,7 @@ class Scheduler:
             return False
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
+        self.policy.on_admit(seq)
         if not seq.num_preemptions:
             bm = self.block_manager
             seq.kv_used_fraction_at_admission = bm.num_used_blocks / bm.num_blocks
@@ -321,7 +323,7 @@ class Scheduler:
         for child in children:
             self.block_manager.fork(parent, child)
             child.status = SequenceStatus.RUNNING
-            child.first_scheduled_time = parent.first_scheduled_time
+            child.first_scheduled_time, child.fair_tag = parent.first_scheduled_time, parent.fair_tag
             child.kv_used_fraction_at_admission = parent.kv_used_fraction_at_admission
             child.num_cached_tokens = parent.num_cached_tokens
             self.running.append(child)

@@ -56,6 +56,12 @@ class SchedulingPolicy:
     def step_rules(self, sched: Scheduler) -> StepRules:
         return StepRules(batch_cap=sched.max_num_batched_tokens)
 
+    def on_add(self, seq: Sequence) -> None:
+        """A new sequence joins the waiting queue (not one back from preemption: it keeps what it had)."""
+
+    def on_admit(self, seq: Sequence) -> None:
+        """A waiting sequence starts running."""
+
 
 class Priority(SchedulingPolicy):
     """SLA-class priority (`priority`): REALTIME before INTERACTIVE before BATCH, each in arrival order.
@@ -112,7 +118,36 @@ class PriorityYield(Priority):
         return not sched.batch_yielded and sched.has_urgent_prompt()
 
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (SchedulingPolicy, Priority, PriorityYield)}
+class TenantFair(PriorityYield):
+    """SLA-class priority with BATCH yielding (`priority-yield`), and within a class a fair share of the steps for
+    every tenant (`tenant-fair`): start-time fair queueing. A sequence that joins the queue gets a virtual start tag,
+    the later of the class's virtual time and where its tenant's previous sequence's work ends (its prompt and
+    max_new_tokens, in tokens), and the class's queue is served in tag order; the virtual time follows the tags of
+    the sequences that start. So a tenant that queues a hundred requests does not make another's one request wait
+    behind them: the newcomer's tag is about the virtual time now, ahead of the backlog's later tags. A preempted
+    sequence keeps its tag, as it keeps its arrival under `priority`; samples and probes share their request's."""
+
+    name: ClassVar[str] = "tenant-fair"
+
+    def __init__(self, batch_min_share: float = 0.1, max_batch_tokens_when_urgent: int = 256) -> None:
+        super().__init__(batch_min_share, max_batch_tokens_when_urgent)
+        self.virtual_time = [0.0] * len(SlaClass)  # per class: the tag of the latest sequence to start
+        self.tenant_end: dict[tuple[int, str], float] = {}  # (class, tenant) -> where its queued work ends
+
+    def key(self, seq: Sequence) -> tuple[int, float, int]:
+        return (int(seq.sla_class), seq.fair_tag, seq.seq_id)
+
+    def on_add(self, seq: Sequence) -> None:
+        cls = int(seq.sla_class)
+        seq.fair_tag = max(self.virtual_time[cls], self.tenant_end.get((cls, seq.tenant), 0.0))
+        self.tenant_end[(cls, seq.tenant)] = seq.fair_tag + seq.max_len * seq.group_size
+
+    def on_admit(self, seq: Sequence) -> None:
+        cls = int(seq.sla_class)
+        self.virtual_time[cls] = max(self.virtual_time[cls], seq.fair_tag)
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (SchedulingPolicy, Priority, PriorityYield, TenantFair)}
 """Every scheduling policy by the name `--scheduling` takes."""
 
 

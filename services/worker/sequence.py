@@ -74,6 +74,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     probe_of: "Sequence | None" = None  # an early-exit probe: the sample it forked from (never in the output)
     num_forced_tokens: int = 0  # a probe: the end-marker tokens it was given
+    tenant: str = ""  # who the request is for (tenant-fair scheduling)
+    fair_tag: float = 0.0  # tenant-fair scheduling's virtual start time, fixed when it first joins the queue
 
     @property
     def is_probe(self) -> bool:

@@ -263,7 +263,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             mailbox.put(outputs, out)
 
         try:
-            self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class, call.cache_salt, call.budget)
+            self.engine.submit(request_id, call.prompt_ids, call.params, sink, call.sla_class, call.cache_salt, call.budget,
+                               tenant=call.tenant)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         except EngineDied as exc:

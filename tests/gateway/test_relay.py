@@ -39,7 +39,7 @@ def test_a_valid_request_becomes_the_worker_request_with_what_the_rules_count():
     assert (ctx.model, ctx.sla, ctx.prompt_bytes, ctx.max_new_tokens, ctx.samples) == ("m", SlaClass.BATCH, 4, 8, 3)
     w = ctx.wreq
     assert w.prompt_text == "2+2=" and w.sampling.max_new_tokens == 8 and w.sla_class == common_pb2.SLA_CLASS_BATCH
-    assert w.cache_salt == "tenant:acme\x00s" and len(w.request_id) == 32
+    assert w.cache_salt == "tenant:acme\x00s" and w.tenant == "acme" and len(w.request_id) == 32
 
 
 def test_the_cache_partition_is_the_tenants_unless_global_and_a_salt_never_widens_it():

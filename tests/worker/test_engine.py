@@ -316,3 +316,25 @@ def test_whole_prompts_attend_together_to_the_bit_of_the_paged_path(demo, monkey
     monkeypatch.setattr(ModelRunner, "prepare_inputs", lambda self, b: _one_row_groups(prepare(self, b)))
     monkeypatch.setattr(PagedAttention, "_whole_from_step", staticmethod(lambda cache, k: False))
     assert torch.equal(runner.execute(batch), together)
+
+
+def test_a_tenant_fair_engine_starts_a_newcomer_ahead_of_another_tenants_backlog(demo):
+    """`--scheduling tenant-fair` through the engine's API: the tenant given to `submit` reaches the scheduler, and
+    with one seat tenant b's one request starts right after a's first, not after a's whole backlog."""
+    engine = Engine(demo, EngineConfig(num_blocks=256, block_size=16, max_num_seqs=1, max_num_batched_tokens=512,
+                                       max_model_len=demo.config.max_context, scheduling="tenant-fair"))
+    order: list[str] = []
+
+    def sink(out: RequestOutput) -> None:
+        if out.request_id not in order:
+            order.append(out.request_id)
+
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for i in range(4):
+        engine.submit(f"a{i}", encode(demo, "1+1="), params, sink, tenant="a")
+    engine.submit("b0", encode(demo, "2+2="), params, sink, tenant="b")
+    engine.drain_inbox(block=False)
+    assert {s.tenant for s in engine.scheduler.waiting} == {"a", "b"}
+    while engine.scheduler.has_work():
+        engine.step()
+    assert order == ["a0", "b0", "a1", "a2", "a3"]

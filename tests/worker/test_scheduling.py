@@ -14,13 +14,13 @@ from tests.worker.test_scheduler import assert_no_leak, run_step
 
 
 def test_policies_are_chosen_by_name_and_a_bad_name_lists_them():
-    assert set(POLICIES) == {"fifo", "priority", "priority-yield"}
+    assert set(POLICIES) == {"fifo", "priority", "priority-yield", "tenant-fair"}
     assert type(make_policy("fifo")) is SchedulingPolicy and type(make_policy("priority")) is Priority
     p = make_policy("priority-yield", batch_min_share=0.25, max_batch_tokens_when_urgent=64)
     assert type(p) is PriorityYield and (p.batch_min_share, p.max_batch_tokens_when_urgent) == (0.25, 64)
-    with pytest.raises(ValueError, match="scheduling: 'lifo', allowed: fifo, priority, priority-yield"):
+    with pytest.raises(ValueError, match="scheduling: 'lifo', allowed: fifo, priority, priority-yield, tenant-fair"):
         make_policy("lifo")
-    with pytest.raises(ValueError, match="scheduling: 'lifo', allowed: fifo, priority, priority-yield"):
+    with pytest.raises(ValueError, match="scheduling: 'lifo', allowed: fifo, priority, priority-yield, tenant-fair"):
         WorkerConfig(scheduling="lifo").validate()
     with pytest.raises(ValueError, match="batch_min_share: 1.5, allowed 0..1"):
         make_policy("priority", batch_min_share=1.5)
@@ -57,3 +57,42 @@ def test_a_new_policy_changes_the_order_and_nothing_else():
     assert [i.seq.request_id for i in batch.items] == ["new"]  # one seat: the newest takes it
     run_step(s, batch)
     assert_no_leak(s)
+
+
+def fair_run(policy: str, seats: int = 2) -> list[str]:
+    """Tenant a queues six requests, then tenant b one, all INTERACTIVE, on a scheduler of `seats` seats: the order
+    in which they start (each runs to its end before a seat frees)."""
+    s = Scheduler(BlockManager(256, 4), seats, 256, make_policy(policy))
+    clock = iter(range(1, 100))
+    for i in range(6):
+        s.add(Sequence(f"a{i}", [1, 2, 3, 4], SamplingParams(max_new_tokens=2), arrival_time=next(clock), tenant="a"))
+    s.add(Sequence("b0", [1, 2, 3, 4], SamplingParams(max_new_tokens=2), arrival_time=next(clock), tenant="b"))
+    started: list[str] = []
+    while s.has_work():
+        batch = s.schedule()
+        started += [i.seq.request_id for i in batch.items if i.seq.request_id not in started]
+        run_step(s, batch)
+        for item in batch.items:
+            if len(item.seq.output_ids) >= 2:
+                s.finish(item.seq, item.seq.status.FINISHED_LENGTH)
+    assert_no_leak(s)
+    return started
+
+
+def test_tenant_fair_lets_a_newcomer_start_ahead_of_another_tenants_backlog():
+    assert fair_run("priority-yield") == ["a0", "a1", "a2", "a3", "a4", "a5", "b0"]  # arrival order
+    assert fair_run("tenant-fair") == ["a0", "b0", "a1", "a2", "a3", "a4", "a5"]  # b's one request goes next
+
+
+def test_tenant_fair_keeps_classes_first_and_a_preempted_sequence_its_tag():
+    s = Scheduler(BlockManager(64, 4), 4, 64, make_policy("tenant-fair"))
+    batch_a = Sequence("a", [1, 2], SamplingParams(max_new_tokens=2), SlaClass.BATCH, arrival_time=1.0, tenant="x")
+    urgent = Sequence("u", [1, 2], SamplingParams(max_new_tokens=2), SlaClass.REALTIME, arrival_time=2.0, tenant="x")
+    s.add(batch_a)
+    s.add(urgent)
+    assert s.key(urgent) < s.key(batch_a)  # REALTIME first whatever the tags
+    tag = batch_a.fair_tag
+    while batch_a not in s.running:
+        run_step(s, s.schedule())
+    s._preempt(batch_a)
+    assert batch_a.fair_tag == tag and batch_a in s.waiting

@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     REASONING_FIELD_NUMBER: _builtins.int
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and traces; the worker makes one up when empty."""
     prompt_text: _builtins.str
@@ -46,6 +47,10 @@ class GenerateRequest(_message.Message):
     """
     max_prompt_tokens: _builtins.int
     """Prompt tokens allowed at most (the gateway's edge limit); 0: the model's context less one."""
+    tenant: _builtins.str
+    """The tenant the gateway admitted the request for (empty: none); the worker's tenant-fair scheduling shares its
+    steps among tenants by it.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt as token ids, each below the vocabulary size."""
@@ -77,10 +82,11 @@ class GenerateRequest(_message.Message):
         reasoning: _common_pb2.ReasoningOptions | None = ...,
         max_prompt_tokens: _builtins.int = ...,
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
+        tenant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
