@@ -1,7 +1,8 @@
 """Model configuration read from a Hugging Face `config.json`.
 
-One dataclass covers the Llama family; the differences between Llama, Mistral and Qwen2 are
-fields here (biases, sliding window), never separate model classes.
+One dataclass covers every registered family: the fields all families share are read here, the differences
+(biases, experts, ...) by the family's entry in the architecture registry (`models/registry.py`), never by separate
+model classes for variants of one design.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cotserve.common.errors import ModelLoadError
+from cotserve.worker.models.registry import architecture
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,18 +26,6 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-
-
-# Per-architecture differences, as data. Each entry says which projections carry biases.
-_FAMILIES: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {"qkv_bias": "attention_bias", "o_bias": "attention_bias", "mlp_bias": "mlp_bias"},
-    "MistralForCausalLM": {"qkv_bias": False, "o_bias": False, "mlp_bias": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False, "mlp_bias": False},
-    # Mixtral is Llama/Mistral attention with a mixture-of-experts feed-forward block.
-    "MixtralForCausalLM": {"qkv_bias": False, "o_bias": False, "mlp_bias": False},
-}
-
-SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,9 +43,9 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_window: int | None = None
     num_experts: int = 0  # 0: a dense SwiGLU MLP; else the number of experts per MoE block
@@ -74,17 +64,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in _FAMILIES:
-            raise ModelLoadError(
-                f"{source}: architecture {arch!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-        fam = _FAMILIES[arch]
-
-        def flag(spec: Any) -> bool:
-            return bool(raw.get(spec, False)) if isinstance(spec, str) else bool(spec)
-
+        family = architecture(archs[0] if archs else None, source)
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
@@ -92,8 +72,9 @@ class ModelConfig:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
             use_sw = raw.get("use_sliding_window", True)
+            fields = {"num_experts": 0, "num_experts_per_tok": 0, **family.config(raw)}
             return cls(
-                architecture=arch,
+                architecture=family.name,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
@@ -104,16 +85,12 @@ class ModelConfig:
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=flag(fam["qkv_bias"]),
-                o_bias=flag(fam["o_bias"]),
-                mlp_bias=flag(fam["mlp_bias"]),
                 rope=_parse_rope(raw),
                 sliding_window=(raw.get("sliding_window") if use_sw else None) or None,
-                num_experts=int(raw.get("num_local_experts") or 0),
-                num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+                **fields,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"{source}: missing or invalid field: {exc}") from exc

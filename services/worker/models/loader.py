@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from cotserve.common.errors import ModelLoadError
 from cotserve.kernels.dispatch import layer_ops_for
 from cotserve.worker.models.config import ModelConfig
+from cotserve.worker.models.registry import architecture
 from cotserve.worker.models.llama import LlamaForCausalLM, RotaryEmbedding
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,7 +35,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: LlamaForCausalLM | None  # None in a worker's gRPC process: the weights live in its engine process
+    model: LlamaForCausalLM | None  # its family's model (`registry`); None in a worker's gRPC process: the weights live
+    # in its engine process
     config: ModelConfig
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
@@ -167,11 +169,16 @@ def load_model(
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     cfg = ModelConfig.from_file(folder / "config.json")
+    arch = architecture(cfg.architecture)
     files = weight_files(folder)
-    tensors = read_tensors(files)
+    tensors = {}
+    for key, tensor in read_tensors(files).items():
+        ours = arch.weight_name(key)
+        if ours is not None:
+            tensors[ours] = tensor
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = arch.build(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
