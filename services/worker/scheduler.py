@@ -135,7 +135,8 @@ class Scheduler:
       cache) and computes the rest; when its next block is being computed this step by another
       sequence, it waits a step and takes it from the cache instead of computing it twice.
     - A sequence whose samples fork once its prompt is computed (`group_size` > 1) is admitted
-      only when there are seats for all of them.
+      only when there are seats for all of them, and holds them until they fork: the running sequences never take
+      more than `max_num_seqs` seats, however many groups arrive together (`seats_taken`).
     - What BATCH work may do in a step (a share of the budget kept for it, a cap while urgent work is present,
       sitting steps out for urgent prompts or while paused) is the scheduling policy's (`scheduling.py`): the
       scheduler asks it once per step and enforces its `StepRules`.
@@ -178,6 +179,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.policy.on_add(seq)
         self.waiting.add(seq)
+
+    @property
+    def seats_taken(self) -> int:
+        """Batch seats held: a running sequence's own, and the seats its samples still to fork have reserved."""
+        return sum(s.group_size for s in self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -332,7 +338,7 @@ class Scheduler:
     def fork_probe(self, parent: Sequence, probe: Sequence) -> bool:
         """An early-exit `probe` of `parent` joins the running batch sharing `parent`'s computed blocks
         (copy-on-write); False, changing nothing, when no batch seat or free block is left for it now."""
-        if len(self.running) >= self.max_num_seqs or self.block_manager.num_free_blocks < 2:
+        if self.seats_taken >= self.max_num_seqs or self.block_manager.num_free_blocks < 2:
             return False
         self.block_manager.fork(parent, probe)
         probe.status = SequenceStatus.RUNNING
@@ -349,9 +355,10 @@ class Scheduler:
         """Whether preempting lower-priority work could seat `seq` and hold `num_tokens`: checked
         first, so nobody is preempted for an admission that fails anyway."""
         victims = self._victims(seq, scheduled, False)
-        if len(self.running) + seq.group_size > self.max_num_seqs:
-            less_urgent = sum(1 for v in victims if self.key(v)[0] > self.key(seq)[0])
-            if len(self.running) - less_urgent + seq.group_size > self.max_num_seqs:
+        taken = self.seats_taken
+        if taken + seq.group_size > self.max_num_seqs:
+            less_urgent = sum(v.group_size for v in victims if self.key(v)[0] > self.key(seq)[0])
+            if taken - less_urgent + seq.group_size > self.max_num_seqs:
                 return False
         reclaimable = self.block_manager.num_free_blocks + sum(len(v.block_table) for v in victims)
         return self.block_manager.num_new_blocks(seq, num_tokens, hit) <= reclaimable
@@ -373,7 +380,7 @@ class Scheduler:
 
     def _make_seat(self, seq: Sequence, batch: ScheduledBatch, scheduled: set[int]) -> bool:
         """Free batch seats for a waiting `seq` (and its samples to come) by preempting a strictly less urgent class."""
-        while len(self.running) + seq.group_size > self.max_num_seqs:
+        while self.seats_taken + seq.group_size > self.max_num_seqs:
             candidates = [r for r in self._victims(seq, scheduled, False) if self.key(r)[0] > self.key(seq)[0]]
             if not candidates:
                 return False

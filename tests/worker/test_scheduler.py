@@ -219,3 +219,30 @@ def test_a_step_walks_the_waiting_queue_only_up_to_the_first_sequence_it_cannot_
     assert walked == ["r0", "r1", "r2"] and len(s.waiting) == 300
     ordered = list(real(lambda: True))  # with admission open: everything, in priority order
     assert [q.request_id for q in ordered] == [f"r{i}" for i in range(302)]
+
+
+def test_groups_arriving_together_never_take_more_seats_than_there_are():
+    """Eight requests of 16 samples on 64 seats: a group's parent holds its samples' seats until they fork, so at
+    most four groups run at once and never more than 64 sequences, before or after the forks."""
+    s = Scheduler(BlockManager(1024, 4), 64, 4096)
+    parents = []
+    for i in range(8):
+        seq = Sequence(f"g{i}", [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=4))
+        seq.group_size = 16
+        parents.append(seq)
+        s.add(seq)
+    batch = s.schedule()
+    admitted = [item.seq for item in batch.items]
+    assert len(admitted) == 4 and s.seats_taken == 64
+    run_step(s, batch)
+    for parent in admitted:  # the engine forks the samples once the prompt is computed, each drawing its token
+        children = [Sequence(parent.request_id, parent.prompt_ids, parent.params, index=k) for k in range(1, 16)]
+        s.fork(parent, children)
+        for child in children:
+            child.output_ids.append(7)
+    assert len(s.running) == 64 == s.seats_taken
+    batch = s.schedule()
+    assert len(batch.items) == 64 and all(p.status == SequenceStatus.WAITING for p in parents[4:])  # they wait
+    for seq in list(s.running):
+        s.finish(seq, SequenceStatus.FINISHED_STOPPED)
+    assert s.block_manager.num_free_blocks == 1024  # shared pages freed once their last holder is done
