@@ -66,12 +66,15 @@ class MultiplexCall:
     is the handler of one stream's request: its responses, in order; an exception ends the stream with its status."""
 
     def __init__(self, kind: MultiplexKind, host: MultiplexHost, context: grpc.aio.ServicerContext,
-                 run: Callable[[Any], AsyncIterator[Any]], tracer: trace.Tracer | None) -> None:
+                 run: Callable[[Any], AsyncIterator[Any]], tracer: trace.Tracer | None, max_streams: int = 0,
+                 limit_name: str = "") -> None:
         self.kind, self.host, self.context, self.run, self.tracer = kind, host, context, run, tracer
+        self.max_streams = max_streams  # streams open at once at most (0: no limit); `limit_name` is its setting
         self.streams: dict[int, asyncio.Task] = {}
         self.ready: list[Any] = []
         self.reading = True  # the caller may still open streams
         self.draining = False
+        self.limit_name = limit_name
         self._wake = asyncio.Event()
 
     async def serve(self, requests: AsyncIterator[Any]) -> None:
@@ -131,6 +134,10 @@ class MultiplexCall:
             self._end(op.stream_id, "INVALID_ARGUMENT", f"stream_id: {op.stream_id} is already open on this call")
         elif self.draining:
             self._end(op.stream_id, "UNAVAILABLE", "the server is shutting down")
+        elif self.max_streams and len(self.streams) >= self.max_streams:
+            self._end(op.stream_id, "RESOURCE_EXHAUSTED", f"{len(self.streams)} streams are open on this call, at most "
+                      f"{self.max_streams} allowed ({self.limit_name}); open more once some have ended",
+                      {"retry-after-ms": "100"})
         else:
             self.streams[op.stream_id] = asyncio.get_running_loop().create_task(self._stream(op))
 

@@ -81,6 +81,9 @@ class GatewayConfig(TlsSettings):
     """Send each worker every request as a stream of one long-lived Multiplex call (no call set-up per request, one
     message per engine step for all its streams); off: a Generate call per request. Workers without Multiplex (older
     builds) are called per request either way."""
+    max_session_streams: int = 256
+    """Streams one Session call may have open at once; one more is refused (RESOURCE_EXHAUSTED), so that a single
+    client cannot fill the workers' queues through one call (0: no limit)."""
     worker_wait_s: float = 10.0
     """Seconds a request waits for a worker of its model to come (back) into rotation, e.g. while one restarts,
     before it fails with UNAVAILABLE (never past its deadline; 0: fail at once)."""
@@ -135,6 +138,7 @@ class GatewayConfig(TlsSettings):
              f"prefix_cache_scope: {self.prefix_cache_scope!r}, allowed: {', '.join(PREFIX_CACHE_SCOPES)}"),
             (self.max_request_bytes >= 1024, f"max_request_bytes: {self.max_request_bytes}, must be >= 1024"),
             (self.worker_wait_s >= 0, f"worker_wait_s: {self.worker_wait_s}, must be >= 0"),
+            (self.max_session_streams >= 0, f"max_session_streams: {self.max_session_streams}, must be >= 0"),
             (self.dns_interval_s > 0, f"dns_interval_s: {self.dns_interval_s}, must be > 0"),
             (self.max_prompt_chars >= 0 and self.max_prompt_tokens >= 0,
              "max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)"),

@@ -149,7 +149,8 @@ class Relay:
             async for out in self._stream(ctx):
                 ctx.generated += max(1, len(out.token_ids))
                 if out.HasField("usage"):
-                    ctx.used_tokens = out.usage.prompt_tokens + out.usage.completion_tokens
+                    usage = out.usage
+                    ctx.used_tokens = usage.prompt_tokens + usage.completion_tokens + usage.probe_tokens
                 if request.post_processor:
                     # Each sample's text is held back until the post-processor has seen all of it.
                     completion.setdefault(out.index, []).append(out.text)

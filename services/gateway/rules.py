@@ -178,8 +178,9 @@ class Grant:
 
 class Quota:
     """A tenant with limits reserves its tokens (on the prompt as sent: the pre-processor has not run yet) and a
-    concurrency lease, renewed while the stream lives; what the request used is charged when it ends (the prompt and
-    what was relayed when it failed before its usage came)."""
+    concurrency lease, renewed while the stream lives, each counted per sample; what the request used is settled
+    when it ends (its usage, probes included; the prompt and what was relayed when it failed before its usage came),
+    and a release that fails is retried until the lease would have expired."""
 
     stage = Stage.REQUEST
 
@@ -191,7 +192,8 @@ class Quota:
             return ADMIT
         prompt = prompt_text(ctx.wreq)
         try:
-            grant = await self.quota.admit(ctx.tenant, token_reservation(prompt, ctx.max_new_tokens * ctx.samples))
+            grant = await self.quota.admit(ctx.tenant, token_reservation(prompt, ctx.max_new_tokens * ctx.samples),
+                                           ctx.samples)
         except CotserveError as exc:
             return Refuse(exc)
         renewer = asyncio.create_task(self._renew(grant)) if grant.lease_id else None
@@ -202,7 +204,7 @@ class Quota:
             used = ctx.used_tokens
             if used is None:  # failed or cancelled: charge what it may have used so far
                 used = len(prompt.encode()) + SPECIAL_TOKENS_ALLOWANCE + ctx.generated
-            await self.quota.release(grant, used)
+            await self.quota.release_or_retry(grant, used)
 
         ctx.on_end.append(release)
         return ADMIT

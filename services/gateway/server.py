@@ -77,9 +77,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     """The gateway's gRPC API: each call handed to the relay with its servicer context as the `Call` (a Session's
     streams each with a `session.SessionStream`)."""
 
-    def __init__(self, relay: Relay, traced: bool = False) -> None:
+    def __init__(self, relay: Relay, traced: bool = False, max_session_streams: int = 0) -> None:
         self.relay = relay
         self.traced = traced
+        self.max_session_streams = max_session_streams  # streams one Session call may have open at once (0: any)
         self.mux_calls: set[MultiplexCall] = set()  # the Session calls open now (each adds and removes itself)
         self.draining = False
 
@@ -200,7 +201,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     chain = default_chain(cfg, tenants, quota, processors, slo, metrics, tracer)
     relay = Relay(pool, metrics, chain, tenants, processors, tracer_provider, slo, cfg.prefix_cache_scope,
                   cfg.max_prompt_chars, cfg.max_prompt_tokens, cfg.worker_wait_s)
-    servicer = GatewayServicer(relay, traced=tracer_provider is not None)
+    servicer = GatewayServicer(relay, traced=tracer_provider is not None, max_session_streams=cfg.max_session_streams)
     spec = ServiceSpec("cotserve.gateway.v1.GatewayService",
                        lambda srv: gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, srv))
     server = Server([spec], cfg.host, cfg.port, tracer_provider, max_message_bytes=cfg.max_request_bytes, tls=cfg)

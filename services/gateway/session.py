@@ -52,4 +52,5 @@ def session_call(servicer: "GatewayServicer", context: grpc.aio.ServicerContext,
     """A Session call of `servicer`: each stream its open's request through `Relay.counted`."""
     metadata = tuple(context.invocation_metadata() or ())
     return MultiplexCall(SESSION, servicer, context,
-                         lambda op: servicer.relay.counted(op.request, SessionStream(metadata, op.timeout_ms)), tracer)
+                         lambda op: servicer.relay.counted(op.request, SessionStream(metadata, op.timeout_ms)), tracer,
+                         max_streams=servicer.max_session_streams, limit_name="max_session_streams")

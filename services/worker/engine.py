@@ -3,8 +3,8 @@
 The thread-safe API (`submit`, `abort`, `stop_sample`, `pause_batch`, the MoE policy and load) queues typed
 commands (`commands.py`) that the engine thread applies between two steps; the engine process feeds the same
 commands from its pipe (`post`). Each request's outputs go to the sink it was submitted with, called on the engine
-thread. The parts beside the core: `RequestState` (a request's samples, `request_state.py`), the reasoning
-controller (budgets, probes, votes: `reasoning_control.py`, which returns actions the core carries out),
+thread. The parts beside the core: `Requests` (each request's samples, outputs and ending: `requests.py`), the
+reasoning controller (budgets, probes, votes: `reasoning_control.py`, whose actions `Requests` carries out),
 `EngineMetrics` (the counters and the stats snapshot) and the scheduling policy (`scheduling.py`).
 """
 

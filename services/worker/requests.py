@@ -52,8 +52,7 @@ class Requests:
             return
         vote = cmd.budget.self_consistency
         seq = Sequence(cmd.request_id, list(cmd.prompt_ids), cmd.params, cmd.sla_class, arrival_time=cmd.arrival_time,
-                       tenant=cmd.tenant,
-                       group_size=vote.min_samples if vote is not None else cmd.params.n)
+                       tenant=cmd.tenant, group_size=vote.min_samples if vote is not None else cmd.params.n)
         seq.cache_root = cache_root(self.cache_identity, policy_version, cmd.cache_salt)
         req = RequestState(sink, reasoning=cmd.budget, vote=VoteState(vote) if vote is not None else None,
                            detokenize=cmd.detokenize)
@@ -75,8 +74,9 @@ class Requests:
         return req is not None
 
     def stop_sample(self, request_id: str, index: int) -> None:
-        """End sample `index` as stopped, its caller having found a stop string in its text (`EngineClient.stop_sample`); nothing
-        when the request or the sample has ended already. Its last output carries no token."""
+        """End sample `index` as stopped, its caller having found a stop string in its text
+        (`EngineClient.stop_sample`); nothing when the request or the sample has ended already. Its last output
+        carries no token."""
         req = self.by_id.get(request_id)
         if req is None or index >= len(req.samples) or req.samples[index].is_finished:
             return

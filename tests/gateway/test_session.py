@@ -161,3 +161,25 @@ def test_a_session_is_one_tenant_and_its_key_is_checked_for_every_stream(tmp_pat
                 assert len(gateway.servicer.mux_calls) == 1
 
     asyncio.run(main())
+
+
+def test_one_session_may_not_open_more_streams_than_its_cap():
+    """`max_session_streams`: past it, one more stream on the same call is RESOURCE_EXHAUSTED naming the limit (one
+    client cannot fill the workers' queues through one call); once one ends, a new one is served."""
+    async def main():
+        async with worker_and_gateway(max_num_seqs=8, max_session_streams=2) as (worker, gateway):
+            async with AsyncClient(gateway.server.address, multiplex=True) as client:
+                long = dict(max_new_tokens=200, ignore_eos=True, timeout_s=60)
+                first, second = client.stream("1+2=", **long), client.stream("3+4=", **long)
+                assert (await first.__anext__()).token_ids and (await second.__anext__()).token_ids
+                with pytest.raises(ResourceExhausted) as err:
+                    await streamed(client, "5+6=", max_new_tokens=4)
+                assert "2 streams are open on this call, at most 2 allowed (max_session_streams)" in err.value.message
+                await first.aclose()
+                while len(next(iter(gateway.servicer.mux_calls)).streams) > 1:
+                    await asyncio.sleep(0.01)
+                assert sum(len(c.token_ids) for c in await streamed(client, "5+6=", max_new_tokens=4)) == 4
+                await second.aclose()
+            await wait_idle(worker)
+
+    asyncio.run(main())
