@@ -53,6 +53,8 @@ class GatewayConfig(TlsSettings):
     http_port: int | None = None
     """Serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on this port of
     `host` (0 picks a free one; default: none; `cotserve up` serves it on 8000)."""
+    http_body_timeout_s: float = 30.0
+    """Seconds an HTTP client has to send its whole request body once its headers are in (then 408)."""
     metrics_port: int = 0
     """Port for Prometheus /metrics on `host` (0 = off)."""
     tenants_file: Path | None = None
@@ -139,6 +141,7 @@ class GatewayConfig(TlsSettings):
             (self.max_request_bytes >= 1024, f"max_request_bytes: {self.max_request_bytes}, must be >= 1024"),
             (self.worker_wait_s >= 0, f"worker_wait_s: {self.worker_wait_s}, must be >= 0"),
             (self.max_session_streams >= 0, f"max_session_streams: {self.max_session_streams}, must be >= 0"),
+            (self.http_body_timeout_s > 0, f"http_body_timeout_s: {self.http_body_timeout_s}, must be > 0"),
             (self.dns_interval_s > 0, f"dns_interval_s: {self.dns_interval_s}, must be > 0"),
             (self.max_prompt_chars >= 0 and self.max_prompt_tokens >= 0,
              "max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)"),

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import time
+import traceback
 import uuid
 from contextlib import aclosing
 from typing import Any, AsyncIterator
@@ -45,6 +46,23 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contr
                 "X-Accel-Buffering": "no"}
 
 
+MAX_TIMEOUT_MS = 24 * 3600 * 1000
+"""The longest deadline `TIMEOUT_HEADER` may ask for (a day)."""
+
+
+class HttpError(Exception):
+    """A request the HTTP layer refuses before it becomes one (the body's size, type or arrival): `status`, and the
+    OpenAI error object's message and code."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+    def response(self) -> web.Response:
+        return _json_response(self.status, {"error": {"message": self.message, "type": "invalid_request_error",
+                                                      "param": None, "code": self.code}})
+
+
 TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
 """The request's deadline, in milliseconds from its arrival: the header Envoy sets from its route's timeout (a
 client may send it too). Without it a request has no deadline: a client that gives up closes the connection,
@@ -59,8 +77,9 @@ class HttpCall:
         timeout = request.headers.get(TIMEOUT_HEADER)
         self._deadline = None
         if timeout is not None:
-            if not timeout.isdigit() or int(timeout) == 0:
-                raise ApiError(None, f"{TIMEOUT_HEADER}: {timeout!r}, expected milliseconds (an integer >= 1)")
+            if not timeout.isdigit() or len(timeout) > 12 or not 1 <= int(timeout) <= MAX_TIMEOUT_MS:
+                raise ApiError(None, f"{TIMEOUT_HEADER}: {timeout[:40]!r}, expected milliseconds (an integer "
+                                     f"1..{MAX_TIMEOUT_MS})")
             self._deadline = time.monotonic() + int(timeout) / 1000
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
@@ -100,7 +119,8 @@ def error_body(exc: CotserveError) -> tuple[int, dict[str, Any], dict[str, str]]
 
 def _internal(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
     error_id = uuid.uuid4().hex[:16]
-    log.error("internal error %s: %r", error_id, exc, exc_info=exc)
+    # the exception's type and where it was raised, not its message: that may quote the request (a prompt)
+    log.error("internal error %s: %s\n%s", error_id, type(exc).__name__, "".join(traceback.format_tb(exc.__traceback__)))
     message = f"internal error (error id {error_id}; the service's log has the details)"
     return 500, {"error": {"message": message, "type": "server_error", "param": None, "code": "internal"}}, {}
 
@@ -110,6 +130,24 @@ def _json_response(status: int, body: dict[str, Any], headers: dict[str, str] | 
                         content_type="application/json", headers=headers)
 
 
+def check_text(data: Any) -> None:
+    """ApiError naming the field of the first string that is not valid text (a lone surrogate, which JSON's
+    \\u escapes can spell but UTF-8 cannot). Iterative: no depth limit of its own."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ApiError(path or None, "not valid text (a lone surrogate, e.g. \\ud800)") from None
+        elif isinstance(value, dict):
+            todo += [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+            todo += [(path or "request body", k) for k in value]
+        elif isinstance(value, list):
+            todo += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+
+
 def _sse(event: dict[str, Any] | str) -> bytes:
     return b"data: " + (event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)).encode() + b"\n\n"
 
@@ -117,8 +155,10 @@ def _sse(event: dict[str, Any] | str) -> bytes:
 class OpenAIServer:
     """The HTTP API on `host:port` (0 picks a free one; `port` is the bound one once started)."""
 
-    def __init__(self, relay: Relay, host: str, port: int, max_body_bytes: int, ssl_context: Any = None) -> None:
+    def __init__(self, relay: Relay, host: str, port: int, max_body_bytes: int, ssl_context: Any = None,
+                 body_timeout_s: float = 30.0) -> None:
         self.relay, self.host, self.port, self.max_body_bytes = relay, host, port, max_body_bytes
+        self.body_timeout_s = body_timeout_s  # a request body must have arrived within this long
         self.ssl_context = ssl_context  # HTTPS with the gateway's certificate when it has one
         self._runner: web.AppRunner | None = None
 
@@ -128,7 +168,9 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # handler_cancellation: a client that disconnects cancels its request, streamed or not (the worker's pages
+        # are freed at its next step)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
         try:
@@ -169,16 +211,37 @@ class OpenAIServer:
             log.info("%s %s %d %.1fms", request.method, request.path, status, (time.monotonic() - start) * 1000)
 
     async def _body(self, request: web.Request) -> Any:
+        """The whole JSON body, however it arrives (in pieces, chunked), up to `max_body_bytes` (413 past it), of
+        Content-Type application/json (415 otherwise), within `body_timeout_s` (408); its strings valid text."""
+        if request.content_type != "application/json":
+            raise HttpError(415, f"Content-Type: {request.content_type[:80]!r}, expected application/json",
+                            "unsupported_media_type")
         length = request.content_length
         if length is not None and length > self.max_body_bytes:
-            raise ApiError(None, f"request body: {length} bytes, at most {self.max_body_bytes} allowed")
-        raw = await request.content.read(self.max_body_bytes + 1)
-        if len(raw) > self.max_body_bytes:
-            raise ApiError(None, f"request body: over {self.max_body_bytes} bytes, at most {self.max_body_bytes} allowed")
+            raise HttpError(413, f"request body: {length} bytes, at most {self.max_body_bytes} allowed",
+                            "request_too_large")
         try:
-            return json.loads(raw)
+            raw = await asyncio.wait_for(self._read_all(request), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise HttpError(408, f"request body: not received within {self.body_timeout_s:g} s", "request_timeout") from None
+        try:
+            data = json.loads(raw)
+        except RecursionError:
+            raise ApiError(None, "request body: nested too deeply") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(None, f"request body: not valid JSON ({exc})") from None
+        check_text(data)
+        return data
+
+    async def _read_all(self, request: web.Request) -> bytes:
+        parts, size = [], 0
+        while chunk := await request.content.read(1 << 16):
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise HttpError(413, f"request body: over {self.max_body_bytes} bytes, at most {self.max_body_bytes} "
+                                     "allowed", "request_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def _models(self, request: web.Request) -> web.Response:
         try:
@@ -216,6 +279,8 @@ class OpenAIServer:
                 span.set_attribute("cotserve.user", api.user)
             model = self.relay.pool.resolve_model(api.request.model)
             call = HttpCall(request)
+        except HttpError as exc:
+            return exc.response()
         except CotserveError as exc:
             return self._failed(span, exc)
         info = next(w.info for w in self.relay.pool.models()[model])

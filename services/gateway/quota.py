@@ -146,6 +146,7 @@ class Grant:
     reserved_tokens: int
     units: int = 1
     renewed_at: float = field(default_factory=time.monotonic)  # when its lease was taken or last renewed
+    released: bool = False  # its lease is given back (a release retried after a failure does not do it twice)
 
     def members(self) -> list[str]:
         return [f"{self.lease_id}:{k}" for k in range(1, self.units + 1)]
@@ -214,6 +215,8 @@ class QuotaEnforcer:
         """Push the grant's concurrency lease out by another LEASE_MS; False when it had expired."""
         if grant.lease_id is None:
             return True
+        if grant.released:
+            return False
         renewed = bool(await self._renew(keys=[f"{PREFIX}:{grant.tenant.name}:concurrent"],
                                          args=[grant.lease_id, LEASE_MS, grant.units]))
         if renewed:
@@ -225,9 +228,9 @@ class QuotaEnforcer:
         """The request ended: drop its lease and settle its tokens, giving back what it reserved but did not use and
         charging what it used past the reservation. Idempotent: a retry after a failure settles once."""
         key = f"{PREFIX}:{grant.tenant.name}"
-        if grant.lease_id is not None:
+        if grant.lease_id is not None and not grant.released:
             await self.redis.zrem(f"{key}:concurrent", *grant.members())
-            grant.lease_id = None
+            grant.released = True
         if grant.reserved_tokens:
             unused, interval = grant.reserved_tokens - used_tokens, 60000 / grant.tenant.tokens_per_min
             if unused > 0:

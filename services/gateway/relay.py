@@ -32,6 +32,7 @@ from cotserve.worker.v1 import worker_pb2
 
 log = logging.getLogger("cotserve.gateway")
 MAX_CACHE_SALT_CHARS = 256
+MAX_ROLE_CHARS = 64  # a chat turn's role: system, user, assistant, tool, or another name the model's template knows
 
 
 def samples_of(request: worker_pb2.GenerateRequest) -> int:
@@ -74,8 +75,10 @@ class Relay:
         return f"tenant:{tenant.name}\x00{request_salt}"
 
     async def counted(self, request, call: Call) -> AsyncIterator[gateway_pb2.GenerateStreamResponse]:
-        """The request relayed, counted in `cotserve_gateway_requests_total` by final status."""
-        labels = {"model": request.model or "unknown", "sla_class": "UNKNOWN", "tenant": "default"}
+        """The request relayed, counted in `cotserve_gateway_requests_total` by final status: labelled with the
+        served model's name once it is resolved (never with what a caller typed: "unknown" until then), and as
+        CANCELLED when its reader stops reading before its end."""
+        labels = {"model": "unknown", "sla_class": "UNKNOWN", "tenant": "default"}
         ctx = RequestContext(call, request)
         code = "OK"
         try:
@@ -86,7 +89,7 @@ class Relay:
         except CotserveError as exc:
             code = exc.code
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             code = "CANCELLED"
             raise
         except Exception:
@@ -109,8 +112,8 @@ class Relay:
         if request.messages and request.pre_processor:
             raise InvalidArgument("pre_processor: runs on a prompt's text; chat messages cannot take one")
         for i, m in enumerate(request.messages):
-            if not m.role:
-                raise InvalidArgument(f"messages[{i}].role: must not be empty")
+            if not 1 <= len(m.role) <= MAX_ROLE_CHARS:
+                raise InvalidArgument(f"messages[{i}].role: {len(m.role)} characters, allowed 1..{MAX_ROLE_CHARS}")
         field, text = ("prompt", request.prompt) if request.prompt else ("messages", prompt_text(request))
         info = next(w.info for w in self.pool.models()[model])
         max_chars = self.max_prompt_chars or info.max_context_tokens * max(1, info.max_token_chars or 64)

@@ -210,7 +210,8 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     await server.start()
     http = None
     if cfg.http_port is not None:
-        http = OpenAIServer(relay, cfg.host, cfg.http_port, cfg.max_request_bytes, cfg.ssl_context())
+        http = OpenAIServer(relay, cfg.host, cfg.http_port, cfg.max_request_bytes, cfg.ssl_context(),
+                            cfg.http_body_timeout_s)
         await http.start()
     health_tasks: set[asyncio.Task] = set()
 

@@ -23,7 +23,7 @@ def test_a_chat_gives_what_its_rendered_prompt_gives(demo_gateway):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt="1+1=", messages=[{"role": "user", "content": "1+1="}]), "prompt / messages: give exactly one"),
-    (dict(messages=[{"role": "", "content": "x"}]), "messages[0].role: must not be empty"),
+    (dict(messages=[{"role": "", "content": "x"}]), "messages[0].role: 0 characters, allowed 1..64"),
     (dict(messages=[{"role": "tool", "content": "x"}]), "the demo model takes system, user and assistant turns, not tool"),
     (dict(messages=[{"role": "user", "content": "1+1="}], pre_processor="cot-guard"),
      "pre_processor: runs on a prompt's text; chat messages cannot take one"),

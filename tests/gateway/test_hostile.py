@@ -273,10 +273,10 @@ def test_concurrency_leases_are_renewed_while_a_request_lives(redis_url):
         try:
             grant = await quota.admit(tenant, 10)
             key = "cotserve:quota:long:concurrent"
-            first = sync_redis.Redis.from_url(redis_url).zscore(key, grant.lease_id)
+            first = sync_redis.Redis.from_url(redis_url).zscore(key, grant.members()[0])
             await asyncio.sleep(0.05)
             renewed = await quota.renew(grant)
-            second = sync_redis.Redis.from_url(redis_url).zscore(key, grant.lease_id)
+            second = sync_redis.Redis.from_url(redis_url).zscore(key, grant.members()[0])
             await quota.release(grant, 10)
             gone = await quota.renew(grant)
             return first, renewed, second, gone

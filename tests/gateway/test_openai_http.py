@@ -163,7 +163,7 @@ def test_errors_carry_openais_error_object_and_status(http_gateway):
     status, _, body = _raw(base, "/chat/completions", b'{"messages": [')
     assert status == 400 and json.loads(body)["error"]["message"].startswith("request body: not valid JSON")
     status, _, body = _raw(base, "/chat/completions", b'{"pad": "' + b"x" * (5 << 20) + b'"}')
-    assert status == 400 and "request body" in json.loads(body)["error"]["message"]
+    assert status == 413 and json.loads(body)["error"]["message"] == "request body: 5242891 bytes, at most 4194304 allowed"
     status, _, body = _raw(base, "/nothing", b"{}")
     assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
 

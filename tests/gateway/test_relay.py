@@ -54,7 +54,8 @@ def test_the_cache_partition_is_the_tenants_unless_global_and_a_salt_never_widen
     (dict(), "prompt / messages: give exactly one"),
     (dict(messages=[common_pb2.ChatMessage(role="user", content="x")], pre_processor="strip"),
      "pre_processor: runs on a prompt's text"),
-    (dict(messages=[common_pb2.ChatMessage(role="", content="x")]), r"messages\[0\].role: must not be empty"),
+    (dict(messages=[common_pb2.ChatMessage(role="", content="x")]), r"messages\[0\].role: 0 characters, allowed 1..64"),
+    (dict(messages=[common_pb2.ChatMessage(role="r" * 65, content="x")]), r"messages\[0\].role: 65 characters, allowed 1..64"),
     (dict(prompt="x" * 2049), r"prompt: 2049 characters, at most 2048 allowed \(what model 'm''s context can hold\)"),
     (dict(prompt="x", sampling=common_pb2.SamplingParams(temperature=3.0)), "sampling.temperature: 3.0 is out of range"),
 ])
