@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.heap import freeze_startup_heap
 from cotserve.common.lifetime import ADDRESS_FILE_ENV
+from cotserve.common.authz import AuthzInterceptor
 from cotserve.common.errors import CotserveError, InvalidArgument
 from cotserve.common.tls import TlsSettings
 from cotserve.common.tracing import server_interceptors
@@ -180,6 +181,8 @@ class Server:
     def __init__(self, specs: list[ServiceSpec], host: str, port: int, tracer_provider: TracerProvider | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls: TlsSettings | None = None) -> None:
         interceptors = [StreamCloser(), *server_interceptors(tracer_provider), ErrorInterceptor()]
+        if tls is not None and tls.tls_client_ca is not None:  # callers present certificates: authorize them
+            interceptors.insert(0, AuthzInterceptor())
         self.server = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

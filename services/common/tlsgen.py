@@ -1,6 +1,8 @@
 """A local certificate authority for `cotserve up --tls`, `cotserve tls init` (the compose stack's and Envoy's
 certificates) and the TLS tests: a CA, a server certificate for the loopback addresses (and any host names given),
-and a client certificate, as PEM files in one folder."""
+a client certificate, and one certificate per service identity (`common.authz.IDENTITIES`: its common name is the
+identity the authorization table names; it serves and calls, valid for loopback, the hosts given and the identity's
+own name, as a compose service or a Kubernetes Service of that name resolves), as PEM files in one folder."""
 
 from __future__ import annotations
 
@@ -84,11 +86,15 @@ def issue(folder: Path, ca, stem: str, server: bool, days: int = 30, hosts: Sequ
     return _write(folder, stem, builder.sign(ca_key, hashes.SHA256()), key)
 
 
-def local_tls(folder: Path, hosts: Sequence[str] = (), days: int = 30) -> TlsFiles:
-    """A fresh CA with a server certificate (loopback and `hosts`) and a client certificate in `folder`."""
+def local_tls(folder: Path, hosts: Sequence[str] = (), days: int = 30,
+              identities: Sequence[str] = ()) -> TlsFiles:
+    """A fresh CA with a server certificate (loopback and `hosts`), a client certificate and a certificate for each
+    of `identities` (`<identity>.pem` / `.key`) in `folder`."""
     ca = make_ca(folder, days=days)
     server = issue(folder, ca, "server", server=True, days=days, hosts=hosts)
     client = issue(folder, ca, "client", server=False, days=days)
+    for identity in identities:
+        issue(folder, ca, identity, server=True, days=days, hosts=(*hosts, identity))
     return TlsFiles(folder / "cotserve-local-ca.pem", *server, *client)
 
 
@@ -100,11 +106,23 @@ def init_command(
     out: Path = typer.Option(..., "--out", help="Folder for the PEM files (made if missing): cotserve-local-ca.pem, server.pem/.key, client.pem/.key."),
     host: Optional[list[str]] = typer.Option(None, "--host", help="A name or address the server certificate is also valid for (repeat; loopback is always in)."),
     days: int = typer.Option(365, "--days", min=1, help="Days the certificates are valid."),
+    identity: Optional[list[str]] = typer.Option(None, "--identity", help="A service identity to issue a certificate "
+                                                 "for (repeat; default: every identity of the authorization table)."),
 ) -> None:
-    """Make a local CA and a server and a client certificate it signs (for the compose stack, Envoy, or `serve --tls-*`)."""
-    files = local_tls(out, host or (), days)
+    """Make a local CA, a server and a client certificate, and one certificate per service identity (for mutual TLS
+    between the services: their common names are the identities `common/authz.py` authorizes)."""
+    from cotserve.common.authz import IDENTITIES
+
+    unknown = sorted(set(identity or ()) - set(IDENTITIES))
+    if unknown:
+        raise typer.BadParameter(f"{', '.join(unknown)} (identities: {', '.join(IDENTITIES)})", param_hint="--identity")
+    names = tuple(identity or IDENTITIES)
+    files = local_tls(out, host or (), days, names)
     for path in (files.ca, files.server_cert, files.server_key, files.client_cert, files.client_key):
         typer.echo(path)
+    for name in names:
+        typer.echo(out / f"{name}.pem")
+        typer.echo(out / f"{name}.key")
 
 
 def mount(root: typer.Typer, serve: typer.Typer) -> None:

@@ -22,7 +22,8 @@ from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 def test_mutual_tls_through_the_gateway_to_a_tls_worker(tmp_path):
     ca, wrong = make_ca(tmp_path, "ca"), make_ca(tmp_path, "wrong-ca")
     ca_pem, wrong_pem = tmp_path / "ca.pem", tmp_path / "wrong-ca.pem"
-    server_cert, server_key = issue(tmp_path, ca, "server", server=True)
+    worker_cert, worker_key = issue(tmp_path, ca, "worker", server=True)  # each service its identity's certificate
+    server_cert, server_key = issue(tmp_path, ca, "gateway", server=True)
     client_cert, client_key = issue(tmp_path, ca, "client", server=False)
     rogue_cert, rogue_key = issue(tmp_path, wrong, "rogue", server=False)
 
@@ -37,8 +38,8 @@ def test_mutual_tls_through_the_gateway_to_a_tls_worker(tmp_path):
     async def main():
         nonlocal address
         # the worker speaks TLS only; the gateway trusts its CA, presents its own certificate to it, and requires one
-        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, tls_cert=server_cert,
-                                                 tls_key=server_key, tls_client_ca=ca_pem))
+        worker = await start_worker(WorkerConfig(engine_process=False, port=0, max_num_seqs=4, tls_cert=worker_cert,
+                                                 tls_key=worker_key, tls_client_ca=ca_pem))
         gw = await start_gateway(GatewayConfig(port=0, workers=[worker.server.address], tls_cert=server_cert,
                                                tls_key=server_key, tls_client_ca=ca_pem, upstream_tls_ca=ca_pem))
         address = gw.server.address
@@ -132,10 +133,20 @@ def test_tls_init_makes_certificates_for_the_hosts_named(tmp_path):
     result = subprocess.run([sys.executable, "-m", "cotserve.cli", "tls", "init", "--out", str(out), "--host", "gateway",
                              "--host", "10.1.2.3", "--days", "7"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    names = ["cotserve-local-ca.pem", "server.pem", "server.key", "client.pem", "client.key"]
+    from cotserve.common.authz import IDENTITIES
+
+    names = ["cotserve-local-ca.pem", "server.pem", "server.key", "client.pem", "client.key",
+             *(f"{i}.{ext}" for i in IDENTITIES for ext in ("pem", "key"))]
     assert result.stdout.split() == [str(out / n) for n in names]
-    for key in ("cotserve-local-ca.key", "server.key", "client.key"):
+    for key in ("cotserve-local-ca.key", "server.key", "client.key", *(f"{i}.key" for i in IDENTITIES)):
         assert stat.S_IMODE((out / key).stat().st_mode) == 0o600
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+    for identity in IDENTITIES:  # each identity's certificate names it, and is valid for its own host name
+        cert = x509.load_pem_x509_certificate((out / f"{identity}.pem").read_bytes())
+        assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == identity
+        assert identity in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName)
     for host in ("gateway", "10.1.2.3", "localhost", "127.0.0.1"):
         assert _handshake(out, host).startswith("TLS")
     with pytest.raises(ssl.SSLCertVerificationError, match="mismatch"):
