@@ -73,7 +73,7 @@ def test_import_kernels_from_the_root_finds_the_installed_package_and_ours_is_co
                          env={**os.environ, "PYTHONPATH": ""}).stdout.split()
     theirs, ours = map(Path, out)
     assert ROOT not in theirs.parents, f"`import kernels` found {theirs}, a folder of this repository"
-    assert ours == (ROOT / "kernels" / "dispatch.py").resolve() or "site-packages" in ours.parts
+    assert ours.parent.name == "kernels" and ours.name == "dispatch.py"  # cotserve.kernels: this project's kernels
 
 
 def test_the_declared_license_ships_and_the_python_floor_is_true():
