@@ -16,13 +16,16 @@
   which none did. Without it, a burst's INTERACTIVE queue emptying for a moment would let the whole BATCH queue start
   at once, and the worker's steps grow by that many prefills and decodes while INTERACTIVE keeps arriving.
 
-Waiters queue per class with their own deadlines; a full queue is `RESOURCE_EXHAUSTED` with a `retry-after-ms`
-estimate. No grpc here: the servicer maps the exceptions.
+Waiters queue per class with their own deadlines, each class's queue served fairly among tenants (`FairQueue`:
+one tenant's backlog does not make another's requests wait behind it); a full queue is `RESOURCE_EXHAUSTED` with a
+`retry-after-ms` estimate. No grpc here: the servicer maps the exceptions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -110,6 +113,43 @@ class WorkerLoad:
     seats: int = 0  # the most sequences the worker runs at once (its Info's max_num_seqs; 0: not known yet)
 
 
+class FairQueue:
+    """One class's waiters on one worker, served in start-time fair order by tenant: a waiter's tag is the later of
+    the queue's virtual time and the end of its tenant's queued work (its cost: the request's samples), and the
+    lowest tag goes first. One tenant's backlog does not make another's request wait behind it; alone, a tenant's
+    waiters go in arrival order. `len`, `bool` and membership as a deque's."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, asyncio.Future]] = []
+        self._seq = itertools.count()
+        self._tenant_end: dict[str, float] = {}
+        self.virtual_time = 0.0  # the tag of the latest waiter granted
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def __contains__(self, waiter: object) -> bool:
+        return any(w is waiter for _, _, w in self._heap)
+
+    def push(self, waiter: asyncio.Future, tenant: str = "", cost: int = 1) -> None:
+        tag = max(self.virtual_time, self._tenant_end.get(tenant, 0.0))
+        self._tenant_end[tenant] = tag + max(1, cost)
+        heapq.heappush(self._heap, (tag, next(self._seq), waiter))
+
+    def pop(self) -> asyncio.Future:
+        """The waiter to serve next (lowest tag); the virtual time moves to its tag."""
+        tag, _, waiter = heapq.heappop(self._heap)
+        self.virtual_time = max(self.virtual_time, tag)
+        return waiter
+
+    def remove(self, waiter: asyncio.Future) -> None:
+        self._heap = [entry for entry in self._heap if entry[2] is not waiter]
+        heapq.heapify(self._heap)
+
+
 class Admission:
     """The admission state of one worker. All methods run on the gateway's event loop."""
 
@@ -118,7 +158,7 @@ class Admission:
         self.targets = targets or sla_targets()  # INTERACTIVE's inter-token target steers its limit
         self.limit = {SlaClass.INTERACTIVE: self.config.interactive_initial_limit, SlaClass.BATCH: self.config.batch_limit}
         self.in_flight = {c: 0 for c in SlaClass}
-        self.queues: dict[SlaClass, deque[asyncio.Future]] = {SlaClass.INTERACTIVE: deque(), SlaClass.BATCH: deque()}
+        self.queues: dict[SlaClass, FairQueue] = {SlaClass.INTERACTIVE: FairQueue(), SlaClass.BATCH: FairQueue()}
         self.load = WorkerLoad()
         self._itl: deque[tuple[float, float]] = deque()  # (time, ms) of INTERACTIVE inter-token gaps
         self._service_ms: deque[float] = deque(maxlen=64)
@@ -141,8 +181,8 @@ class Admission:
         """Whether a request of `cls` arriving now would start at once rather than queue here (`acquire`'s rule)."""
         return cls == SlaClass.REALTIME or not self.config.enabled or (not self.queues[cls] and self.can_start(cls))
 
-    async def acquire(self, cls: SlaClass, timeout_s: float | None) -> float:
-        """Wait for a slot; return the milliseconds spent queued here.
+    async def acquire(self, cls: SlaClass, timeout_s: float | None, tenant: str = "", cost: int = 1) -> float:
+        """Wait for a slot (in `tenant`'s fair turn, `cost` its samples); return the milliseconds spent queued here.
 
         Raises ResourceExhausted (queue full, with retry-after-ms) or QueueDeadlineExceeded."""
         start = time.monotonic()
@@ -158,7 +198,7 @@ class Admission:
                 trailers={"retry-after-ms": str(self.retry_after_ms(cls))},
             )
         waiter = asyncio.get_running_loop().create_future()
-        queue.append(waiter)
+        queue.push(waiter, tenant, cost)
         try:
             await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
         except asyncio.TimeoutError:
@@ -188,7 +228,7 @@ class Admission:
         for cls in (SlaClass.INTERACTIVE, SlaClass.BATCH):
             queue = self.queues[cls]
             while queue and self.can_start(cls):
-                waiter = queue.popleft()
+                waiter = queue.pop()
                 if waiter.done():
                     continue
                 self.in_flight[cls] += 1

@@ -240,7 +240,7 @@ class PreProcess:
 
 class WorkerAdmission:
     """The picked worker's admission (`admission.Admission`) lets the request's class start: at once, or after a wait
-    in its class queue (a "queue wait" span); a full queue is RESOURCE_EXHAUSTED, the deadline passing there
+    in its class queue, in its tenant's fair turn (a "queue wait" span); a full queue is RESOURCE_EXHAUSTED, the deadline passing there
     DEADLINE_EXCEEDED. The slot is the attempt's, given back when its stream ends (`AttemptObserver.done`)."""
 
     stage = Stage.WORKER
@@ -252,7 +252,8 @@ class WorkerAdmission:
         worker = ctx.worker
         with self.tracer.start_as_current_span("queue wait", attributes={"cotserve.worker": worker.address}) as span:
             try:
-                ctx.queue_ms = await worker.admission.acquire(ctx.sla, ctx.time_remaining())
+                ctx.queue_ms = await worker.admission.acquire(ctx.sla, ctx.time_remaining(), ctx.tenant.name,
+                                                              ctx.samples)
             except QueueDeadlineExceeded as exc:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
                 return Refuse(DeadlineExceeded(f"deadline: {exc}; the request never reached a worker"))

@@ -117,7 +117,7 @@ def test_batch_only_with_spare_kv_and_no_urgent_work_waiting(load, queued_intera
     a.on_stats(load)
     if queued_interactive:
         a.in_flight[I] = 1
-        a.queues[I].append(object())  # a waiter placeholder
+        a.queues[I].push(object())  # a waiter placeholder
     assert a.can_start(B) is admitted
 
 
@@ -234,3 +234,29 @@ def test_queued_ahead_counts_what_a_new_request_of_each_class_would_wait_behind(
 
     ahead, queues = run(main())
     assert ahead == {R: 0, I: 3, B: 5} and queues == {I: 0, B: 0}
+
+
+def test_a_class_queue_is_served_fairly_among_tenants():
+    """Tenant a queues five INTERACTIVE requests, then tenant b one: as slots free one at a time, b's is granted
+    second, not sixth; a's go in their own order; a request of several samples costs its tenant as many turns."""
+    async def main():
+        a = make(interactive_initial_limit=1)
+        await a.acquire(I, None, "a")  # the one slot
+        order: list[str] = []
+
+        async def wait(name: str, tenant: str, cost: int = 1) -> None:
+            await a.acquire(I, None, tenant, cost)
+            order.append(name)
+
+        tasks = [asyncio.create_task(wait(f"a{i}", "a")) for i in range(5)]
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(wait("b0", "b", cost=3)))
+        tasks.append(asyncio.create_task(wait("b1", "b")))
+        await asyncio.sleep(0)
+        for _ in range(7):
+            a.release(I)
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        return order
+
+    assert run(main()) == ["a0", "b0", "a1", "a2", "a3", "b1", "a4"]
