@@ -134,9 +134,8 @@ class Scheduler:
     - A waiting sequence starts from the longest chain of cached blocks of its tokens (prefix
       cache) and computes the rest; when its next block is being computed this step by another
       sequence, it waits a step and takes it from the cache instead of computing it twice.
-    - A sequence whose samples fork once its prompt is computed (`group_size` > 1) is admitted
-      only when there are seats for all of them, and holds them until they fork: the running sequences never take
-      more than `max_num_seqs` seats, however many groups arrive together (`seats_taken`).
+    - A sequence whose samples fork once its prompt is computed (`group_size` > 1) is admitted only when there are
+      seats for all of them, and holds them until they fork (`seats_taken`): never more than `max_num_seqs` run.
     - What BATCH work may do in a step (a share of the budget kept for it, a cap while urgent work is present,
       sitting steps out for urgent prompts or while paused) is the scheduling policy's (`scheduling.py`): the
       scheduler asks it once per step and enforces its `StepRules`.
