@@ -128,7 +128,24 @@ def test_compose_puts_envoy_in_front_of_the_gateway_with_its_files():
         for key in ("certificate_chain", "private_key"):
             assert cert[key]["filename"].startswith("/etc/envoy/tls/")
     assert envoy["depends_on"]["gateway"]["condition"] == "service_healthy"
-    assert "8000:8000" in compose["gateway"]["ports"] and "--http-port" in compose["gateway"]["command"]
+    assert "ports" not in compose["gateway"] and "--http-port" in compose["gateway"]["command"]  # only through Envoy
+
+
+def test_compose_publishes_only_envoy_and_grafana_beyond_this_host():
+    """The services talk on the compose network only: nothing of theirs is published; Envoy (the gateway, over TLS)
+    and Grafana are published; the Prometheus and Jaeger viewers on loopback only; Grafana's admin password is a
+    secret, not a default."""
+    compose = _compose()
+    published = {name: spec.get("ports", []) for name, spec in compose["services"].items()}
+    wide = {name for name, ports in published.items() for p in ports if not str(p).startswith("127.0.0.1:")}
+    assert wide == {"envoy", "grafana"}, published
+    for name in ("gateway", "worker", "router", "sandbox", "slo", "telemetry", "redis", "otel-collector"):
+        assert not published.get(name), (name, published.get(name))
+    grafana = compose["services"]["grafana"]
+    assert grafana["secrets"] == ["grafana_admin_password"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert compose["secrets"]["grafana_admin_password"]["file"] == "./grafana/admin-password"
+    assert "admin-password" in (DEPLOY / "grafana" / ".gitignore").read_text().split()
 
 
 def _compose() -> dict:

@@ -193,3 +193,14 @@ def test_parse_rejects_a_type_envoy_does_not_have():
     _hcm(config)["http_filters"][-1]["typed_config"]["@type"] = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Routr"
     with pytest.raises((TypeError, KeyError, ValueError)):
         parse_bootstrap(config)
+
+
+def test_no_buffer_filter_stalls_a_streaming_call():
+    """A buffer filter waits for a whole request body; a Session call's body (a stream of requests) never ends, so
+    Envoy must not have one on the routes to the gateway."""
+    cfg = load(ROOT / "deploy" / "envoy" / "envoy.yaml")
+    for listener in cfg["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for f in chain["filters"]:
+                names = [h["name"] for h in f.get("typed_config", {}).get("http_filters", [])]
+                assert "envoy.filters.http.buffer" not in names, names

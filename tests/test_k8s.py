@@ -214,3 +214,73 @@ def test_the_hpa_follows_the_same_gauge_through_prometheus_adapter(rendered):
     (rule,) = rules["rules"]["external"]
     assert rule["name"]["as"] == "cotserve_slo_recommended_replicas"
     assert rule["seriesQuery"].startswith("cotserve_slo_recommended_replicas")
+
+
+
+def test_every_pod_meets_the_restricted_pod_security_profile(rendered):
+    """The namespace enforces the restricted profile, and every pod meets it (so it is admitted): non-root, seccomp
+    RuntimeDefault, no privilege escalation, every capability dropped, a read-only root filesystem with writable
+    volumes (emptyDir or a claim) only where a service writes."""
+    docs = rendered["overlays/cpu"]
+    (ns,) = by_kind(docs, "Namespace").values()
+    assert ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for name, dep in by_kind(docs, "Deployment").items():
+        pod = dep["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            for mount in c.get("volumeMounts", []):
+                kind = volumes[mount["name"]]
+                assert "emptyDir" in kind or "persistentVolumeClaim" in kind or "secret" in kind, (name, mount)
+            if c["image"].startswith("cotserve:"):
+                assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}, name  # Python's temporary files
+
+
+def _allowed(policies: list[dict], target: dict[str, str], port: int, source: dict[str, str], same_namespace: bool) -> bool:
+    """Whether NetworkPolicies let a pod labelled `source` reach a pod labelled `target` on `port` (ingress)."""
+    def selects(selector: dict, labels: dict[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+    applying = [p for p in policies if selects(p["spec"]["podSelector"], target)]
+    assert applying, f"no policy selects {target}"  # the default deny selects every pod
+    for policy in applying:
+        for rule in policy["spec"].get("ingress", []):
+            if "ports" in rule and port not in [p["port"] for p in rule["ports"]]:
+                continue
+            peers = rule.get("from")
+            if peers is None:
+                return True
+            for peer in peers:
+                namespace_ok = same_namespace if "namespaceSelector" not in peer else True
+                if namespace_ok and selects(peer.get("podSelector", {}), source):
+                    return True
+    return False
+
+
+def test_network_policies_let_through_exactly_the_arrows_of_the_architecture(rendered):
+    docs = rendered["overlays/cpu"]
+    policies = list(by_kind(docs, "NetworkPolicy").values())
+    ports = {"gateway": 50051, "worker": 50061, "slo": 50091, "sandbox": 50071, "router": 50081, "telemetry": 4317,
+             "redis": 6379}
+    sources = {name: ({"app.kubernetes.io/name": name}, True) for name in ports}
+    sources.update({"operator": ({"app.kubernetes.io/component": "operator"}, True),
+                    "prometheus": ({"app.kubernetes.io/name": "prometheus"}, False),
+                    "stranger in the namespace": ({}, True), "stranger elsewhere": ({}, False)})
+    arrows = {("gateway", "worker"), ("gateway", "slo"), ("gateway", "sandbox"), ("gateway", "redis"),
+              ("worker", "redis"), ("router", "redis"), ("slo", "redis"),
+              ("operator", "worker"), ("operator", "slo"), ("operator", "sandbox"), ("operator", "router")}
+    arrows |= {(s, "gateway") for s in sources}  # the public API
+    arrows |= {(s, "telemetry") for s, (_, same) in sources.items() if same}  # spans from every pod of the namespace
+    for source, (labels, same_namespace) in sources.items():
+        for target, port in ports.items():
+            got = _allowed(policies, {"app.kubernetes.io/name": target}, port, labels, same_namespace)
+            assert got == ((source, target) in arrows), (source, target, port)
+    for target in ("gateway", "worker", "slo", "sandbox", "router", "telemetry"):  # /metrics: Prometheus only
+        assert _allowed(policies, {"app.kubernetes.io/name": target}, 9090, {"app.kubernetes.io/name": "prometheus"}, False)
+        assert not _allowed(policies, {"app.kubernetes.io/name": target}, 9090, {}, True)
+    assert _allowed(policies, {"app.kubernetes.io/name": "telemetry"}, 8317, {"app.kubernetes.io/component": "operator"}, True)
+    assert not _allowed(policies, {"app.kubernetes.io/name": "telemetry"}, 8317, {}, True)
