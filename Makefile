@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install install-dev up test browser protos lint-protos envoy-descriptor readme demo-model testbed-model wasm-modules clean
+.PHONY: install install-dev up test fuzz browser protos lint-protos envoy-descriptor readme demo-model testbed-model wasm-modules clean
 
 # Strict editable mode: `cotserve` is a tree of links (build/__editable__.*) that editors and tools can follow
 # without setuptools' import hooks; a new module appears there at the next `make install` (or `make test`).
@@ -26,6 +26,10 @@ up: install
 ## Install with the dev extra (and Debian's chromium for the heatmap page's test), run the whole test suite.
 test: install-dev browser
 	$(PYTHON) -m pytest -q
+
+## The property-based tests of untrusted input, longer and with a fresh seed (the suite runs them bounded and repeatable).
+fuzz: install-dev
+	COTSERVE_FUZZ_EXAMPLES=$${COTSERVE_FUZZ_EXAMPLES:-5000} $(PYTHON) -m pytest -q tests/gateway/test_fuzz.py
 
 # Headless Chromium for tests/telemetry/test_page.py: Debian's package, installed when missing and
 # we are root; otherwise that test is skipped (CI sets COTSERVE_REQUIRE_BROWSER=1 to make it fail).
