@@ -123,8 +123,17 @@ def bench_isolation(
                                  "is a call per request either way."),
     compare_per_call: bool = typer.Option(True, help="Also run the flood with SLA on and tenant B a call per request "
                                           "(with --session), the client before Session."),
+    tenant_fairness: int = typer.Option(0, min=0, max=64, help="Instead: tenant A floods INTERACTIVE self-consistency "
+                                        "votes of this many samples (0: the BATCH flood above); B alone, B under the "
+                                        "votes with fair shares (--scheduling tenant-fair, the gateway's fair queues) "
+                                        "and without (priority-yield)."),
 ) -> None:
-    """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO)."""
+    """Noisy neighbour: tenant B alone, B under A's BATCH flood with SLA scheduling on, and with it off (FIFO); or,
+    with --tenant-fairness N, under A's votes of N samples with fair shares and without."""
+    if tenant_fairness:
+        _bench_fairness(model, duration_s, flood_concurrency, interactive_rps, realtime_rps, max_num_seqs,
+                        tenant_fairness, session)
+        return
     from cotserve.bench.baseline import service_pids
     from cotserve.bench.isolation import cpu_table, drive, goals, summarize
     from cotserve.common.procs import free_port
@@ -162,6 +171,43 @@ def bench_isolation(
     console.print(summarize(results))
     console.print(cpu_table(results))
     for line in goals(*results[:3]):
+        console.print(line)
+
+
+def _bench_fairness(model, duration_s: float, flood_concurrency: int, interactive_rps: float, realtime_rps: float,
+                    max_num_seqs: int, votes: int, session: bool) -> None:
+    """`bench isolation --tenant-fairness N`: two tenants with API keys (a tenants file made for the run)."""
+    import tempfile
+
+    from cotserve.bench.baseline import service_pids
+    from cotserve.bench.isolation import drive, fairness_goals, summarize
+    from cotserve.bench.warm import running
+    from cotserve.common.procs import free_port
+    from cotserve.common.sampling import SlaClass
+    from cotserve.gateway.tenants import add_key
+
+    console = wide_console()
+    folder = Path(tempfile.mkdtemp(prefix="cotserve-fairness-"))
+    tenants = folder / "tenants.toml"
+    keys = (add_key(tenants, "a", frozenset(SlaClass)), add_key(tenants, "b", frozenset(SlaClass)))
+    worker_common = ("--max-num-seqs", str(max_num_seqs))
+    flood = min(flood_concurrency, 4)
+    runs = [("B alone", 0, (*worker_common, "--scheduling", "tenant-fair")),
+            (f"B + A's {votes}-sample votes, fair shares", flood, (*worker_common, "--scheduling", "tenant-fair")),
+            (f"B + A's {votes}-sample votes, priority-yield", flood, (*worker_common, "--scheduling", "priority-yield"))]
+    results = []
+    for name, concurrency, wargs in runs:
+        children, _ = stack(model, free_port(), None, full=False, worker_extra=wargs,
+                            gateway_extra=("--tenants-file", str(tenants)))
+        with running(children):
+            console.print(f"{name}: {duration_s:.0f} s ...", style="dim")
+            result = run_loop(drive(children[-1].address, duration_s=duration_s, flood_concurrency=concurrency,
+                                    interactive_rps=interactive_rps, realtime_rps=realtime_rps,
+                                    pids=service_pids(children), multiplex=session, flood_votes=votes, keys=keys))
+            result.name = name
+            results.append(result)
+    console.print(summarize(results, f"tenant B under tenant A's INTERACTIVE votes of {votes} samples"))
+    for line in fairness_goals(*results):
         console.print(line)
 
 

@@ -19,7 +19,7 @@ from cotserve.common.clitools import run_loop
 from cotserve.common.stats import percentile
 from cotserve.common.sampling import SlaClass
 from cotserve.common.sla import DEFAULT_SLA_TARGETS, SlaTarget
-from cotserve.sdk import AsyncClient, CotserveError, ResourceExhausted
+from cotserve.sdk import AsyncClient, CotserveError, Reasoning, ResourceExhausted, SelfConsistency
 
 
 @dataclass(slots=True)
@@ -82,10 +82,18 @@ async def _open_loop(client: AsyncClient, rate_per_s: float, stop_at: float, cls
     await asyncio.gather(*tasks)
 
 
-async def _flood_loop(client: AsyncClient, stop: asyncio.Event, prompt: str, max_new_tokens: int, counter: list[int]) -> None:
+async def _flood_loop(client: AsyncClient, stop: asyncio.Event, prompt: str, max_new_tokens: int, counter: list[int],
+                      votes: int = 0) -> None:
+    """One of the flood's streams, again and again: BATCH requests; with `votes`, INTERACTIVE self-consistency votes of
+    up to that many samples (rounds of VOTE_ROUND) at temperature 1.0 instead, the heaviest thing a tenant can ask."""
+    options = dict(max_new_tokens=max_new_tokens, ignore_eos=True, sla="batch", timeout_s=300)
+    if votes:
+        options = dict(max_new_tokens=max_new_tokens, sla="interactive", temperature=1.0, timeout_s=300,
+                       reasoning=Reasoning(self_consistency=SelfConsistency(max_samples=votes,
+                                                                            min_samples=min(votes, VOTE_ROUND))))
     while not stop.is_set():
         try:
-            async for chunk in client.stream(prompt, max_new_tokens=max_new_tokens, ignore_eos=True, sla="batch", timeout_s=300):
+            async for chunk in client.stream(prompt, **options):
                 counter[0] += len(chunk.token_ids)
                 if stop.is_set():
                     return
@@ -95,7 +103,11 @@ async def _flood_loop(client: AsyncClient, stop: asyncio.Event, prompt: str, max
             await asyncio.sleep(0.1)
 
 
-async def flood(address: str, concurrency: int) -> None:
+VOTE_ROUND = 16
+"""Samples a flooding vote runs at once (its self-consistency min_samples)."""
+
+
+async def flood(address: str, concurrency: int, votes: int = 0, api_key: str | None = None) -> None:
     """Tenant A's flood as a process of its own (`python -m cotserve.bench.isolation ADDRESS CONCURRENCY`), a call
     per request (a neighbour as it comes): it prints
     "ready" once its streams run; a line "start" on stdin zeroes its token count, "stop" prints the count and ends.
@@ -103,14 +115,15 @@ async def flood(address: str, concurrency: int) -> None:
     still share the machine's cores, as a real tenant's neighbours do)."""
     import sys
 
-    flood_prompt = " ".join(str(i % 100) for i in range(40))
+    flood_prompt = "12+30-7+5+61-20=" if votes else " ".join(str(i % 100) for i in range(40))
     tokens = [0]
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, api_key=api_key) as client:
         stop = asyncio.Event()
-        tasks = [asyncio.create_task(_flood_loop(client, stop, flood_prompt, 96, tokens)) for _ in range(concurrency)]
+        tasks = [asyncio.create_task(_flood_loop(client, stop, flood_prompt, 64 if votes else 96, tokens, votes))
+                 for _ in range(concurrency)]
         print("ready", flush=True)
         while (line := (await reader.readline()).decode().strip()) not in ("stop", ""):
             if line == "start":
@@ -130,11 +143,14 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def drive(address: str, *, duration_s: float, flood_concurrency: int, interactive_rps: float,
-                realtime_rps: float, seed: int = 0, pids: dict[str, int] | None = None, multiplex: bool = True) -> RunResult:
+                realtime_rps: float, seed: int = 0, pids: dict[str, int] | None = None, multiplex: bool = True,
+                flood_votes: int = 0, keys: tuple[str | None, str | None] = (None, None)) -> RunResult:
     """Tenant B's load for `duration_s` against `address`, with tenant A's flood (its own process) when
     `flood_concurrency` > 0: the seconds, B's records by class, A's tokens and the CPU seconds of each process in
     `pids` (and of the two clients) in B's window. With `multiplex` tenant B's client sends its requests as streams
-    of one Session call (`AsyncClient(multiplex=True)`), otherwise as a call each; the flood is a call per request."""
+    of one Session call (`AsyncClient(multiplex=True)`), otherwise as a call each; the flood is a call per request.
+    `flood_votes`: the flood sends INTERACTIVE votes of that many samples (`_flood_loop`); `keys`: tenant A's and
+    tenant B's API keys, for a gateway that tells tenants apart."""
     import os
     import sys
 
@@ -144,7 +160,8 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
     proc = None
     if flood_concurrency:
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "cotserve.bench.isolation", address,
-                                                    str(flood_concurrency), stdin=asyncio.subprocess.PIPE,
+                                                    str(flood_concurrency), str(flood_votes), keys[0] or "",
+                                                    stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE)
     try:
         if proc is not None:
@@ -153,7 +170,7 @@ async def drive(address: str, *, duration_s: float, flood_concurrency: int, inte
             proc.stdin.write(b"start\n")
             await proc.stdin.drain()
         pids = {**(pids or {}), "tenant B's client": os.getpid(), **({"tenant A's flood client": proc.pid} if proc else {})}
-        async with AsyncClient(address, multiplex=multiplex) as b_client:
+        async with AsyncClient(address, multiplex=multiplex, api_key=keys[1]) as b_client:
             cpu_before = cpu_seconds(pids)
             start = time.perf_counter()
             stop_at = start + duration_s
@@ -191,14 +208,14 @@ def cpu_table(results: list[RunResult]):
     return t
 
 
-def summarize(results: list[RunResult]):
+def summarize(results: list[RunResult], title: str = "tenant B under tenant A's BATCH flood"):
     from rich.table import Table
 
     def p50_99(values: list[float | None]) -> str:
         got = [v for v in values if v is not None]
         return f"{percentile(got, 50):.1f}/{percentile(got, 99):.1f}" if got else "-"
 
-    t = Table(title="tenant B under tenant A's BATCH flood")
+    t = Table(title=title)
     for col in ("run", "class", "requests", "TTFT p50/p99 ms", "at the gateway", "of it queued", "ITL p50/p99 ms",
                 "missed", "TTFT spread ms", "total tok/s"):
         t.add_column(col, justify="right")
@@ -234,4 +251,16 @@ def goals(alone: RunResult, on: RunResult, fifo: RunResult) -> list[str]:
 if __name__ == "__main__":
     import sys
 
-    run_loop(flood(sys.argv[1], int(sys.argv[2])))
+    run_loop(flood(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0,
+                   (sys.argv[4] or None) if len(sys.argv) > 4 else None))
+
+
+def fairness_goals(alone: RunResult, fair: RunResult, unfair: RunResult) -> list[str]:
+    """Tenant B's INTERACTIVE p99 TTFT under tenant A's flood of votes, against B alone, with and without fair shares."""
+    def p99(r: RunResult) -> float:
+        return percentile([x.ttft_ms for x in r.by_class[SlaClass.INTERACTIVE] if x.ttft_ms is not None], 99)
+
+    ratio = p99(fair) / p99(alone) if p99(alone) else float("nan")
+    other = p99(unfair) / p99(alone) if p99(alone) else float("nan")
+    return [f"tenant B's INTERACTIVE p99 TTFT under tenant A's votes / alone: {ratio:.2f}x with fair shares "
+            f"(goal <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'}); {other:.2f}x without (--scheduling priority-yield)"]

@@ -131,6 +131,19 @@ def test_isolation_drive_records_every_tenant_b_request(demo_gateway):
     assert len(goals(run, run, run)) == 3
 
 
+def test_a_flood_of_votes_runs_as_its_tenant_and_reaches_the_worker_as_samples(demo_gateway):
+    """The tenant-fairness mode's flood: INTERACTIVE votes (its tokens counted, many samples each), beside tenant B."""
+    from cotserve.bench.isolation import drive, fairness_goals
+    from cotserve.common.sampling import SlaClass
+
+    run = asyncio.run(drive(demo_gateway, duration_s=1.0, flood_concurrency=1, interactive_rps=4.0, realtime_rps=2.0,
+                            flood_votes=8))
+    assert run.flood_tokens > 0 and run.by_class[SlaClass.INTERACTIVE]
+    assert all(r.error is None for r in run.by_class[SlaClass.INTERACTIVE])
+    (line,) = fairness_goals(run, run, run)
+    assert line.startswith("tenant B's INTERACTIVE p99 TTFT under tenant A's votes / alone: 1.00x with fair shares")
+
+
 def test_moe_benches_run_end_to_end():
     out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "moe", "--workers", "2", "--updates", "5"],
                          capture_output=True, text=True, timeout=180)
