@@ -104,6 +104,30 @@ def bench_baseline(
         console.print(b.engine_table(engine_rows, batches, ceilings))
 
 
+def _isolation_runs(flood_concurrency: int, max_num_seqs: int, session: bool, compare_per_call: bool,
+                    compare_batch_interval: bool, compare_batch_yield: bool, compare_stagger: bool) -> list[tuple]:
+    """`bench isolation`'s runs: (name, flood concurrency, worker flags, gateway flags, B on a Session)."""
+    worker_common = ("--max-num-seqs", str(max_num_seqs))
+    runs = [
+        ("B alone", 0, worker_common, (), session),
+        ("B + flood, SLA on", flood_concurrency, worker_common, (), session),
+        ("B + flood, FIFO", flood_concurrency, (*worker_common, "--scheduling", "fifo", "--batch-stream-interval", "1"),
+         ("--no-admission",), session),
+    ]
+    if compare_per_call and session:  # the client before: B's requests a call each
+        runs.append(("B + flood, SLA on, B a call per request", flood_concurrency, worker_common, (), False))
+    if compare_batch_interval:  # the design before: BATCH streamed token by token as every class
+        runs.append(("B + flood, SLA on, BATCH per token", flood_concurrency,
+                     (*worker_common, "--batch-stream-interval", "1"), (), session))
+    if compare_batch_yield:  # BATCH decodes in the step of an urgent prompt
+        runs.append(("B + flood, SLA on, BATCH not yielding", flood_concurrency,
+                     (*worker_common, "--scheduling", "priority"), (), session))
+    if compare_stagger:
+        runs.append(("B + flood, SLA on, writes not spread", flood_concurrency, (*worker_common, "--no-stream-stagger"),
+                     (), session))
+    return runs
+
+
 @bench_app.command("isolation")
 def bench_isolation(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the bundled demo model)."),
@@ -140,24 +164,8 @@ def bench_isolation(
     from cotserve.bench.warm import running
 
     console = wide_console()
-    worker_common = ("--max-num-seqs", str(max_num_seqs))
-    runs = [
-        ("B alone", 0, worker_common, (), session),
-        ("B + flood, SLA on", flood_concurrency, worker_common, (), session),
-        ("B + flood, FIFO", flood_concurrency, (*worker_common, "--scheduling", "fifo", "--batch-stream-interval", "1"),
-         ("--no-admission",), session),
-    ]
-    if compare_per_call and session:  # the client before: B's requests a call each
-        runs.append(("B + flood, SLA on, B a call per request", flood_concurrency, worker_common, (), False))
-    if compare_batch_interval:  # the design before: BATCH streamed token by token as every class
-        runs.append(("B + flood, SLA on, BATCH per token", flood_concurrency,
-                     (*worker_common, "--batch-stream-interval", "1"), (), session))
-    if compare_batch_yield:  # BATCH decodes in the step of an urgent prompt
-        runs.append(("B + flood, SLA on, BATCH not yielding", flood_concurrency,
-                     (*worker_common, "--scheduling", "priority"), (), session))
-    if compare_stagger:
-        runs.append(("B + flood, SLA on, writes not spread", flood_concurrency, (*worker_common, "--no-stream-stagger"),
-                     (), session))
+    runs = _isolation_runs(flood_concurrency, max_num_seqs, session, compare_per_call, compare_batch_interval,
+                           compare_batch_yield, compare_stagger)
     results = []
     for name, flood, wargs, gargs, b_session in runs:
         children, _ = stack(model, free_port(), None, full=False, worker_extra=wargs, gateway_extra=gargs)

@@ -127,10 +127,13 @@ class Relay:
             sla_class=request.sla_class,
             max_prompt_tokens=self.max_prompt_tokens,
         )
+        ctx.samples_at_once = params.n
         if request.HasField("reasoning"):
             reasoning = reasoning_from_pb(request.reasoning)  # the worker checks what its model's format allows
             check_self_consistency(reasoning, params)
             wreq.reasoning.CopyFrom(request.reasoning)
+            if reasoning.self_consistency is not None:  # a vote runs its samples in rounds
+                ctx.samples_at_once = reasoning.self_consistency.min_samples
         wreq.cache_salt = self._cache_salt(ctx.tenant, request.cache_salt)
         wreq.tenant = ctx.tenant.name
         ctx.model, ctx.sla, ctx.wreq = model, sla, wreq

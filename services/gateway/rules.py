@@ -88,7 +88,8 @@ class RequestContext:
     wreq: worker_pb2.GenerateRequest | None = None
     prompt_bytes: int = 0
     max_new_tokens: int = 0
-    samples: int = 1
+    samples: int = 1  # samples the request may run in all (self-consistency's max_samples, else n)
+    samples_at_once: int = 1  # of them, at once (a vote's round: its min_samples)
     span: Any = None  # the request's span
     worker: Any = None  # WORKER: the pick of this attempt (a pool.WorkerHandle)
     attempt: int = 0  # WORKER: 0 for the first attempt, 1 for the retry
@@ -178,7 +179,8 @@ class Grant:
 
 class Quota:
     """A tenant with limits reserves its tokens (on the prompt as sent: the pre-processor has not run yet) and a
-    concurrency lease, renewed while the stream lives, each counted per sample; what the request used is settled
+    concurrency lease, renewed while the stream lives, counted per sample (tokens of every sample it may run, slots
+    of those it runs at once); what the request used is settled
     when it ends (its usage, probes included; the prompt and what was relayed when it failed before its usage came),
     and a release that fails is retried until the lease would have expired."""
 
@@ -193,7 +195,7 @@ class Quota:
         prompt = prompt_text(ctx.wreq)
         try:
             grant = await self.quota.admit(ctx.tenant, token_reservation(prompt, ctx.max_new_tokens * ctx.samples),
-                                           ctx.samples)
+                                           ctx.samples_at_once)
         except CotserveError as exc:
             return Refuse(exc)
         renewer = asyncio.create_task(self._renew(grant)) if grant.lease_id else None

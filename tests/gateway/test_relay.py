@@ -69,6 +69,15 @@ def test_an_operator_limit_on_prompt_characters_is_named_as_such():
         validated(relay(max_prompt_chars=10), prompt="x" * 11)
 
 
+def test_a_vote_counts_all_its_samples_for_tokens_and_a_rounds_worth_at_once():
+    ctx = validated(relay(), prompt="2+2=", sampling=common_pb2.SamplingParams(temperature=1.0),
+                    reasoning=common_pb2.ReasoningOptions(self_consistency=common_pb2.SelfConsistency(
+                        max_samples=16, min_samples=4)))
+    assert (ctx.samples, ctx.samples_at_once) == (16, 4)
+    ctx = validated(relay(), prompt="2+2=", sampling=common_pb2.SamplingParams(n=3))
+    assert (ctx.samples, ctx.samples_at_once) == (3, 3)
+
+
 def test_samples_are_self_consistencys_most_or_n():
     req = worker_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(n=2))
     assert samples_of(req) == 2 and samples_of(worker_pb2.GenerateRequest()) == 1
