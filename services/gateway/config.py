@@ -55,6 +55,9 @@ class GatewayConfig(TlsSettings):
     `host` (0 picks a free one; default: none; `cotserve up` serves it on 8000)."""
     http_body_timeout_s: float = 30.0
     """Seconds an HTTP client has to send its whole request body once its headers are in (then 408)."""
+    http_max_connections_per_client: int = 1024
+    """Open HTTP connections one client address may hold; one more is answered 429 and closed. Behind Envoy every
+    connection comes from Envoy's address: keep this at least Envoy's upstream max_connections (1024 by default)."""
     metrics_port: int = 0
     """Port for Prometheus /metrics on `host` (0 = off)."""
     tenants_file: Path | None = None
@@ -142,6 +145,8 @@ class GatewayConfig(TlsSettings):
             (self.worker_wait_s >= 0, f"worker_wait_s: {self.worker_wait_s}, must be >= 0"),
             (self.max_session_streams >= 0, f"max_session_streams: {self.max_session_streams}, must be >= 0"),
             (self.http_body_timeout_s > 0, f"http_body_timeout_s: {self.http_body_timeout_s}, must be > 0"),
+            (self.http_max_connections_per_client >= 1,
+             f"http_max_connections_per_client: {self.http_max_connections_per_client}, must be >= 1"),
             (self.dns_interval_s > 0, f"dns_interval_s: {self.dns_interval_s}, must be > 0"),
             (self.max_prompt_chars >= 0 and self.max_prompt_tokens >= 0,
              "max_prompt_chars / max_prompt_tokens: must be >= 0 (0: from the model's context)"),

@@ -152,13 +152,84 @@ def _sse(event: dict[str, Any] | str) -> bytes:
     return b"data: " + (event if isinstance(event, str) else json.dumps(event, ensure_ascii=False)).encode() + b"\n\n"
 
 
+class PerClientCap(asyncio.Protocol):
+    """The connection as aiohttp's request handler sees it, unless its client address already holds `limit` open
+    connections: then it is answered 429 in OpenAI's error shape and closed before a byte of it is read, so one
+    address cannot hold every file descriptor of the gateway with connections that never send a request."""
+
+    def __init__(self, handler: asyncio.Protocol, open_by_client: dict[str, int], limit: int) -> None:
+        self.handler, self.open_by_client, self.limit = handler, open_by_client, limit
+        self.client: str | None = None  # set while this connection counts against its address
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if self.open_by_client.get(client, 0) >= self.limit:
+            body = json.dumps({"error": {"message": f"too many open connections from this address (limit "
+                                                    f"{self.limit}, --http-max-connections-per-client)",
+                                         "type": "rate_limit_error", "param": None, "code": "too_many_connections"}})
+            transport.write(f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"  # type: ignore[attr-defined]
+                            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}".encode())
+            transport.close()
+            return
+        self.client = client
+        self.open_by_client[client] = self.open_by_client.get(client, 0) + 1
+        self.handler.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client is None:
+            return
+        left = self.open_by_client[self.client] - 1
+        if left:
+            self.open_by_client[self.client] = left
+        else:
+            del self.open_by_client[self.client]
+        self.client = None
+        self.handler.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.client is not None:
+            self.handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received() if self.client is not None else None
+
+    def pause_writing(self) -> None:
+        if self.client is not None:
+            self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.client is not None:
+            self.handler.resume_writing()
+
+
+class CappedSite(web.TCPSite):
+    """aiohttp's TCP site with each connection behind a `PerClientCap`."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, ssl_context: Any, max_per_client: int) -> None:
+        super().__init__(runner, host, port, ssl_context=ssl_context)
+        self.max_per_client = max_per_client
+        self.open_by_client: dict[str, int] = {}
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner; TCPSite.start would bind the plain one
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: PerClientCap(server(), self.open_by_client, self.max_per_client), self._host, self._port,
+            ssl=self._ssl_context, backlog=self._backlog, reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port)
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
 class OpenAIServer:
     """The HTTP API on `host:port` (0 picks a free one; `port` is the bound one once started)."""
 
     def __init__(self, relay: Relay, host: str, port: int, max_body_bytes: int, ssl_context: Any = None,
-                 body_timeout_s: float = 30.0) -> None:
+                 body_timeout_s: float = 30.0, max_connections_per_client: int = 1024) -> None:
         self.relay, self.host, self.port, self.max_body_bytes = relay, host, port, max_body_bytes
         self.body_timeout_s = body_timeout_s  # a request body must have arrived within this long
+        self.max_connections_per_client = max_connections_per_client
         self.ssl_context = ssl_context  # HTTPS with the gateway's certificate when it has one
         self._runner: web.AppRunner | None = None
 
@@ -172,13 +243,14 @@ class OpenAIServer:
         # are freed at its next step)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, ssl_context=self.ssl_context)
+        site = CappedSite(self._runner, self.host, self.port, ssl_context=self.ssl_context,
+                          max_per_client=self.max_connections_per_client)
         try:
             await site.start()
         except OSError as exc:
             await self._runner.cleanup()
             raise OSError(f"http_port: cannot bind {self.host}:{self.port} ({exc.strerror})") from None
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = site.port
 
     async def stop(self) -> None:
         if self._runner is not None:

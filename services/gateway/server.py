@@ -211,7 +211,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
     http = None
     if cfg.http_port is not None:
         http = OpenAIServer(relay, cfg.host, cfg.http_port, cfg.max_request_bytes, cfg.ssl_context(),
-                            cfg.http_body_timeout_s)
+                            cfg.http_body_timeout_s, cfg.http_max_connections_per_client)
         await http.start()
     health_tasks: set[asyncio.Task] = set()
 

@@ -155,3 +155,28 @@ def test_a_caller_cannot_add_metric_labels_of_its_own():
     counted = [ln for ln in text.splitlines() if ln.startswith("cotserve_gateway_requests_total")
                and 'model="unknown"' in ln and 'code="NOT_FOUND"' in ln]
     assert counted and float(counted[0].split()[-1]) == 5
+
+
+def test_one_address_past_its_connection_cap_is_answered_429_and_closed_until_one_of_its_connections_ends():
+    async def main():
+        async with stack(http_max_connections_per_client=2) as (_, gw):
+            held = [await asyncio.open_connection("127.0.0.1", gw.http.port) for _ in range(2)]
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.http.port)
+            raw = await asyncio.wait_for(reader.read(), 60)  # answered and closed before it sends a byte
+            writer.close()
+            held[0][1].close()
+            body = json.dumps(CHAT).encode()
+            for _ in range(500):  # the closed connection is counted off once the server sees it end
+                status, answer = await exchange(gw.http.port, [request(body) + body], pause_s=0)
+                if status != 429:
+                    break
+                await asyncio.sleep(0.01)
+            held[1][1].close()
+            return raw, status, answer
+
+    raw, status, answer = asyncio.run(main())
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429 ") and json.loads(body)["error"] == {
+        "message": "too many open connections from this address (limit 2, --http-max-connections-per-client)",
+        "type": "rate_limit_error", "param": None, "code": "too_many_connections"}
+    assert status == 200 and answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] == 8
