@@ -131,6 +131,21 @@ def test_compose_puts_envoy_in_front_of_the_gateway_with_its_files():
     assert "ports" not in compose["gateway"] and "--http-port" in compose["gateway"]["command"]  # only through Envoy
 
 
+def test_envoy_runs_as_its_own_user_without_capabilities_on_copies_of_its_certificates_that_it_alone_reads():
+    compose = _compose()
+    envoy, certs = compose["services"]["envoy"], compose["services"]["envoy-certs"]
+    assert envoy["user"] == "101:101" and envoy["cap_drop"] == ["ALL"]
+    assert envoy["security_opt"] == ["no-new-privileges:true"] and "ENVOY_UID" not in envoy.get("environment", {})
+    assert "envoy-tls:/etc/envoy/tls:ro" in envoy["volumes"] and "envoy-tls" in compose["volumes"]
+    assert envoy["depends_on"]["envoy-certs"]["condition"] == "service_completed_successfully"
+    # the one-shot copy: host files in read-only, out to the volume owned by uid 101, the key readable by it alone
+    assert certs["image"] == envoy["image"] and certs["network_mode"] == "none" and certs["restart"] == "no"
+    assert set(certs["volumes"]) == {"./envoy/tls:/from:ro", "envoy-tls:/to"}
+    script = certs["entrypoint"][-1]
+    assert "chown -R 101:101 /to" in script and "chmod 0400 /to/*.key" in script
+    assert [a for a in script.split() if a.startswith("/to/")] == ["/to/", "/to/*.pem", "/to/*.key"]
+
+
 def test_compose_publishes_only_envoy_and_grafana_beyond_this_host():
     """The services talk on the compose network only: nothing of theirs is published; Envoy (the gateway, over TLS)
     and Grafana are published; the Prometheus and Jaeger viewers on loopback only; Grafana's admin password is a

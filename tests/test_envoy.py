@@ -181,7 +181,7 @@ def test_compose_runs_envoy_with_its_config_certificates_and_descriptor():
     assert envoy["image"].startswith("envoyproxy/envoy:v1.")
     assert envoy["command"][:2] == ["-c", "/etc/envoy/envoy.yaml"]
     assert {"./envoy/envoy.yaml:/etc/envoy/envoy.yaml:ro", "./envoy/gateway.binpb:/etc/envoy/gateway.binpb:ro",
-            "./envoy/tls:/etc/envoy/tls:ro"} <= set(envoy["volumes"])
+            "envoy-tls:/etc/envoy/tls:ro"} <= set(envoy["volumes"])
     assert "8443:8443" in envoy["ports"]
     gateway = compose["gateway"]["command"]
     assert gateway[gateway.index("--http-port") + 1] == "8000" and gateway[gateway.index("--port") + 1] == "50051"
