@@ -284,3 +284,26 @@ def test_network_policies_let_through_exactly_the_arrows_of_the_architecture(ren
         assert not _allowed(policies, {"app.kubernetes.io/name": target}, 9090, {}, True)
     assert _allowed(policies, {"app.kubernetes.io/name": "telemetry"}, 8317, {"app.kubernetes.io/component": "operator"}, True)
     assert not _allowed(policies, {"app.kubernetes.io/name": "telemetry"}, 8317, {}, True)
+
+
+@pytest.mark.parametrize("service, flag, secret, key", [
+    ("gateway", "--tenants-file", "cotserve-tenants", "tenants.toml"),
+    ("sandbox", "--admin-token-file", "cotserve-sandbox-admin", "token"),
+])
+def test_tenants_and_the_sandbox_admin_token_come_from_secrets_the_manifests_do_not_hold(rendered, service, flag,
+                                                                                       secret, key):
+    """The file the flag names is one key of a Secret, mounted read-only and readable by the pod's group alone; the
+    Secret itself is the operator's (no manifest carries one, nor the token in a variable)."""
+    docs = rendered["overlays/cpu"]
+    assert not by_kind(docs, "Secret") and not by_kind(docs, "ConfigMap")
+    dep = by_kind(docs, "Deployment")[service]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = [c for dep_, c in cotserve_containers(docs) if dep_ is dep]
+    path = c["args"][c["args"].index(flag) + 1]
+    folder, _, name = path.rpartition("/")
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == folder]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == secret and volume["secret"]["items"] == [{"key": key, "path": name}]
+    assert volume["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    assert not [e for e in c.get("env", []) if "TOKEN" in e["name"] or "TENANT" in e["name"]]
