@@ -34,6 +34,7 @@ from typing import ClassVar
 
 from cotserve.common.config import Cli, legacy_env
 from cotserve.common.errors import ResourceExhausted
+from cotserve.common.fairness import FairClock
 from cotserve.common.sampling import SlaClass
 from cotserve.common.sla import SlaTarget, sla_targets
 from cotserve.common.stats import percentile
@@ -122,8 +123,7 @@ class FairQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, asyncio.Future]] = []
         self._seq = itertools.count()
-        self._tenant_end: dict[str, float] = {}
-        self.virtual_time = 0.0  # the tag of the latest waiter granted
+        self.clock = FairClock()  # its virtual time is the tag of the latest waiter granted
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -135,14 +135,12 @@ class FairQueue:
         return any(w is waiter for _, _, w in self._heap)
 
     def push(self, waiter: asyncio.Future, tenant: str = "", cost: int = 1) -> None:
-        tag = max(self.virtual_time, self._tenant_end.get(tenant, 0.0))
-        self._tenant_end[tenant] = tag + max(1, cost)
-        heapq.heappush(self._heap, (tag, next(self._seq), waiter))
+        heapq.heappush(self._heap, (self.clock.tag(tenant, max(1, cost)), next(self._seq), waiter))
 
     def pop(self) -> asyncio.Future:
         """The waiter to serve next (lowest tag); the virtual time moves to its tag."""
         tag, _, waiter = heapq.heappop(self._heap)
-        self.virtual_time = max(self.virtual_time, tag)
+        self.clock.start(tag)
         return waiter
 
     def remove(self, waiter: asyncio.Future) -> None:

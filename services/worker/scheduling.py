@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from cotserve.common.fairness import FairClock
 from cotserve.worker.sequence import Sequence, SlaClass
 
 if TYPE_CHECKING:
@@ -131,20 +132,16 @@ class TenantFair(PriorityYield):
 
     def __init__(self, batch_min_share: float = 0.1, max_batch_tokens_when_urgent: int = 256) -> None:
         super().__init__(batch_min_share, max_batch_tokens_when_urgent)
-        self.virtual_time = [0.0] * len(SlaClass)  # per class: the tag of the latest sequence to start
-        self.tenant_end: dict[tuple[int, str], float] = {}  # (class, tenant) -> where its queued work ends
+        self.clocks = [FairClock() for _ in SlaClass]  # one per class, indexed by its value
 
     def key(self, seq: Sequence) -> tuple[int, float, int]:
         return (int(seq.sla_class), seq.fair_tag, seq.seq_id)
 
     def on_add(self, seq: Sequence) -> None:
-        cls = int(seq.sla_class)
-        seq.fair_tag = max(self.virtual_time[cls], self.tenant_end.get((cls, seq.tenant), 0.0))
-        self.tenant_end[(cls, seq.tenant)] = seq.fair_tag + seq.max_len * seq.group_size
+        seq.fair_tag = self.clocks[int(seq.sla_class)].tag(seq.tenant, seq.max_len * seq.group_size)
 
     def on_admit(self, seq: Sequence) -> None:
-        cls = int(seq.sla_class)
-        self.virtual_time[cls] = max(self.virtual_time[cls], seq.fair_tag)
+        self.clocks[int(seq.sla_class)].start(seq.fair_tag)
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (SchedulingPolicy, Priority, PriorityYield, TenantFair)}
