@@ -167,7 +167,7 @@ class PerClientCap(asyncio.Protocol):
         if self.open_by_client.get(client, 0) >= self.limit:
             body = json.dumps({"error": {"message": f"too many open connections from this address (limit "
                                                     f"{self.limit}, --http-max-connections-per-client)",
-                                         "type": "rate_limit_error", "param": None, "code": "too_many_connections"}})
+                                         "type": _TYPE_OF[429], "param": None, "code": "too_many_connections"}})
             transport.write(f"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\n"  # type: ignore[attr-defined]
                             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}".encode())
             transport.close()

@@ -191,6 +191,7 @@ class QuotaEnforcer:
             lease_id = uuid.uuid4().hex
             if not await self._lease(keys=[f"{key}:concurrent"], args=[tenant.max_concurrent, lease_id, LEASE_MS, units]):
                 raise self._exhausted(tenant, f"max_concurrent ({tenant.max_concurrent})", 100)
+        grant = Grant(tenant, lease_id, reserve_tokens if tenant.tokens_per_min is not None else 0, units)
         try:
             if tenant.requests_per_min is not None:
                 ok, wait = await self._gcra(keys=[f"{key}:rpm"],
@@ -206,9 +207,9 @@ class QuotaEnforcer:
                     raise self._exhausted(tenant, f"tokens_per_min ({tenant.tokens_per_min})", wait)
         except BaseException:
             if lease_id is not None:
-                await self.redis.zrem(f"{key}:concurrent", *[f"{lease_id}:{k}" for k in range(1, units + 1)])
+                await self.redis.zrem(f"{key}:concurrent", *grant.members())
             raise
-        return Grant(tenant, lease_id, reserve_tokens if tenant.tokens_per_min is not None else 0, units)
+        return grant
 
     @_redis_guarded
     async def renew(self, grant: Grant) -> bool:
