@@ -8,7 +8,7 @@ refusal is logged. The gateway's own API is public: its callers are tenants, who
 The arrows: the gateway calls the workers (generation, their stats, and BATCH pauses on the SLO predictor's
 forecasts), the SLO predictor (windows in, forecasts and latency models out) and the sandbox (runs); the operator
 (the admin commands) reads and sets what an operator does: MoE policy, modules, exported windows, heatmaps, traces,
-pauses. Every service sends its traces to the telemetry service's OTLP receiver.
+pauses. Every service sends its traces to the telemetry service's OTLP receiver (or to a collector that forwards them).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import grpc
 
 log = logging.getLogger("cotserve.authz")
 
-IDENTITIES = ("gateway", "worker", "router", "slo", "sandbox", "telemetry", "operator")
-"""The identities of a cotserve deployment, each a certificate's common name."""
+IDENTITIES = ("gateway", "worker", "router", "slo", "sandbox", "telemetry", "operator", "collector")
+"""The identities of a cotserve deployment, each a certificate's common name (`collector`: an OpenTelemetry Collector
+between the services and the telemetry service, as the compose stack runs one)."""
 
 PUBLIC = frozenset({"*"})
 """A row's callers when anyone may call (the gateway's API: tenants authenticate with API keys)."""

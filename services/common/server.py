@@ -167,6 +167,18 @@ class StreamCloser(grpc.aio.ServerInterceptor):
                                                     response_serializer=handler.response_serializer)
 
 
+def _bind(server: grpc.aio.Server, host: str, port: int, credentials: Any, setting: str) -> int:
+    """Add host:port to `server` (over TLS with `credentials`); the port bound, OSError naming `setting` if none."""
+    try:
+        bound = (server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
+                 else server.add_insecure_port(f"{host}:{port}"))
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise OSError(f"{setting}: cannot bind {host}:{port} (in use, or not an address of this machine)")
+    return bound
+
+
 @dataclass(slots=True)
 class ServiceSpec:
     """One gRPC service to host: its full name (for health and reflection) and how to add it."""
@@ -197,14 +209,15 @@ class Server:
         reflection.enable_server_reflection([*self.names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         credentials = tls.server_credentials() if tls is not None else None
         self.tls = credentials is not None
-        try:
-            self.port = (self.server.add_secure_port(f"{host}:{port}", credentials) if credentials is not None
-                         else self.server.add_insecure_port(f"{host}:{port}"))
-        except RuntimeError:
-            self.port = 0
-        if self.port == 0:
-            raise OSError(f"port: cannot bind {host}:{port} (in use, or not an address of this machine)")
+        self.port = _bind(self.server, host, port, credentials, "port")
         self.address = f"{host}:{self.port}"
+        self.health_server: grpc.aio.Server | None = None
+        """The plaintext health-only port (`TlsSettings.health_port`): the same health states, nothing else."""
+        self.health_port = 0
+        if tls is not None and tls.health_port:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = _bind(self.health_server, host, tls.health_port, None, "health_port")
 
     async def _set(self, status: int) -> None:
         for name in ["", *self.names]:
@@ -214,6 +227,8 @@ class Server:
 
     async def start(self) -> None:
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         await self._set(health_pb2.HealthCheckResponse.NOT_SERVING)
         report = os.environ.pop(ADDRESS_FILE_ENV, None)
         if report:
@@ -233,6 +248,8 @@ class Server:
         for drain in self.on_stop:
             drain()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self.tracer_provider is not None:
             self.tracer_provider.force_flush(2000)
 

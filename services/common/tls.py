@@ -3,9 +3,11 @@
 every `cotserve` start.
 
 With `tls_cert` and `tls_key` a service's gRPC port speaks TLS only (a plaintext client fails its handshake); with
-`tls_client_ca` too, only clients presenting a certificate that chains to that CA get through (mutual TLS). A service
-that calls others (the gateway: its workers, sandbox and SLO predictor) trusts `upstream_tls_ca` for them and, when it
-has a certificate of its own, presents it.
+`tls_client_ca` too, only clients presenting a certificate that chains to that CA get through (mutual TLS), and the
+certificate's common name is the identity `common.authz` authorizes. A service that calls others (the gateway: its
+workers, sandbox and SLO predictor) trusts `upstream_tls_ca` for them and presents its identity's certificate.
+Probes that cannot present a certificate (Kubernetes' gRPC probes, compose health checks) ask `health_port`: plaintext,
+gRPC health only.
 """
 
 from __future__ import annotations
@@ -35,9 +37,14 @@ class TlsSettings:
     """PEM private key of tls_cert."""
     tls_client_ca: Path | None = None
     """PEM CA bundle client certificates must chain to: mutual TLS (a client without such a certificate is refused)."""
+    health_port: int = 0
+    """A second, plaintext port serving only gRPC health checks, for probes that cannot present a certificate
+    (Kubernetes' gRPC probes); 0: none."""
 
     def check_tls(self) -> None:
         """ValueError naming the setting when the files cannot serve."""
+        if not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port: {self.health_port}, allowed 0..65535")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert / tls_key: give both (TLS) or neither (plaintext)")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -56,55 +63,69 @@ class TlsSettings:
         return grpc.ssl_server_credentials([(_read(self.tls_key, "tls_key"), _read(self.tls_cert, "tls_cert"))],
                                            root_certificates=client_ca, require_client_auth=client_ca is not None)
 
-    def ssl_context(self) -> Any:
-        """An ssl.SSLContext for the service's HTTP ports (the same certificate, and client CA), None for plaintext."""
+    def ssl_context(self, client_auth: bool = True) -> Any:
+        """An ssl.SSLContext for the service's HTTP ports (the same certificate, and client CA unless not
+        `client_auth`: a page for browsers), None for plaintext."""
         if self.tls_cert is None or self.tls_key is None:
             return None
         import ssl
 
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(self.tls_cert, self.tls_key)
-        if self.tls_client_ca is not None:
+        if self.tls_client_ca is not None and client_auth:
             context.load_verify_locations(self.tls_client_ca)
             context.verify_mode = ssl.CERT_REQUIRED
         return context
 
-    def client_credentials(self, ca: Path | None) -> Any:
+    def client_credentials(self, ca: Path | None, cert: Path | None = None, key: Path | None = None) -> Any:
         """grpc.ChannelCredentials for calling a service that trusts `ca`'s certificates (None: plaintext), presenting
-        this service's own certificate when it has one."""
+        `cert` and `key` (default: this service's own certificate, when it has one)."""
         if ca is None:
             return None
         import grpc
 
-        own = (_read(self.tls_key, "tls_key"), _read(self.tls_cert, "tls_cert")) if self.tls_cert and self.tls_key else (None, None)
+        names = ("upstream_tls_key", "upstream_tls_cert")
+        if cert is None:
+            cert, key, names = self.tls_cert, self.tls_key, ("tls_key", "tls_cert")
+        own = (_read(key, names[0]), _read(cert, names[1])) if cert and key else (None, None)
         return grpc.ssl_channel_credentials(_read(ca, "upstream_tls_ca"), *own)
 
 
 TLS_CA_ENV, TLS_CLIENT_CERT_ENV, TLS_CLIENT_KEY_ENV = "COTSERVE_TLS_CA", "COTSERVE_TLS_CLIENT_CERT", "COTSERVE_TLS_CLIENT_KEY"
-"""Where a command-line client finds the CA (and its own certificate) for services that speak TLS: `cotserve generate`,
-the admin commands (`router`, `sandbox`, `slo`, `heatmap`, `trace check`) and `up --tls`'s health checks read them."""
+"""Where a client of the gateway finds the CA of the gateway's certificate (and its own certificate, for a gateway
+asking for mutual TLS): `cotserve generate`, `trace check`'s requests."""
+
+ADMIN_TLS_CA_ENV, ADMIN_TLS_CERT_ENV, ADMIN_TLS_KEY_ENV = "COTSERVE_ADMIN_TLS_CA", "COTSERVE_ADMIN_TLS_CERT", "COTSERVE_ADMIN_TLS_KEY"
+"""Where the admin commands (`router`, `sandbox`, `slo`, `heatmap`, `trace check`'s lookups) and `up`'s health
+checks find the CA of the internal services and the certificate they present (the `operator` identity's, for mutual
+TLS). Unset, they read the gateway client's variables above, as before the services had identities of their own."""
 
 
-def env_credentials() -> Any:
-    """grpc.ChannelCredentials from `COTSERVE_TLS_CA` (and the client certificate variables), None when it is unset."""
+def env_credentials(admin: bool = True) -> Any:
+    """grpc.ChannelCredentials from the environment: the admin variables (`admin`, falling back to the gateway
+    client's when `COTSERVE_ADMIN_TLS_CA` is unset) or the gateway client's; None (plaintext) when no CA is named."""
     import os
 
-    ca = os.environ.get(TLS_CA_ENV)
-    if not ca:
+    names = (TLS_CA_ENV, TLS_CLIENT_CERT_ENV, TLS_CLIENT_KEY_ENV)
+    if admin and os.environ.get(ADMIN_TLS_CA_ENV):
+        names = (ADMIN_TLS_CA_ENV, ADMIN_TLS_CERT_ENV, ADMIN_TLS_KEY_ENV)
+    ca, cert, key = names
+    if not os.environ.get(ca):
         return None
     import grpc
 
     def read(env: str) -> bytes | None:
         return _read(Path(os.environ[env]), env) if os.environ.get(env) else None
 
-    return grpc.ssl_channel_credentials(_read(Path(ca), TLS_CA_ENV), read(TLS_CLIENT_KEY_ENV), read(TLS_CLIENT_CERT_ENV))
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
 
 
-def client_channel(address: str) -> Any:
-    """A blocking channel to a service: over TLS when `COTSERVE_TLS_CA` names a CA, else plaintext."""
+def client_channel(address: str, credentials: Any = None) -> Any:
+    """A blocking channel to a service with `credentials`, or (None) the admin credentials from the environment
+    (`env_credentials`): TLS when a CA is named, else plaintext."""
     import grpc
 
-    credentials = env_credentials()
+    credentials = credentials or env_credentials()
     return grpc.insecure_channel(address) if credentials is None else grpc.secure_channel(address, credentials)
 
 

@@ -94,7 +94,12 @@ class GatewayConfig(TlsSettings):
     before it fails with UNAVAILABLE (never past its deadline; 0: fail at once)."""
     upstream_tls_ca: Path | None = None
     """PEM CA bundle of the workers', sandbox's and SLO predictor's certificates: set, the gateway calls them over TLS
-    (presenting its own tls_cert when it has one, for their mutual TLS); unset, in plaintext."""
+    (presenting upstream_tls_cert, else its own tls_cert, for their mutual TLS); unset, in plaintext."""
+    upstream_tls_cert: Path | None = None
+    """PEM certificate the gateway presents to the services it calls (its `gateway` identity, `cotserve tls init`),
+    so that its public port can keep a certificate of its own, or none."""
+    upstream_tls_key: Path | None = None
+    """PEM private key of upstream_tls_cert."""
     grace_s: float = 5.0
     """Seconds to drain in-flight streams on SIGTERM."""
 
@@ -133,8 +138,16 @@ class GatewayConfig(TlsSettings):
             raise ValueError("worker: give at least one --worker HOST:PORT (or --workers-file, or --worker-dns NAME:PORT)")
         return list(dict.fromkeys(addresses))
 
+    def upstream_credentials(self):
+        """grpc.ChannelCredentials for the workers, sandbox and SLO predictor (None: plaintext)."""
+        return self.client_credentials(self.upstream_tls_ca, self.upstream_tls_cert, self.upstream_tls_key)
+
     def validate(self) -> None:
         self.check_tls()
+        if (self.upstream_tls_cert is None) != (self.upstream_tls_key is None):
+            raise ValueError("upstream_tls_cert / upstream_tls_key: give both or neither")
+        if self.upstream_tls_cert is not None and self.upstream_tls_ca is None:
+            raise ValueError("upstream_tls_cert: presenting a certificate needs upstream_tls_ca (the upstreams' CA)")
         checks = [
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
             (self.http_port is None or 0 <= self.http_port <= 65535, f"http_port: {self.http_port}, allowed 0..65535"),

@@ -132,8 +132,13 @@ class WorkerPool:
     _any_healthy: bool | None = None
     _resolved: dict[str, set[str]] = field(default_factory=dict)
 
-    def _handle(self, address: str) -> WorkerHandle:
-        channel = aio_channel(address, self.credentials, options=[*RECONNECT_OPTIONS, *WORKER_CHANNEL_OPTIONS],
+    def _handle(self, address: str, tls_name: str | None = None) -> WorkerHandle:
+        """A channel and stub for the worker at `address`; over TLS, one found through DNS (`tls_name`: the name it
+        was found by) must present a certificate for that name, as its pod's address is in no certificate."""
+        options = [*RECONNECT_OPTIONS, *WORKER_CHANNEL_OPTIONS]
+        if tls_name and self.credentials is not None:
+            options.append(("grpc.ssl_target_name_override", tls_name))
+        channel = aio_channel(address, self.credentials, options=options,
                               interceptors=client_interceptors(self.tracer_provider))
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         streams = WorkerStreams(stub, self.tracer_provider, address) if self.multiplex else None
@@ -172,9 +177,10 @@ class WorkerPool:
                             len(self._resolved.get(target, ())))
         wanted = set(self.addresses).union(*self._resolved.values())
         have = {w.address for w in self.workers}
+        names = {a: split_name(target)[0] for target, addresses in self._resolved.items() for a in addresses}
         for address in sorted(wanted - have):
             log.info("worker %s joined (DNS)", address)
-            self.workers.append(self._handle(address))
+            self.workers.append(self._handle(address, names.get(address)))
         for w in [w for w in self.workers if w.address not in wanted]:
             log.info("worker %s left DNS: draining (%d streams)", w.address, w.in_flight)
             self.workers.remove(w)

@@ -188,7 +188,7 @@ async def start_gateway(cfg: GatewayConfig, tracer_provider: TracerProvider | No
                         resolve: Resolver = resolve_dns) -> RunningGateway:
     """Start the gateway; `resolve` answers `worker_dns` lookups (the system's resolver by default)."""
     cfg.validate()
-    upstream = cfg.client_credentials(cfg.upstream_tls_ca)
+    upstream = cfg.upstream_credentials()
     pool = WorkerPool(cfg.all_workers(), poll_interval_s=cfg.poll_interval_s, tracer_provider=tracer_provider,
                       admission=cfg.admission, targets=cfg.targets, dns=list(cfg.worker_dns),
                       dns_interval_s=cfg.dns_interval_s, resolve=resolve, credentials=upstream,

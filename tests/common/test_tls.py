@@ -90,6 +90,48 @@ def test_tls_settings_that_cannot_serve_are_refused_naming_the_setting(tmp_path)
         TlsSettings(tls_cert=pem, tls_key=junk).check_tls()
     with pytest.raises(ValueError, match="tls_cert: cannot read"):
         GatewayConfig(workers=["127.0.0.1:1"], tls_cert=tmp_path / "missing.pem", tls_key=pem).validate()
+    with pytest.raises(ValueError, match=r"health_port: 70000, allowed 0\.\.65535"):
+        TlsSettings(health_port=70000).check_tls()
+    with pytest.raises(ValueError, match="upstream_tls_cert / upstream_tls_key: give both"):
+        GatewayConfig(workers=["127.0.0.1:1"], upstream_tls_ca=pem, upstream_tls_cert=pem).validate()
+    with pytest.raises(ValueError, match="upstream_tls_cert: presenting a certificate needs upstream_tls_ca"):
+        GatewayConfig(workers=["127.0.0.1:1"], upstream_tls_cert=pem, upstream_tls_key=pem).validate()
+
+
+def test_the_health_port_answers_probes_in_plaintext_and_nothing_else(tmp_path):
+    """A service with mutual TLS refuses a probe without a certificate on its port; its health port answers the
+    same health in plaintext (a Kubernetes gRPC probe) and serves no other RPC."""
+    from cotserve.common.procs import free_port, health_status
+    from cotserve.common.tlsgen import local_tls
+    from cotserve.telemetry.config import TelemetryConfig
+    from cotserve.telemetry.server import start_telemetry
+    from cotserve.telemetry.v1 import telemetry_pb2, telemetry_pb2_grpc
+
+    local_tls(tmp_path, identities=("telemetry",))
+    health_port = free_port()
+
+    async def main():
+        running = await start_telemetry(TelemetryConfig(port=0, state_file=None, tls_cert=tmp_path / "telemetry.pem",
+                                                        tls_key=tmp_path / "telemetry.key",
+                                                        tls_client_ca=tmp_path / "cotserve-local-ca.pem",
+                                                        health_port=health_port))
+        probe = f"127.0.0.1:{health_port}"
+        try:
+            statuses = await asyncio.to_thread(lambda: (health_status(running.server.address, 2.0, None),
+                                                        health_status(probe, 2.0, None)))
+            async with grpc.aio.insecure_channel(probe) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as other:
+                    await telemetry_pb2_grpc.TelemetryServiceStub(ch).GetStats(telemetry_pb2.GetStatsRequest(), timeout=5)
+        finally:
+            await running.stop()
+        stopped = await asyncio.to_thread(health_status, probe, 1.0, None)
+        return statuses, other.value.code(), stopped
+
+    (on_port, on_probe), other, stopped = asyncio.run(main())
+    assert on_port is None  # no certificate: no handshake, no answer
+    assert on_probe == 1  # SERVING
+    assert other == grpc.StatusCode.UNIMPLEMENTED
+    assert stopped is None  # the probe port closes with the service
 
 
 def _handshake(files, server_hostname: str) -> str:
@@ -160,3 +202,39 @@ def test_tls_init_makes_certificates_for_the_hosts_named(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cotserve.cli", "tls", "init", "--out", str(out), "--days", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--days" in bad.stderr
+
+
+def test_a_worker_found_through_dns_is_checked_against_the_name_it_was_found_by(tmp_path):
+    """A Kubernetes headless Service answers pod addresses, which no certificate names: the gateway checks the
+    worker's certificate against the Service's name (`worker`) instead, presenting its `gateway` identity. A worker
+    whose certificate is for another name is not taken into rotation."""
+    from cotserve.common.tlsgen import local_tls
+
+    local_tls(tmp_path, identities=("worker", "gateway", "router"))
+    ca = tmp_path / "cotserve-local-ca.pem"
+
+    async def serve(identity: str) -> bool:
+        worker = await start_worker(WorkerConfig(engine_process=False, host="127.0.0.2", port=0, max_num_seqs=4,
+                                                 tls_cert=tmp_path / f"{identity}.pem", tls_key=tmp_path / f"{identity}.key",
+                                                 tls_client_ca=ca))
+        port = worker.server.port
+
+        async def resolve(name: str, p: int) -> list[str]:
+            return [f"127.0.0.2:{port}"] if name == "worker" else []
+
+        gw = await start_gateway(GatewayConfig(port=0, worker_dns=[f"worker:{port}"], poll_interval_s=0.1,
+                                               upstream_tls_ca=ca, upstream_tls_cert=tmp_path / "gateway.pem",
+                                               upstream_tls_key=tmp_path / "gateway.key"), resolve=resolve)
+        try:
+            for _ in range(60):  # three seconds of polls
+                if gw.pool.models():
+                    async with AsyncClient(gw.server.address) as c:
+                        return (await c.generate("37+48-12=", max_new_tokens=32)).text.endswith(" 73")
+                await asyncio.sleep(0.05)
+            return False
+        finally:
+            await gw.stop()
+            await worker.stop()
+
+    assert asyncio.run(serve("worker"))  # its certificate names `worker`: served
+    assert not asyncio.run(serve("router"))  # a certificate for another name (and 127.0.0.2 in none): refused
