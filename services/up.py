@@ -40,7 +40,7 @@ def _waiter(console, stop: _Stop, start_timeout_s: float) -> Callable:
 
 
 def _greet(console, port: int, http_port: int, metrics_port: int, redis_url: str, telemetry_port: int,
-           telemetry_http_port: int, ca: Optional[Path] = None) -> None:
+           telemetry_http_port: int, ca: Optional[Path] = None, operator_env: Optional[Path] = None) -> None:
     scheme, env, cacert = ("https", f"COTSERVE_TLS_CA={ca} ", f" --cacert {ca}") if ca else ("http", "", "")
     console.print(f"cotserve is up: gateway on 127.0.0.1:{port}, OpenAI-compatible API on {scheme}://127.0.0.1:{http_port}/v1 "
                   f"(redis {redis_url})")
@@ -50,21 +50,31 @@ def _greet(console, port: int, http_port: int, metrics_port: int, redis_url: str
                   """-d '{"messages": [{"role": "user", "content": "37+48-12="}]}'""", markup=False, soft_wrap=True, highlight=False)
     console.print(f"  metrics: http://127.0.0.1:{metrics_port}/metrics (gateway) to :{metrics_port + 5} (telemetry)"
                   if metrics_port else "  metrics: off")
+    admin = f"source {operator_env} && " if operator_env else ""
     console.print(f"  latency heatmaps: {scheme}://127.0.0.1:{telemetry_http_port}/  "
-                  f"(or cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)")
+                  f"(or {admin}cotserve heatmap --address 127.0.0.1:{telemetry_port} --out heatmap.png)",
+                  markup=False, soft_wrap=True, highlight=False)
 
 
-def _local_tls(console, logs: Path):
-    """A local CA and certificates for this run (`--tls`), trusted by this process's own health checks."""
-    import os
+def _stack_tls(console, logs: Path, internal: bool, public: bool):
+    """This run's CA and certificates (in its log folder, tls/): mutual TLS between the services unless
+    `--insecure-internal`, the gateway's ports over TLS with `--tls`; the admin commands' variables in tls/operator.env."""
+    import shlex
 
-    from cotserve.common.tls import TLS_CA_ENV
-    from cotserve.common.tlsgen import local_tls
+    from cotserve.common.tlsgen import stack_tls
 
-    files = local_tls(logs / "tls")
-    os.environ[TLS_CA_ENV] = str(files.ca)
-    console.print(f"TLS: local CA {files.ca} (client certificate {files.client_cert})", markup=False, soft_wrap=True,
-                  highlight=False)
+    if not internal:
+        console.print("[yellow]warning:[/yellow] --insecure-internal: the services call each other in plaintext and "
+                      "serve any caller on their ports, with no identity checked")
+    files = stack_tls(logs / "tls", internal=internal, public=public)
+    if files is None:
+        return None
+    say = lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False)  # noqa: E731
+    say(f"TLS: local CA {files.ca}")
+    if internal:
+        env_file = files.folder / "operator.env"
+        env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in files.operator_env().items()))
+        say(f"mutual TLS between the services; the admin commands present the operator certificate after: source {env_file}")
     return files
 
 
@@ -77,8 +87,12 @@ def up(
     telemetry_http_port: int = typer.Option(8317, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Port of the live heatmap page."),
     metrics_port: int = typer.Option(9301, envvar="COTSERVE_METRICS_PORT", help="Every service's Prometheus /metrics, "
                                      "from this port up: gateway +0, worker +1, slo +2, router +3, sandbox +4, telemetry +5 (0: off)."),
-    tls: bool = typer.Option(False, "--tls", help="Every service speaks TLS only, with certificates from a local CA made for "
-                             "this run (in its log folder, tls/); clients trust it with COTSERVE_TLS_CA=<that folder>/cotserve-local-ca.pem."),
+    tls: bool = typer.Option(False, "--tls", help="The gateway's ports (gRPC, HTTP) and the heatmap page speak TLS too, "
+                             "with a server certificate from this run's CA (its log folder, tls/); clients trust it with "
+                             "COTSERVE_TLS_CA=<that folder>/cotserve-local-ca.pem."),
+    insecure_internal: bool = typer.Option(False, "--insecure-internal", help="The services call each other in "
+                                           "plaintext, with no certificate checked (default: mutual TLS, every call "
+                                           "authorized by the caller's identity; common/authz.py). Logged as a warning."),
     start_timeout_s: float = typer.Option(120.0, help="Seconds to wait for each service to report SERVING."),
     max_crashes: int = typer.Option(5, help="A service that exits this many times within two minutes stops the stack."),
 ) -> None:
@@ -92,7 +106,7 @@ def up(
 
     console = Console(stderr=True)
     logs = run_dir()
-    tls_files = _local_tls(console, logs) if tls else None
+    tls_files = _stack_tls(console, logs, not insecure_internal, tls)
     children, redis_url = stack(model, port, redis_url, telemetry_port=telemetry_port,
                                 telemetry_http_port=telemetry_http_port, log_dir=logs, http_port=http_port,
                                 metrics_port=metrics_port, tls=tls_files)
@@ -102,7 +116,8 @@ def up(
     try:
         with running(children, grace_s=5.0, wait=_waiter(console, stop, start_timeout_s)):
             _greet(console, port, http_port, metrics_port, redis_url, telemetry_port, telemetry_http_port,
-                   tls_files.ca if tls_files else None)
+                   tls_files.ca if tls_files and tls_files.public else None,
+                   tls_files.folder / "operator.env" if tls_files and tls_files.internal else None)
             supervisor = Supervisor(children, lambda line: console.print(line, markup=False, soft_wrap=True, highlight=False),
                                     start_timeout_s=start_timeout_s, max_crashes=max_crashes)
             try:

@@ -130,14 +130,24 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
                               capture_output=True, text=True, timeout=60)
         assert vote.returncode == 0, vote.stderr
         assert "\nvote: 81 (81 x" in vote.stdout and " probe tokens |" in vote.stdout, vote.stdout
-        # every service exports its spans to the telemetry service `up` started
+        # every service exports its spans to the telemetry service `up` started, over mutual TLS; the admin commands
+        # present the operator certificate from the variables up wrote (tls/operator.env), and without it are refused
+        (run,) = (tmp_path / "cache" / "cotserve" / "up").iterdir()
+        operator = dict(line.removeprefix("export ").split("=", 1) for line in (run / "tls" / "operator.env").read_text().splitlines())
+        assert f"source {run / 'tls' / 'operator.env'}" in (tmp_path / "up.log").read_text()
+        admin_env = {**os.environ, **operator}
         check = subprocess.run([sys.executable, "-m", "cotserve.cli", "trace", "check", "--address", f"127.0.0.1:{port}",
                                 "--telemetry", f"127.0.0.1:{telemetry_port}", "--n", "8", "--post-processor", "strip-think"],
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=120, env=admin_env)
         assert check.returncode == 0 and "complete and correctly parented: 8/8 = 100.0%" in check.stdout, check.stdout + check.stderr
-        heat = subprocess.run([sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{telemetry_port}"],
-                              capture_output=True, text=True, timeout=60)
+        heatmap = [sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{telemetry_port}"]
+        heat = subprocess.run(heatmap, capture_output=True, text=True, timeout=60, env=admin_env)
         assert heat.returncode == 0 and "n=12" in heat.stdout, heat.stdout + heat.stderr  # 3 generates, 1 chat, 8 checked
+        as_worker = {**admin_env, "COTSERVE_ADMIN_TLS_CERT": str(run / "tls" / "worker.pem"),
+                     "COTSERVE_ADMIN_TLS_KEY": str(run / "tls" / "worker.key")}
+        for env, code in ((os.environ, "UNAVAILABLE"), (as_worker, "PERMISSION_DENIED")):
+            refused = subprocess.run(heatmap, capture_output=True, text=True, timeout=60, env=env)
+            assert refused.returncode != 0 and code in refused.stderr, refused.stdout + refused.stderr
         # a killed worker is restarted on its port while the rest keeps running; the stack serves again
         os.kill(kids[2], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -154,7 +164,6 @@ def test_up_serves_generate_and_stops_everything_on_sigint(tmp_path):
         new_kids = children_of(proc.pid)
         assert kids[2] not in new_kids and len(new_kids) == 7 and set(kids) - {kids[2]} <= set(new_kids)
         # one log folder per run, a file per service, the restart appended to the worker's
-        (run,) = (tmp_path / "cache" / "cotserve" / "up").iterdir()
         assert {p.name for p in run.glob("*.log")} == {f"{n}.log" for n in
                                                        ("redis", "telemetry", "worker", "slo", "router", "sandbox", "gateway")}
         assert "--- cotserve up: start 2 at" in (run / "worker.log").read_text()
@@ -230,8 +239,9 @@ def test_version_prints_the_installed_version():
 
 
 def test_up_tls_serves_only_tls_clients_that_trust_its_local_ca(tmp_path):
-    """`up --tls`: a local CA made for the run; every gRPC port and the HTTP API speak TLS only; a client given the CA
-    (COTSERVE_TLS_CA) gets through, a plaintext one does not; the spans still reach telemetry over TLS."""
+    """`up --tls`: a local CA made for the run; the gateway's gRPC port, its HTTP API and the heatmap page speak TLS
+    only; a client given the CA (COTSERVE_TLS_CA) gets through, a plaintext one does not; the spans still reach
+    telemetry over mutual TLS."""
     import json
     import re
 
@@ -263,7 +273,9 @@ def test_up_tls_serves_only_tls_clients_that_trust_its_local_ca(tmp_path):
             heat = sum(c["count"] for c in json.loads(page)["cells"]) if page else 0
             time.sleep(0.5)
         admin = [sys.executable, "-m", "cotserve.cli", "heatmap", "--address", f"127.0.0.1:{tel_port}", "--metric", "ttft"]
-        admin_tls = subprocess.run(admin, capture_output=True, text=True, timeout=60, env={**env, "COTSERVE_TLS_CA": ca})
+        operator = dict(line.removeprefix("export ").split("=", 1)
+                        for line in (Path(ca).parent / "operator.env").read_text().splitlines())
+        admin_tls = subprocess.run(admin, capture_output=True, text=True, timeout=60, env={**env, **operator})
         admin_plain = subprocess.run(admin, capture_output=True, text=True, timeout=60, env=env)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
@@ -276,7 +288,7 @@ def test_up_tls_serves_only_tls_clients_that_trust_its_local_ca(tmp_path):
     assert json.loads(https.stdout)["choices"][0]["message"]["content"].strip() == "73"
     assert "data" not in insecure_http.stdout  # plain HTTP to the HTTPS port gets no answer
     assert heat == 2
-    assert admin_tls.returncode == 0 and "time to first token" in admin_tls.stdout, admin_tls.stderr  # admin commands read the CA too
+    assert admin_tls.returncode == 0 and "time to first token" in admin_tls.stdout, admin_tls.stderr  # as operator
     assert admin_plain.returncode != 0 and "UNAVAILABLE" in admin_plain.stderr
     text = log.read_text()
     assert "exited" not in text and "restarting" not in text, text  # every service came up on TLS and stayed up

@@ -328,6 +328,32 @@ def run_through_gateway(model_dir: Path, address: str | None, interval: int | No
     return GatewayRun(interval, level, cpu, ttft, prompt, ids, session)
 
 
+def gateway_plan(intervals: list, session: bool, compare_per_call: bool) -> list[tuple]:
+    """The runs through the gateway: (stream interval, on one Session) per interval, and with `compare_per_call`
+    the first interval again with a call per request."""
+    plan = [(interval, session) for interval in intervals]
+    if session and compare_per_call:
+        plan.insert(1, (intervals[0], False))
+    return plan
+
+
+def transformers_rows(model_dir: Path, ids: list[int], load: Load, single_requests: int,
+                      say: Callable[[str], None]) -> tuple[BaselineResult, BaselineResult]:
+    """transformers one request at a time, and in static batches of the load's concurrency."""
+    say(f"transformers: {single_requests} requests one at a time ...")
+    single = run_transformers(model_dir, ids, load.max_new_tokens, single_requests, 1)
+    say(f"transformers: {load.requests} requests in static batches of {load.concurrency} ...")
+    return single, run_transformers(model_dir, ids, load.max_new_tokens, load.requests, load.concurrency)
+
+
+def mtls_cost(console, model_dir: Path, load: Load, ttft_rounds: int, runs: int, say: Callable[[str], None]) -> None:
+    """What mutual TLS between the services costs under `load` (`bench/mtls.py`), printed."""
+    from cotserve.bench import mtls
+
+    mtls.print_cost(console, mtls.measure(model_dir, load.concurrency, load.prompt_tokens, load.max_new_tokens,
+                                          load.requests, ttft_rounds, runs, say))
+
+
 def service_pids(children: list) -> dict[str, int]:
     """The processes whose CPU time the bench reports: the worker's front, its engine process, the gateway."""
     if not children:

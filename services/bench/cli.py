@@ -60,12 +60,15 @@ def bench_baseline(
                                  "(AsyncClient(multiplex=True)); --no-session: a GenerateStream call each."),
     compare_per_call: bool = typer.Option(True, help="With --session, also run the first stream interval with a "
                                           "GenerateStream call per request (the client before Session)."),
+    internal_tls_runs: int = typer.Option(3, min=0, help="Load runs on two stacks side by side, internal calls in "
+                                          "plaintext and over mutual TLS: what mTLS costs (bench/mtls.py); 0: skip."),
 ) -> None:
     """Same workload through cotserve, through cotserve's engine alone and through transformers' generate; prints
     cotserve's throughput ratios and, for a stack it started, CPU time per generated token of each process (per stream
     interval), the engine alone at several batch sizes (the C kernels, with an FP8 KV cache, per operation, with the layers'
     operations in torch, the torch references compiled and eager) against the ceiling the model's matrix multiplies alone
-    set, and the TTFT the gateway adds (against a bare gRPC relay, and a gateway calling the worker per request)."""
+    set, the TTFT the gateway adds (against a bare gRPC relay, and a gateway calling the worker per request), and what
+    mutual TLS between the services costs."""
     import torch
 
     from cotserve.bench import baseline as b
@@ -77,13 +80,12 @@ def bench_baseline(
     batches = int_list(engine_batches, "1,8,32") if engine_batches.strip() else []
     intervals: list[int | None] = [None] if address is not None else list(int_list(stream_intervals, "1,8"))
     load = b.Load(concurrency, prompt_tokens, max_new_tokens, requests)
-    plan = [(interval, session) for interval in intervals]
-    if session and compare_per_call:
-        plan.insert(1, (intervals[0], False))
     runs = [b.run_through_gateway(model_dir, address, interval, load, ttft_rounds if n == 0 else 0, say, session=s)
-            for n, (interval, s) in enumerate(plan)]
+            for n, (interval, s) in enumerate(b.gateway_plan(intervals, session, compare_per_call))]
     ids = runs[0].prompt_ids
     b.print_gateway_runs(console, runs)
+    if internal_tls_runs and address is None:
+        b.mtls_cost(console, model_dir, load, ttft_rounds or 20, internal_tls_runs, say)
     # the engine alone on every core, and on the threads a worker's engine process takes here (all cores but
     # one, left to the serving processes): what the end-to-end rate is compared with
     worker_threads = WorkerConfig().cpu_threads
@@ -92,10 +94,7 @@ def bench_baseline(
     engine_only = b.run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency, torch.get_num_threads())
     engine_as_worker = b.run_engine_only(model_dir, ids, max_new_tokens, requests, concurrency, worker_threads)
     engine_rows = b.engine_batch_rows(model_dir, ids, max_new_tokens, batches, say)
-    say(f"transformers: {single_requests} requests one at a time ...")
-    single = b.run_transformers(model_dir, ids, max_new_tokens, single_requests, 1)
-    say(f"transformers: {requests} requests in static batches of {concurrency} ...")
-    static = b.run_transformers(model_dir, ids, max_new_tokens, requests, concurrency)
+    single, static = b.transformers_rows(model_dir, ids, load, single_requests, say)
     b.print_summary(console, load, model_dir, runs, [engine_only, engine_as_worker, single, static])
     b.print_ratios(console, runs, engine_as_worker, engine_only, static, worker_threads)
     b.print_ceiling(console, model_dir, load, worker_threads, engine_as_worker)

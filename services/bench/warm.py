@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager
-from typing import Callable
+from typing import Any, Callable
 
-from cotserve.common.procs import Child, wait_serving
+from cotserve.common.procs import FROM_ENV, Child, wait_serving
 from cotserve.common.procs import running as _running
 from cotserve.common.tls import client_channel
 from cotserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
-def wait_kernels_ready(address: str, timeout_s: float = 180.0) -> None:
-    """Block until the worker at `address` has compiled its CPU kernels (its Stats say so)."""
+def wait_kernels_ready(address: str, timeout_s: float = 180.0, credentials: Any = None) -> None:
+    """Block until the worker at `address` has compiled its CPU kernels (its Stats say so); `credentials` as
+    `common.tls.client_channel` takes them."""
     deadline = time.monotonic() + timeout_s
-    with client_channel(address) as channel:
+    with client_channel(address, credentials) as channel:
         stub = worker_pb2_grpc.WorkerServiceStub(channel)
         while not stub.Stats(worker_pb2.StatsRequest(), timeout=10).kernels_ready:
             if time.monotonic() > deadline:
@@ -28,7 +29,7 @@ def wait_warm(child: Child, timeout_s: float) -> None:
     """`wait_serving`, and for a worker until its kernels are compiled."""
     wait_serving(child, timeout_s, lambda: None)
     if child.name.startswith("worker"):
-        wait_kernels_ready(child.address, timeout_s)
+        wait_kernels_ready(child.address, timeout_s, None if child.credentials is FROM_ENV else child.credentials)
 
 
 def running(children: list[Child], timeout_s: float = 120.0, grace_s: float = 5.0,

@@ -14,7 +14,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,18 +23,24 @@ from cotserve.common.lifetime import ADDRESS_FILE_ENV, follow_parent
 from cotserve.common.tls import client_channel
 
 
-def health_status(address: str, timeout_s: float = 1.0) -> int | None:
-    """The server's overall health status, or None when it does not answer."""
+FROM_ENV = object()
+"""`health_status`'s credentials when not given: the admin variables (`common.tls.env_credentials`)."""
+
+
+def health_status(address: str, timeout_s: float = 1.0, credentials: Any = FROM_ENV) -> int | None:
+    """The server's overall health status, or None when it does not answer. `credentials`: grpc.ChannelCredentials,
+    None for plaintext, or (the default) from the environment."""
     try:
-        with client_channel(address) as ch:
+        with (client_channel(address) if credentials is FROM_ENV else grpc.insecure_channel(address)
+              if credentials is None else grpc.secure_channel(address, credentials)) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
             return resp.status
     except grpc.RpcError:
         return None
 
 
-def grpc_ready(address: str) -> Callable[[], bool]:
-    return lambda: health_status(address, 0.5) == health_pb2.HealthCheckResponse.SERVING
+def grpc_ready(address: str, credentials: Any = FROM_ENV) -> Callable[[], bool]:
+    return lambda: health_status(address, 0.5, credentials) == health_pb2.HealthCheckResponse.SERVING
 
 
 def redis_ready(url: str) -> Callable[[], bool]:
@@ -89,6 +95,7 @@ class Child:
     port: int = 0
     starts: int = 0
     remove_on_stop: Path | None = None  # a folder of the child's own (a socket's) to delete once it has stopped
+    credentials: Any = FROM_ENV  # how its default readiness check (health) calls it: `health_status`'s credentials
 
     @property
     def log_path(self) -> str:
@@ -140,7 +147,7 @@ class Child:
     def is_ready(self) -> bool:
         if not self._resolve():
             return False
-        return (self.ready or grpc_ready(self.address))()
+        return (self.ready or grpc_ready(self.address, self.credentials))()
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None

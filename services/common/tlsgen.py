@@ -98,6 +98,51 @@ def local_tls(folder: Path, hosts: Sequence[str] = (), days: int = 30,
     return TlsFiles(folder / "cotserve-local-ca.pem", *server, *client)
 
 
+@dataclass(frozen=True, slots=True)
+class StackTls:
+    """The certificates of a stack on one machine (`cotserve up`, the benchmarks), made by `local_tls` in `folder`:
+    mutual TLS between its services, each presenting its identity's certificate (`internal`), and the gateway's
+    public ports (gRPC, HTTP) and the heatmap page over TLS with the server certificate too (`public`)."""
+
+    folder: Path
+    internal: bool = True
+    public: bool = False
+
+    @property
+    def ca(self) -> Path:
+        return self.folder / "cotserve-local-ca.pem"
+
+    def identity(self, name: str) -> tuple[Path, Path]:
+        """`name`'s certificate and key."""
+        return self.folder / f"{name}.pem", self.folder / f"{name}.key"
+
+    def credentials(self, identity: str | None):
+        """grpc.ChannelCredentials trusting the CA and presenting `identity`'s certificate (None: none)."""
+        import grpc
+
+        cert, key = self.identity(identity) if identity else (None, None)
+        return grpc.ssl_channel_credentials(self.ca.read_bytes(), key.read_bytes() if key else None,
+                                            cert.read_bytes() if cert else None)
+
+    def operator_env(self) -> dict[str, str]:
+        """The variables with which `cotserve`'s admin commands call the services as `operator`."""
+        from cotserve.common.tls import ADMIN_TLS_CA_ENV, ADMIN_TLS_CERT_ENV, ADMIN_TLS_KEY_ENV
+
+        cert, key = self.identity("operator")
+        return {ADMIN_TLS_CA_ENV: str(self.ca), ADMIN_TLS_CERT_ENV: str(cert), ADMIN_TLS_KEY_ENV: str(key)}
+
+
+def stack_tls(folder: Path, internal: bool = True, public: bool = False) -> StackTls | None:
+    """A fresh CA and every identity's certificate in `folder` for a stack with mutual TLS inside (`internal`)
+    and/or TLS on its public ports (`public`); None when neither."""
+    from cotserve.common.authz import IDENTITIES
+
+    if not (internal or public):
+        return None
+    local_tls(folder, identities=IDENTITIES)
+    return StackTls(folder, internal, public)
+
+
 tls_app = typer.Typer(help="Certificates for TLS between cotserve's services and its clients.", no_args_is_help=True)
 
 

@@ -21,6 +21,9 @@ class TelemetryConfig(TlsSettings):
     """gRPC port of the OTLP trace receiver and TelemetryService (0 picks a free one)."""
     http_port: int | None = None
     """Serve the live heatmap page over HTTP on this port (0 picks a free one; default: no page)."""
+    http_tls: bool = True
+    """With tls_cert, serve the page over HTTPS with it (never asking browsers for client certificates); off: plain
+    HTTP, for a page on loopback while the gRPC port has mutual TLS."""
     metrics_port: int = 0
     """Port for Prometheus /metrics on `host` (0 = off)."""
     state_file: Path | None = field(default_factory=lambda: cache_dir("telemetry-state.json"))

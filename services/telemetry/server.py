@@ -252,14 +252,15 @@ async def start_telemetry(cfg: TelemetryConfig) -> RunningTelemetry:
         from cotserve.telemetry.page import start_http
 
         http, http_port = await start_http(lambda request: heatmap(state, request), cfg.host, cfg.http_port,
-                                           cfg.ssl_context())
+                                           cfg.ssl_context(client_auth=False) if cfg.http_tls else None)
     metrics_server = serve_metrics(telemetry_registry(state), cfg.host, cfg.metrics_port)
     await server.start()
     await server.set_serving()
     running = RunningTelemetry(server, state, cfg, http, http_port, None, metrics_server)
     if cfg.state_file is not None:
         running.saver = asyncio.create_task(_save_periodically(running))
-    page = f", heatmaps on http://{cfg.host}:{http_port}/" if http_port else ""
+    scheme = "https" if cfg.http_tls and cfg.tls_cert else "http"
+    page = f", heatmaps on {scheme}://{cfg.host}:{http_port}/" if http_port else ""
     log.info("SERVING telemetry (OTLP traces + TelemetryService) on %s%s", server.address, page)
     return running
 

@@ -83,8 +83,7 @@ async def check_traces(gateway: str, telemetry: str, n: int, concurrency: int = 
     failures: list[str] = []
     from cotserve.common.tls import aio_channel, env_credentials
 
-    creds = env_credentials()
-    async with aio_channel(gateway, creds) as gch, aio_channel(telemetry, creds) as tch:
+    async with aio_channel(gateway, env_credentials(admin=False)) as gch, aio_channel(telemetry, env_credentials()) as tch:
         gw, tel = gateway_pb2_grpc.GatewayServiceStub(gch), telemetry_pb2_grpc.TelemetryServiceStub(tch)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(n):

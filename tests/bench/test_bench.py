@@ -40,10 +40,14 @@ def test_throughput_command_prints_a_row_per_level(demo_gateway):
 def test_baseline_command_prints_ratios_against_transformers():
     out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "baseline", "--concurrency", "2",
                           "--requests", "2", "--single-requests", "1", "--max-new-tokens", "4", "--prompt-tokens", "16",
-                          "--engine-batches", "3", "--ttft-rounds", "3", "--stream-intervals", "1,2"],
-                         capture_output=True, text=True, timeout=300)
+                          "--engine-batches", "3", "--ttft-rounds", "3", "--stream-intervals", "1,2",
+                          "--internal-tls-runs", "1"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr + out.stdout
     assert "transformers one-at-a-time" in out.stdout and "transformers static batch of 2" in out.stdout
+    # what mutual TLS between the services costs: both stacks measured, the cost against its goals
+    assert "plaintext (--insecure-internal)" in out.stdout and "mutual TLS (the default)" in out.stdout
+    assert re.search(r"mutual TLS costs [+-][\d.]+% of end-to-end tokens/s \(goal <= 5%: (met|NOT met)\) and "
+                     r"[+-][\d.]+ ms of TTFT through the gateway", out.stdout), out.stdout
     import os
 
     worker_threads = max(1, (os.cpu_count() or 2) - 1)  # a worker's engine process takes all cores but one
