@@ -21,10 +21,14 @@ def test_compose_runs_every_service_and_each_exports_to_the_collector():
         if name == "telemetry":
             assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in spec.get("environment", {})  # never exports to itself
             continue
-        assert spec["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317", name
+        env = spec["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "https://otel-collector:4317", name  # over mutual TLS
+        assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "false"
+        assert (env["OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"], env["OTEL_EXPORTER_OTLP_CLIENT_KEY"],
+                env["OTEL_EXPORTER_OTLP_CERTIFICATE"]) == tuple(f"/etc/cotserve/tls/{f}" for f in ("tls.crt", "tls.key", "ca.crt"))
     assert compose["telemetry"]["command"][4:7] == ["--port", "4317", "--http-port"]
     volumes = compose["otel-collector"]["volumes"]
-    assert "./otel-collector.yaml:/etc/otelcol/config.yaml:ro" in volumes
+    assert "./otel-collector.yaml:/etc/otelcol/config.yaml:ro" in volumes and "tls-collector:/etc/otelcol/tls:ro" in volumes
 
 
 def test_collector_fans_traces_out_to_telemetry_and_jaeger():
@@ -34,6 +38,11 @@ def test_collector_fans_traces_out_to_telemetry_and_jaeger():
     endpoints = {cfg["exporters"][e]["endpoint"] for e in pipeline["exporters"]}
     assert endpoints == {"telemetry:4317", "jaeger:4317"}
     assert set(pipeline["processors"]) <= set(cfg["processors"])
+    # mutual TLS in (the services' certificates of the stack's CA) and out to the telemetry service (its own)
+    own = {"cert_file": "/etc/otelcol/tls/tls.crt", "key_file": "/etc/otelcol/tls/tls.key"}
+    for protocol in cfg["receivers"]["otlp"]["protocols"].values():
+        assert protocol["tls"] == {**own, "client_ca_file": "/etc/otelcol/tls/ca.crt"}
+    assert cfg["exporters"]["otlp/cotserve-telemetry"]["tls"] == {**own, "ca_file": "/etc/otelcol/tls/ca.crt"}
 
 
 def _dockerfile() -> list[tuple[str, str]]:
@@ -102,16 +111,19 @@ def test_the_image_runs_as_a_user_and_builds_dependencies_before_the_code():
         if "build" in spec:
             for mapping in spec.get("ports", []):
                 assert int(str(mapping).split(":")[-1]) in exposed, (name, mapping)
-    # the state folders the stack mounts volumes on exist in the image, owned by its user
+    # the state folders the stack mounts volumes on exist in the image, owned by its user (the certificates are
+    # mounted read-only, on the certs service's copies)
     made = next(rest for k, rest in steps if k == "RUN" and "useradd" in rest)
     for name, spec in compose.items():
         for volume in spec.get("volumes", []) if "build" in spec else []:
+            if volume.endswith(":ro"):
+                continue
             inside = volume.split(":")[1]
             assert inside in made.split() and "chown -R cotserve:cotserve /var/lib/cotserve" in made, (name, inside)
     ignored = [ln.strip() for ln in (DEPLOY.parent / ".dockerignore").read_text().splitlines()
                if ln.strip() and not ln.startswith("#")]
     assert not {"services", "kernels", "pyproject.toml", "README.md", "LICENSE"} & set(ignored)
-    assert {".git", "deploy/envoy/tls"} <= set(ignored)
+    assert {".git", "deploy/tls"} <= set(ignored)
 
 
 def test_compose_puts_envoy_in_front_of_the_gateway_with_its_files():
@@ -133,17 +145,63 @@ def test_compose_puts_envoy_in_front_of_the_gateway_with_its_files():
 
 def test_envoy_runs_as_its_own_user_without_capabilities_on_copies_of_its_certificates_that_it_alone_reads():
     compose = _compose()
-    envoy, certs = compose["services"]["envoy"], compose["services"]["envoy-certs"]
+    envoy, certs = compose["services"]["envoy"], compose["services"]["certs"]
     assert envoy["user"] == "101:101" and envoy["cap_drop"] == ["ALL"]
     assert envoy["security_opt"] == ["no-new-privileges:true"] and "ENVOY_UID" not in envoy.get("environment", {})
     assert "envoy-tls:/etc/envoy/tls:ro" in envoy["volumes"] and "envoy-tls" in compose["volumes"]
-    assert envoy["depends_on"]["envoy-certs"]["condition"] == "service_completed_successfully"
-    # the one-shot copy: host files in read-only, out to the volume owned by uid 101, the key readable by it alone
+    assert envoy["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    # the one-shot copy: host files in read-only, out to the volume owned by uid 101, the keys readable by it alone
     assert certs["image"] == envoy["image"] and certs["network_mode"] == "none" and certs["restart"] == "no"
-    assert set(certs["volumes"]) == {"./envoy/tls:/from:ro", "envoy-tls:/to"}
     script = certs["entrypoint"][-1]
-    assert "chown -R 101:101 /to" in script and "chmod 0400 /to/*.key" in script
-    assert [a for a in script.split() if a.startswith("/to/")] == ["/to/", "/to/*.pem", "/to/*.key"]
+    assert "./tls:/from:ro" in certs["volumes"] and "envoy-tls:/to/envoy" in certs["volumes"]
+    assert "chown -R 101:101 /to/envoy" in script and "chmod 0400 /to/*/*.key" in script
+
+
+def test_every_service_serves_mutual_tls_with_its_own_identity_from_a_volume_of_its_own():
+    """Each cotserve service mounts only its own copy of its identity's certificate (read-only, made by the certs
+    service after it ran), serves its port with it and asks callers for theirs (the gateway: TLS for Envoy, and its
+    identity to the services it calls); health checks ask the plaintext health-only port; the copy of each identity's
+    files is owned by the user the service runs as, the key readable by it alone."""
+    from tests.cli_parse import parse_cli
+
+    from cotserve.common.authz import IDENTITIES
+
+    compose = _compose()
+    services, certs = compose["services"], compose["services"]["certs"]
+    script = certs["entrypoint"][-1]
+    loop = script.split("for id in ", 1)[1].split(";", 1)[0].split()
+    assert loop == [i for i in IDENTITIES if i != "operator"]  # every identity but the operator's (a person's)
+    for copy in ("cp /from/$$id.pem /to/$$id/tls.crt", "cp /from/$$id.key /to/$$id/tls.key",
+                 "cp /from/cotserve-local-ca.pem /to/$$id/ca.crt", "chown -R 10001:10001 /to/$$id"):
+        assert copy in script
+    served = {name: spec for name, spec in services.items() if spec.get("command", [None])[0] == "serve"}
+    tls = {f: f"/etc/cotserve/tls/{f}" for f in ("tls.crt", "tls.key", "ca.crt")}
+    for name, spec in served.items():
+        own = [v for v in spec["volumes"] if v.startswith("tls-")]
+        assert own == [f"tls-{name}:/etc/cotserve/tls:ro"] and f"tls-{name}:/to/{name}" in certs["volumes"], name
+        assert spec["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+        _, params = parse_cli(spec["command"])
+        assert (str(params["tls_cert"]), str(params["tls_key"])) == (tls["tls.crt"], tls["tls.key"]), name
+        assert params["health_port"] == 8081 and "health_status('127.0.0.1:8081')" in spec["healthcheck"]["test"][-1]
+        if name == "gateway":
+            assert params["tls_client_ca"] is None  # tenants authenticate with API keys
+            assert tuple(str(params[f"upstream_tls_{k}"]) for k in ("ca", "cert", "key")) == (
+                tls["ca.crt"], tls["tls.crt"], tls["tls.key"])
+        else:
+            assert str(params["tls_client_ca"]) == tls["ca.crt"], name
+
+
+def test_envoy_calls_the_gateway_and_the_collector_over_tls_checking_their_names():
+    cfg = yaml.safe_load((DEPLOY / "envoy" / "envoy.yaml").read_text())
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    for name, sni, client in (("cotserve_gateway_grpc", "gateway", False), ("cotserve_gateway_http", "gateway", False),
+                              ("otel_collector", "collector", True)):
+        context = clusters[name]["transport_socket"]["typed_config"]
+        assert context["sni"] == sni
+        validation = context["common_tls_context"]["validation_context"]
+        assert validation["trusted_ca"]["filename"] == "/etc/envoy/tls/cotserve-local-ca.pem"
+        assert validation["match_typed_subject_alt_names"] == [{"san_type": "DNS", "matcher": {"exact": sni}}]
+        assert ("tls_certificates" in context["common_tls_context"]) == client, name
 
 
 def test_compose_publishes_only_envoy_and_grafana_beyond_this_host():

@@ -307,3 +307,35 @@ def test_tenants_and_the_sandbox_admin_token_come_from_secrets_the_manifests_do_
     assert volume["secret"]["secretName"] == secret and volume["secret"]["items"] == [{"key": key, "path": name}]
     assert volume["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
     assert not [e for e in c.get("env", []) if "TOKEN" in e["name"] or "TENANT" in e["name"]]
+
+
+@pytest.mark.parametrize("folder", ["overlays/cpu", "overlays/gpu"])
+def test_every_service_serves_mutual_tls_with_its_identity_from_a_secret_of_its_own(rendered, folder):
+    """Each cotserve pod mounts only its own identity's Secret (cotserve-tls-<service>: tls.crt, tls.key, ca.crt;
+    read-only, the pod's group alone), serves mutual TLS with it (the gateway: its identity to the services it calls,
+    its own port for tenants with API keys), exports spans over mutual TLS, and is probed on the plaintext health-only
+    port, which kubelet's gRPC probes (no TLS) can reach."""
+    docs = rendered[folder]
+    tls = {f: f"/etc/cotserve/tls/{f}" for f in ("tls.crt", "tls.key", "ca.crt")}
+    for dep, c in cotserve_containers(docs):
+        name, pod = dep["metadata"]["name"], dep["spec"]["template"]["spec"]
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/etc/cotserve/tls"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert mount["readOnly"] is True and volume["secret"] == {"secretName": f"cotserve-tls-{name}", "defaultMode": 0o440}
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"], name
+        _, params = parse_cli(c["args"])
+        assert (str(params["tls_cert"]), str(params["tls_key"])) == (tls["tls.crt"], tls["tls.key"]), name
+        if name == "gateway":
+            assert params["tls_client_ca"] is None
+            assert tuple(str(params[f"upstream_tls_{k}"]) for k in ("ca", "cert", "key")) == (tls["ca.crt"], tls["tls.crt"], tls["tls.key"])
+        else:
+            assert str(params["tls_client_ca"]) == tls["ca.crt"], name
+        assert params["health_port"] == 8081 and _port_names(c)["health"] == 8081, name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if probe in c:
+                assert c[probe]["grpc"] == {"port": 8081}, (name, probe)
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        if name != "telemetry":
+            assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "https://telemetry:4317", name
+            assert (env["OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE"], env["OTEL_EXPORTER_OTLP_CLIENT_KEY"],
+                    env["OTEL_EXPORTER_OTLP_CERTIFICATE"]) == (tls["tls.crt"], tls["tls.key"], tls["ca.crt"]), name
