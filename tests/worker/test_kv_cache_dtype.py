@@ -141,7 +141,10 @@ def test_stats_report_the_kv_bytes_in_use():
                 stub = worker_pb2_grpc.WorkerServiceStub(ch)
                 info = await stub.Info(worker_pb2.InfoRequest())
                 during = None
-                async for _ in stub.Generate(worker_pb2.GenerateRequest(prompt_text="37+48-12+5-9+11=")):
+                # long enough that the request still holds its blocks when the Stats call arrives, however loaded
+                request = worker_pb2.GenerateRequest(prompt_text="37+48-12+5-9+11=",
+                                                     sampling={"max_new_tokens": 200, "ignore_eos": True})
+                async for _ in stub.Generate(request):
                     if during is None:
                         during = await stub.Stats(worker_pb2.StatsRequest())
                 for _ in range(50):
