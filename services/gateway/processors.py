@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from cotserve.common.errors import NotFound, Unavailable
+from cotserve.common.errors import FailedPrecondition, NotFound, Unavailable
 from cotserve.common.tls import aio_channel
 from cotserve.common.tracing import RECONNECT_OPTIONS, client_interceptors
 from cotserve.gateway.tenants import PermissionDenied, Tenant
@@ -57,8 +57,12 @@ class Processors:
     async def apply(self, field_name: str, module: str, text: str, tenant: Tenant, timeout_s: float | None) -> str:
         """Run `module` on `text`; return its output, or raise the request's error."""
         self.check_allowed(field_name, module, tenant)
-        if self.address is None:
-            return self._failed(field_name, module, text, "no sandbox service is configured for this gateway")
+        if self.address is None:  # the request names what this deployment cannot run: retrying will not help
+            if module in self.fail_open:
+                log.warning("%s %s failed open: no sandbox service is configured", field_name, module)
+                return text
+            raise FailedPrecondition(f"{field_name}: module {module!r} cannot run: this gateway has no sandbox service "
+                                     "(--sandbox)")
         try:
             resp = await self._client().Run(sandbox_pb2.RunRequest(name=module, input=text.encode()),
                                             timeout=min(RUN_TIMEOUT_S, timeout_s) if timeout_s else RUN_TIMEOUT_S)

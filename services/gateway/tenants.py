@@ -104,27 +104,37 @@ class TenantRegistry:
 
 def load_tenants(path: Path) -> dict[str, Tenant]:
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"tenants_file: {path} not found") from None
+    except OSError as exc:
+        raise ValueError(f"tenants_file: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"tenants_file: {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"tenants_file: {path} is not valid TOML ({exc})") from None
     out: dict[str, Tenant] = {}
-    for name, spec in (raw.get("tenants") or {}).items():
+    tables = raw.get("tenants") or {}
+    if not isinstance(tables, dict):
+        raise ValueError(f"tenants_file: {path}: `tenants` must be a table of [tenants.NAME] tables")
+    for name, spec in tables.items():
         where = f"tenants_file: {path}: tenant {name!r}"
         if not _NAME.match(name) or not isinstance(spec, dict):
             raise ValueError(f"{where}: names are 1-64 of A-Z a-z 0-9 _ . -, each a table")
         hashes = spec.get("key_sha256", [])
         if not isinstance(hashes, list) or not all(isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes):
             raise ValueError(f"{where}: key_sha256 must be a list of 64-hex-digit SHA-256 hashes")
+        listed = spec.get("sla_classes", [c.name.lower() for c in DEFAULT_CLASSES])
         try:
-            classes = frozenset(SlaClass[c.upper()] for c in spec.get("sla_classes", [c.name.lower() for c in DEFAULT_CLASSES]))
+            if not isinstance(listed, list):
+                raise KeyError(listed)
+            classes = frozenset(SlaClass[c.upper()] for c in listed)
         except (KeyError, AttributeError):
             raise ValueError(f"{where}: sla_classes must list realtime, interactive and/or batch") from None
         limits = {}
         for key in _LIMITS:
             value = spec.get(key)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{where}: {key} must be an integer >= 1 (or absent for no limit)")
             limits[key] = value
         modules = spec.get("modules")

@@ -144,3 +144,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"messages: the chat template tried something its sandbox forbids ({exc})") from None
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"messages: the model's chat template refused them: {exc}") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+            # the template is the model's and fixed: what it trips over is the messages (a null content added to a
+            # string, a missing key), so the client's request is what is wrong, not the server
+            raise ChatTemplateError(f"messages: the model's chat template failed on them ({type(exc).__name__}: "
+                                    f"{str(exc)[:200]})") from None

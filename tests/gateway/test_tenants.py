@@ -71,6 +71,9 @@ def test_class_not_allowed_is_permission_denied():
     ("[tenants.a]\nkey_sha256 = ['xyz']\n", "key_sha256 must be a list of 64-hex-digit SHA-256 hashes"),
     ("[tenants.a]\nsla_classes = ['gold']\n", "sla_classes must list realtime, interactive and/or batch"),
     ("[tenants.a]\nrequests_per_min = 0\n", "requests_per_min must be an integer >= 1"),
+    ("[tenants.a]\nmax_concurrent = true\n", "max_concurrent must be an integer >= 1"),  # a boolean is no count
+    ("[tenants.a]\nsla_classes = 5\n", "sla_classes must list realtime, interactive and/or batch"),
+    ("tenants = 5\n", "`tenants` must be a table of"),
     ("[tenants]\n", "defines no [tenants.NAME] table"),
     ("not toml = = =", "is not valid TOML"),
 ])

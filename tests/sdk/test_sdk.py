@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from cotserve.sdk import (
-    AsyncClient, Client, GenerateResult, InvalidArgument, NotFound, StreamChunk, Timing, Unavailable, Usage,
+    AsyncClient, Client, FailedPrecondition, GenerateResult, InvalidArgument, NotFound, StreamChunk, Timing, Usage,
 )
 from tests.conftest import wait_worker_idle, worker_stats
 
@@ -62,8 +62,8 @@ def test_list_models_and_tokenize(client):
     (dict(sla="urgent"), InvalidArgument, "sla: 'urgent' is not an SLA class (allowed: realtime, interactive, batch)"),
     (dict(prompt="1+" * 300), InvalidArgument, "prompt: 601 tokens is over the model's context"),
     (dict(model="gpt-9"), NotFound, "model: 'gpt-9' is not served here (served: cotserve-demo)"),
-    (dict(post_processor="strip-think"), Unavailable,
-     "post_processor: strip-think failed and is fail-closed: no sandbox service is configured for this gateway"),
+    (dict(post_processor="strip-think"), FailedPrecondition,
+     "post_processor: module 'strip-think' cannot run: this gateway has no sandbox service (--sandbox)"),
 ])
 def test_bad_input_raises_the_matching_sdk_error_and_leaks_nothing(client, demo_worker, kwargs, exc, message):
     prompt = kwargs.pop("prompt", "1+1=")
@@ -71,7 +71,7 @@ def test_bad_input_raises_the_matching_sdk_error_and_leaks_nothing(client, demo_
         client.generate(prompt, **kwargs)
     assert message in err.value.message
     assert err.value.code == getattr(grpc.StatusCode, {InvalidArgument: "INVALID_ARGUMENT", NotFound: "NOT_FOUND",
-                                                        Unavailable: "UNAVAILABLE"}[exc])
+                                                        FailedPrecondition: "FAILED_PRECONDITION"}[exc])
     with pytest.raises(exc):
         list(client.stream(prompt, **kwargs))
     wait_worker_idle(demo_worker)

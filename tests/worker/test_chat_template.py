@@ -131,6 +131,13 @@ def test_raise_exception_becomes_an_error_naming_messages():
         ours(LLAMA_LIKE).render(bad)
 
 
+def test_a_template_tripping_over_the_messages_is_their_error_not_the_servers():
+    """A null content added to a string (ChatML's `'...' + message['content']`) raises TypeError inside the template:
+    an error naming messages (400), not an unexpected exception (500)."""
+    with pytest.raises(ChatTemplateError, match=r"messages: the model's chat template failed on them \(TypeError: "):
+        ours(CHATML).render([{"role": "user", "content": None}])
+
+
 @pytest.mark.parametrize("escape", ["{{ ''.__class__.__mro__ }}", "{{ messages.append(1) }}",
                                     "{{ raise_exception.__globals__ }}"])
 def test_the_sandbox_holds(escape):
