@@ -1,5 +1,6 @@
 """The gateway's OpenAI-compatible HTTP API (`--http-port`): `POST /v1/chat/completions`, `POST /v1/completions`,
-`GET /v1/models` and `GET /health`, served by aiohttp on the gateway's own event loop beside its gRPC server.
+`GET /v1/models`, `GET /health` and `GET /openapi.json` (`gateway/openapi.py`), served by aiohttp on the gateway's
+own event loop beside its gRPC server.
 
 Every request goes through the same relay as a gRPC one (`gateway/relay.py`): the tenant's key
 (`Authorization: Bearer`), admission, quotas, pre- and post-processors, the worker call with its retry, metrics,
@@ -239,6 +240,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/openapi.json", self._openapi)
         # handler_cancellation: a client that disconnects cancels its request, streamed or not (the worker's pages
         # are freed at its next step)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
@@ -326,6 +328,14 @@ class OpenAIServer:
     async def _health(self, request: web.Request) -> web.Response:
         healthy = any(w.healthy for w in self.relay.pool.workers)
         return _json_response(200 if healthy else 503, {"status": "SERVING" if healthy else "NOT_SERVING"})
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        """This API's OpenAPI document (`gateway/openapi.py`); public, as the API's shape is no secret."""
+        from importlib.metadata import version
+
+        from cotserve.gateway.openapi import document
+
+        return _json_response(200, document(version("cotserve")))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")

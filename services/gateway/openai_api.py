@@ -95,6 +95,8 @@ class _Body:
         value = self.data.get(name)
         if value is None:
             return default
+        if kind == "integer" and isinstance(value, float) and value.is_integer():
+            value = int(value)  # 2.0 is an integer to JSON Schema (and to OpenAI's API): take it as one
         ok = {"string": isinstance(value, str), "boolean": isinstance(value, bool), "object": isinstance(value, dict),
               "integer": isinstance(value, int) and not isinstance(value, bool),
               "number": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
@@ -195,10 +197,11 @@ def _messages(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
             raise ApiError(f"{where}.role", "required: a non-empty string")
         content = m.get("content")
         msg = req.messages.add(role=role, content="" if content is None else _text_content(content, f"{where}.content"))
+        for key in ("name", "reasoning", "reasoning_content"):  # each checked, though only one reasoning is kept
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ApiError(f"{where}.{key}", f"expected a string, got {_type_name(m[key])}")
         thought = m.get("reasoning", m.get("reasoning_content"))
         if thought is not None:
-            if not isinstance(thought, str):
-                raise ApiError(f"{where}.reasoning", f"expected a string, got {_type_name(thought)}")
             msg.reasoning_content = thought
 
 
@@ -242,7 +245,7 @@ def _sampling(kind: str, body: _Body, api: ApiRequest) -> None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise ApiError("stop", f"expected a string or an array of strings, got {_type_name(stop)}")
         sp.stop.extend(stops)
-    ids = body.get("stop_token_ids", "array", [])
+    ids = [int(t) if isinstance(t, float) and t.is_integer() else t for t in body.get("stop_token_ids", "array", [])]
     if not all(isinstance(t, int) and not isinstance(t, bool) and _UINT32[0] <= t <= _UINT32[1] for t in ids):
         raise ApiError("stop_token_ids", "expected an array of token ids (integers >= 0)")
     sp.stop_token_ids.extend(ids)
