@@ -66,12 +66,12 @@ class WorkerConfig(TlsSettings):
     """Share of each step's token budget kept for BATCH work when there is any (0..1)."""
     metrics_port: int = 0
     """Port for Prometheus /metrics on `host` (0 = off)."""
-    scheduling: str = "priority-yield"
-    """Scheduling policy: priority-yield (SLA class, then arrival; a step that computes a REALTIME/INTERACTIVE prompt
-    runs no BATCH work, at most every other step, so an urgent first token waits on urgent work only), tenant-fair
-    (as priority-yield, and within a class each tenant a fair share of the steps: one tenant's backlog does not make
-    another's requests wait behind it), priority (SLA class, then arrival, BATCH decoding beside urgent prompts) or
-    fifo (arrival only; a baseline for benchmarks)."""
+    scheduling: str = "tenant-fair"
+    """Scheduling policy: tenant-fair (as priority-yield, and within a class each tenant a fair share of the steps and
+    of the seats: one tenant's backlog or long-running samples do not make another's requests wait behind them),
+    priority-yield (SLA class, then arrival; a step that computes a REALTIME/INTERACTIVE prompt runs no BATCH work, at
+    most every other step, so an urgent first token waits on urgent work only), priority (SLA class, then arrival,
+    BATCH decoding beside urgent prompts) or fifo (arrival only; a baseline for benchmarks)."""
     max_batch_tokens_when_urgent: int = 256
     """BATCH tokens per step at most while REALTIME/INTERACTIVE work is present (BATCH's share still holds)."""
     redis_url: str | None = None

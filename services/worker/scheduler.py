@@ -67,7 +67,7 @@ class WaitingQueue:
     leaves), counted as they come and go: per class, the urgent ones with prompt tokens to compute, and per request
     (probes aside), so no step sorts or scans it. Read it as a sequence; change it only through `add` and `remove`."""
 
-    __slots__ = ("key", "seqs", "by_class", "urgent_prompts", "requests")
+    __slots__ = ("key", "seqs", "by_class", "urgent_prompts", "requests", "tenants")
 
     def __init__(self, key: Callable[[Sequence], tuple]) -> None:
         self.key = key
@@ -75,6 +75,7 @@ class WaitingQueue:
         self.by_class = [0] * len(SlaClass)  # waiting sequences (probes included) per class
         self.urgent_prompts = 0  # waiting REALTIME/INTERACTIVE sequences with prompt tokens to compute
         self.requests: dict[str, int] = {}  # request id -> its waiting sequences (not probes)
+        self.tenants: list[dict[str, int]] = [{} for _ in SlaClass]  # per class: tenant -> its waiting sequences
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -107,6 +108,11 @@ class WaitingQueue:
         """Count `seq` joining (n = 1) or leaving (-1). What is counted of it does not change while it waits: nothing
         computes a waiting sequence (one preempted starts again from no computed tokens)."""
         self.by_class[seq.sla_class] += n
+        tenants = self.tenants[seq.sla_class]
+        if tenants.get(seq.tenant, 0) + n:
+            tenants[seq.tenant] = tenants.get(seq.tenant, 0) + n
+        else:
+            del tenants[seq.tenant]
         if seq.sla_class != SlaClass.BATCH and seq.num_computed_tokens < len(seq) - 1:
             self.urgent_prompts += n
         if not seq.is_probe:
@@ -205,6 +211,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        for victim in self.policy.rebalance(self):  # seats the policy takes back first (tenant-fair: over-share work)
+            self._preempt(victim, requeue=True)
+            batch.preempted.append(victim)
         rules = self.policy.step_rules(self)
         paused, may_yield, reserve, batch_cap = rules.paused, rules.may_yield, rules.reserve, rules.batch_cap
         used_urgent = used_batch = 0
@@ -388,13 +397,17 @@ class Scheduler:
             batch.preempted.append(victim)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, requeue: bool = False) -> None:
+        """Take `seq` off the batch (its blocks freed; it is recomputed when readmitted). It keeps its place in the
+        waiting order, unless `requeue`: then the policy places it as if it had just arrived (`on_add`)."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         seq.record(TraceEvent.PREEMPTED)
         self.num_preemptions_total += 1
+        if requeue:
+            self.policy.on_add(seq)
         self.waiting.add(seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:

@@ -57,8 +57,14 @@ class SchedulingPolicy:
     def step_rules(self, sched: Scheduler) -> StepRules:
         return StepRules(batch_cap=sched.max_num_batched_tokens)
 
+    def rebalance(self, sched: Scheduler) -> list[Sequence]:
+        """Running sequences to preempt at the start of a step, before its walk (none here); the scheduler queues
+        each again as if it had just arrived (`on_add`)."""
+        return []
+
     def on_add(self, seq: Sequence) -> None:
-        """A new sequence joins the waiting queue (not one back from preemption: it keeps what it had)."""
+        """A new sequence joins the waiting queue (not one back from preemption: it keeps what it had, unless the
+        policy's own `rebalance` took its seat)."""
 
     def on_admit(self, seq: Sequence) -> None:
         """A waiting sequence starts running."""
@@ -126,7 +132,11 @@ class TenantFair(PriorityYield):
     max_new_tokens, in tokens), and the class's queue is served in tag order; the virtual time follows the tags of
     the sequences that start. So a tenant that queues a hundred requests does not make another's one request wait
     behind them: the newcomer's tag is about the virtual time now, ahead of the backlog's later tags. A preempted
-    sequence keeps its tag, as it keeps its arrival under `priority`; samples and probes share their request's."""
+    sequence keeps its tag, as it keeps its arrival under `priority`; samples and probes share their request's.
+
+    Tags order the queue; seats are shared too (`rebalance`): a tenant holding more than its fair share of a class's
+    seats gives the excess back, newest first, the step another tenant of the class waits, so a newcomer does not wait
+    for the seats of another's long-running samples to free. With one tenant it orders as `priority-yield`."""
 
     name: ClassVar[str] = "tenant-fair"
 
@@ -136,6 +146,35 @@ class TenantFair(PriorityYield):
 
     def key(self, seq: Sequence) -> tuple[int, float, int]:
         return (int(seq.sla_class), seq.fair_tag, seq.seq_id)
+
+    def rebalance(self, sched: Scheduler) -> list[Sequence]:
+        """Seats back from tenants over their fair share for tenants under it that wait, within each class: a
+        class's fair share is the seats over the tenants with work of that class (running or waiting), so a tenant
+        alone uses every seat and is the first to give them back when another arrives. The seats the waiting tenants
+        could take (up to their share, up to what they wait with) less the free ones are taken from the tenants most
+        over their share, each one's newest sequence first; it queues again behind its tenant's other work."""
+        victims: list[Sequence] = []
+        free = sched.max_num_seqs - sched.seats_taken
+        for cls in SlaClass:
+            waiting = sched.waiting.tenants[cls]
+            if not waiting:
+                continue
+            running = [r for r in sched.running if r.sla_class == cls]
+            held: dict[str, int] = {}
+            for r in running:
+                held[r.tenant] = held.get(r.tenant, 0) + r.group_size
+            share = sched.max_num_seqs / len(set(held) | set(waiting))
+            want = sum(min(n, math.floor(share - held.get(t, 0))) for t, n in waiting.items() if held.get(t, 0) < share)
+            need = want - free
+            for victim in sorted(running, key=self.key, reverse=True):
+                if need <= 0:
+                    break
+                if held[victim.tenant] - victim.group_size >= share:
+                    victims.append(victim)
+                    held[victim.tenant] -= victim.group_size
+                    need -= victim.group_size
+            free = max(0, free - want)
+        return victims
 
     def on_add(self, seq: Sequence) -> None:
         seq.fair_tag = self.clocks[int(seq.sla_class)].tag(seq.tenant, seq.max_len * seq.group_size)

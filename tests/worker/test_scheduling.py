@@ -8,7 +8,9 @@ import pytest
 from cotserve.worker.block_manager import BlockManager
 from cotserve.worker.config import WorkerConfig
 from cotserve.worker.scheduler import Scheduler
-from cotserve.worker.scheduling import POLICIES, Priority, PriorityYield, SchedulingPolicy, StepRules, make_policy
+from cotserve.worker.scheduling import (
+    POLICIES, Priority, PriorityYield, SchedulingPolicy, StepRules, TenantFair, make_policy,
+)
 from cotserve.worker.sequence import SamplingParams, Sequence, SlaClass
 from tests.worker.test_scheduler import assert_no_leak, run_step
 
@@ -26,9 +28,9 @@ def test_policies_are_chosen_by_name_and_a_bad_name_lists_them():
         make_policy("priority", batch_min_share=1.5)
 
 
-def test_the_default_scheduler_yields_batch_to_urgent_prompts():
+def test_the_default_scheduler_yields_batch_to_urgent_prompts_and_a_worker_shares_between_tenants():
     assert type(Scheduler(BlockManager(8, 4), 4, 64).policy) is PriorityYield
-    assert WorkerConfig().scheduling == "priority-yield"
+    assert WorkerConfig().scheduling == "tenant-fair" and issubclass(TenantFair, PriorityYield)
 
 
 def test_fifo_keeps_no_share_for_batch_and_never_pauses_it():
@@ -96,3 +98,30 @@ def test_tenant_fair_keeps_classes_first_and_a_preempted_sequence_its_tag():
         run_step(s, s.schedule())
     s._preempt(batch_a)
     assert batch_a.fair_tag == tag and batch_a in s.waiting
+
+
+def seats_run(policy: str) -> tuple[list[str], list[str], int]:
+    """Tenant a's four long INTERACTIVE requests hold all four seats; then tenant b sends three. Which requests run
+    in the step after b's arrive, which wait, and how many preemptions it took."""
+    s = Scheduler(BlockManager(256, 4), 4, 256, make_policy(policy))
+    for i in range(4):
+        s.add(Sequence(f"a{i}", [1, 2, 3, 4], SamplingParams(max_new_tokens=50), arrival_time=float(i), tenant="a"))
+    run_step(s, s.schedule())
+    assert sorted(q.request_id for q in s.running) == ["a0", "a1", "a2", "a3"]
+    for i in range(3):
+        s.add(Sequence(f"b{i}", [5, 6, 7, 8], SamplingParams(max_new_tokens=2), arrival_time=10.0 + i, tenant="b"))
+    batch = s.schedule()
+    run_step(s, batch)
+    assert_no_leak(s)
+    return (sorted(i.seq.request_id for i in batch.items), sorted(q.request_id for q in s.waiting),
+            s.num_preemptions_total)
+
+
+def test_tenant_fair_gives_a_newcomer_its_share_of_the_seats_at_once():
+    """Under `tenant-fair`, a tenant holding every seat gives back the ones over its fair share (seats over the
+    tenants with work: 2 of 4 here) the step another tenant's requests arrive, its newest first; the newcomer gets its
+    share and no more (its third request waits). Under `priority-yield`, the newcomer waits for a seat to free."""
+    ran, waiting, preempted = seats_run("priority-yield")
+    assert ran == ["a0", "a1", "a2", "a3"] and waiting == ["b0", "b1", "b2"] and preempted == 0
+    ran, waiting, preempted = seats_run("tenant-fair")
+    assert ran == ["a0", "a1", "b0", "b1"] and waiting == ["a2", "a3", "b2"] and preempted == 2
