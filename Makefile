@@ -30,7 +30,7 @@ test: install-dev browser
 ## The property-based tests of untrusted input, longer and with a fresh seed (the suite runs them bounded and repeatable).
 fuzz: install-dev
 	COTSERVE_FUZZ_EXAMPLES=$${COTSERVE_FUZZ_EXAMPLES:-5000} $(PYTHON) -m pytest -q tests/gateway/test_fuzz.py \
-		tests/gateway/test_openapi_fuzz.py tests/gateway/test_parser_fuzz.py
+		tests/gateway/test_openapi_fuzz.py tests/gateway/test_parser_fuzz.py tests/gateway/test_grpc_fuzz.py
 
 # Headless Chromium for tests/telemetry/test_page.py: Debian's package, installed when missing and
 # we are root; otherwise that test is skipped (CI sets COTSERVE_REQUIRE_BROWSER=1 to make it fail).

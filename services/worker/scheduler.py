@@ -123,6 +123,21 @@ class WaitingQueue:
                 del self.requests[seq.request_id]
 
 
+def walk(running: list[Sequence], waiting: list[Sequence], key: Callable[[Sequence], tuple],
+         admitting: Callable[[], bool]) -> Iterator[Sequence]:
+    """Running and waiting sequences (each list in `key` order) merged in `key` order, the waiting ones only while
+    `admitting()`: once one cannot be admitted, strict priority admits nothing newer this step, so the rest of the
+    queue is not walked (the queue is kept in order: a copy of it, not a sort)."""
+    i = j = 0
+    while i < len(running) or (j < len(waiting) and admitting()):
+        if j < len(waiting) and admitting() and (i == len(running) or key(waiting[j]) < key(running[i])):
+            j += 1
+            yield waiting[j - 1]
+        else:
+            i += 1
+            yield running[i - 1]
+
+
 class Scheduler:
     """Waiting and running queues over one `BlockManager`, in the order of a scheduling policy (SLA-class priority
     with BATCH yielding to urgent prompts by default).
@@ -264,6 +279,9 @@ class Scheduler:
         else:  # no BATCH sequence was reached: one still waiting past a blocked admission sits this step out as well
             yielded = admission_blocked and urgent_prompt and may_yield and self.waiting.by_class[SlaClass.BATCH] > sum(
                 s.sla_class == SlaClass.BATCH for s in batch.preempted)  # those wait too (this step skips them)
+        return self._end_step(batch, paused, yielded)
+
+    def _end_step(self, batch: ScheduledBatch, paused: bool, yielded: bool) -> ScheduledBatch:
         if paused:  # a pause is not a yield: the every-other-step rule counts only yields
             yielded = False
             self.num_batch_paused_steps_total += self.has_batch_work()
@@ -274,18 +292,8 @@ class Scheduler:
         return batch
 
     def _by_priority(self, admitting: Callable[[], bool]) -> Iterator[Sequence]:
-        """Running and waiting sequences in `key` order (as of the step's start), the waiting ones only while
-        `admitting()`: once one cannot be admitted, strict priority admits nothing newer this step, so the rest of the
-        queue is not walked (the queue is kept in order: a copy of it, not a sort)."""
-        running, waiting = sorted(self.running, key=self.key), self.waiting.seqs[:]
-        i = j = 0
-        while i < len(running) or (j < len(waiting) and admitting()):
-            if j < len(waiting) and admitting() and (i == len(running) or self.key(waiting[j]) < self.key(running[i])):
-                j += 1
-                yield waiting[j - 1]
-            else:
-                i += 1
-                yield running[i - 1]
+        """The step's walk (`walk`) over the running and the waiting sequences as of its start."""
+        return walk(sorted(self.running, key=self.key), self.waiting.seqs[:], self.key, admitting)
 
     def _admit(self, seq: Sequence, start: int, target: int, hit: CacheHit, batch: ScheduledBatch,
                scheduled: set[int]) -> bool:
