@@ -74,7 +74,7 @@ def _stack_tls(console, logs: Path, internal: bool, public: bool):
     if internal:
         env_file = files.folder / "operator.env"
         env_file.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in files.operator_env().items()))
-        say(f"mutual TLS between the services; the admin commands present the operator certificate after: source {env_file}")
+        say(f"mutual TLS between the services; for the admin commands (the operator's certificate): source {env_file}")
     return files
 
 
@@ -87,9 +87,9 @@ def up(
     telemetry_http_port: int = typer.Option(8317, envvar="COTSERVE_TELEMETRY_HTTP_PORT", help="Port of the live heatmap page."),
     metrics_port: int = typer.Option(9301, envvar="COTSERVE_METRICS_PORT", help="Every service's Prometheus /metrics, "
                                      "from this port up: gateway +0, worker +1, slo +2, router +3, sandbox +4, telemetry +5 (0: off)."),
-    tls: bool = typer.Option(False, "--tls", help="The gateway's ports (gRPC, HTTP) and the heatmap page speak TLS too, "
-                             "with a server certificate from this run's CA (its log folder, tls/); clients trust it with "
-                             "COTSERVE_TLS_CA=<that folder>/cotserve-local-ca.pem."),
+    tls: bool = typer.Option(False, "--tls", help="The gateway's ports (gRPC, HTTP) and, with mutual TLS inside, the "
+                             "heatmap page speak TLS too, with a server certificate from this run's CA (its log folder, "
+                             "tls/); clients trust it with COTSERVE_TLS_CA=<that folder>/cotserve-local-ca.pem."),
     insecure_internal: bool = typer.Option(False, "--insecure-internal", help="The services call each other in "
                                            "plaintext, with no certificate checked (default: mutual TLS, every call "
                                            "authorized by the caller's identity; common/authz.py). Logged as a warning."),

@@ -50,9 +50,16 @@ class ModelConfig:
     sliding_window: int | None = None
     num_experts: int = 0  # 0: a dense SwiGLU MLP; else the number of experts per MoE block
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # an expert's intermediate size (0: intermediate_size)
+    moe_renormalize: bool = True  # the chosen experts' weights renormalized to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    moe_layers: tuple[int, ...] | None = None  # the layers with an MoE block (None: every layer, with num_experts)
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and (self.moe_layers is None or layer in self.moe_layers)
 
     @property
     def max_context(self) -> int:

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2) as one model.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one model.
 
 Parameter names match Hugging Face's, so a checkpoint's state dict loads as is. Tokens are flat:
 a continuous batch of ragged sequences is `[num_tokens]` with per-token positions, and attention
@@ -116,6 +116,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_out, h, bias=cfg.o_bias)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse` once the weights are loaded
         self.ops: LayerOps = REFERENCE_OPS
+        if cfg.qk_norm:  # Qwen3: each query and key head normalized before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def fuse(self, transposed: bool = False) -> None:
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj, transposed=transposed)
@@ -126,7 +129,9 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
-        if self.qkv is not None:
+        if hasattr(self, "q_norm"):
+            q, k, v = self._normed_qkv(x, cos, sin)
+        elif self.qkv is not None:
             q, k, v = self.ops.rope_split(self.ops.linear(x, *self.qkv), cos, sin, self.num_heads,
                                           self.num_kv_heads, self.head_dim)
         else:
@@ -136,6 +141,19 @@ class Attention(nn.Module):
             v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
         out = attn.attend(self.layer, q, k, v)  # [num_tokens, num_heads, head_dim]
         return self.ops.linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
+
+    def _normed_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k (each head RMS-normalized, then rotated) and v, for a model with per-head q/k norms."""
+        n, d = x.shape[0], self.head_dim
+        if self.qkv is not None:
+            q, k, v = self.ops.linear(x, *self.qkv).split([self.num_heads * d, self.num_kv_heads * d,
+                                                            self.num_kv_heads * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        cs, sn = cos[:, None, :], sin[:, None, :]
+        q = rotate_half_rope(self.q_norm(q.reshape(-1, d))[0].view(n, self.num_heads, d), cs, sn)
+        k = rotate_half_rope(self.k_norm(k.reshape(-1, d))[0].view(n, self.num_kv_heads, d), cs, sn)
+        return q, k, v.reshape(n, self.num_kv_heads, d)
 
 
 class MLP(nn.Module):
@@ -169,7 +187,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        if cfg.num_experts:
+        if cfg.is_moe_layer(layer):
             self.block_sparse_moe = SparseMoeBlock(cfg)
         else:
             self.mlp = MLP(cfg)
@@ -264,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer, cache in zip(self.model.layers, caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or mlp.gate_up is None:
+            if attn.qkv is None or mlp.gate_up is None or hasattr(attn, "q_norm"):  # (per-head norms: not in C)
                 return None
             layers.append(cpu_native.DecodeLayer(
                 layer.input_layernorm.weight, *attn.qkv, attn.o_proj.weight, attn.o_proj.bias,

@@ -1,7 +1,7 @@
-"""The mixture-of-experts feed-forward block (Mixtral), with a live routing policy.
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE), with a live routing policy.
 
 Routing: softmax over the gate's logits, the top-k experts per token, their weights renormalized
-over the chosen ones (Mixtral). A policy may add a per-expert bias used only to choose the
+over the chosen ones (Mixtral; Qwen3-MoE when its config says `norm_topk_prob`, else the softmax's own). A policy may add a per-expert bias used only to choose the
 experts (the weights still come from the unbiased scores, as in DeepSeek-V3's auxiliary-loss-free
 balancing) and may disable experts, which are then never chosen. With no policy the block
 computes exactly what Mixtral does. The block counts tokens routed to each expert.
@@ -34,7 +34,9 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_experts))
+        inter = cfg.moe_intermediate_size or cfg.intermediate_size
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter) for _ in range(cfg.num_experts))
+        self.renormalize = cfg.moe_renormalize
         self.choice_bias: torch.Tensor | None = None  # [num_experts] float32, -inf where disabled
         self.active_top_k = self.top_k
         self.load = torch.zeros(cfg.num_experts, dtype=torch.int64)  # tokens routed per expert since reset
@@ -59,7 +61,9 @@ class SparseMoeBlock(nn.Module):
         else:
             chosen = torch.topk(logits.float() + self.choice_bias, k, dim=-1).indices
             weights = probs.gather(-1, chosen)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)  # [num_tokens, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)  # [num_tokens, k]
         self.load += torch.bincount(chosen.flatten().cpu(), minlength=self.num_experts)
         out = torch.zeros_like(x)
         for e in chosen.unique().tolist():

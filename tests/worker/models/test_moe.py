@@ -59,16 +59,26 @@ def test_disabled_experts_are_never_chosen_and_top_k_can_change():
     assert block.load[0] == 0 and block.load[1] == 0 and block.load.sum() == 50
 
 
-def test_model_applies_a_policy_to_all_layers_and_reports_load(tmp_path):
+MOE_FAMILIES = {  # each MoE family's tiny config: its MoE layers, as the policy and the load name them
+    "mixtral": (lambda t: t.MixtralConfig(vocab_size=1464, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2, max_position_embeddings=64, sliding_window=None), (0, 1)),
+    "qwen3-moe": (lambda t: t.Qwen3MoeConfig(vocab_size=1464, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                             num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
+                                             max_position_embeddings=64), (0, 2)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_model_applies_a_policy_to_all_layers_and_reports_load(tmp_path, family):
     transformers = pytest.importorskip("transformers")
     from cotserve.worker.models.attention import DenseCausalAttention
     from cotserve.worker.models.loader import load_model
     from tests.worker.engine_helpers import save_tiny_checkpoint
 
-    cfg = transformers.MixtralConfig(vocab_size=1464, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=64, sliding_window=None)
-    save_tiny_checkpoint(cfg, tmp_path)
+    make, (first, second) = MOE_FAMILIES[family]
+    save_tiny_checkpoint(make(transformers), tmp_path)
     lm = load_model(tmp_path)
     ids = torch.arange(3, 19)
 
@@ -77,12 +87,12 @@ def test_model_applies_a_policy_to_all_layers_and_reports_load(tmp_path):
             return lm.model(ids, torch.arange(16), DenseCausalAttention(1, 16))
 
     base = run()
-    assert {k: sum(v) for k, v in lm.model.take_expert_load().items()} == {0: 32, 1: 32}
-    lm.model.set_routing_policy(RoutingPolicy(version=3, layers={0: LayerRouting(disabled=frozenset({0, 1, 2})),
-                                                                 1: LayerRouting(disabled=frozenset({3}))}, top_k=1))
+    assert {k: sum(v) for k, v in lm.model.take_expert_load().items()} == {first: 32, second: 32}
+    lm.model.set_routing_policy(RoutingPolicy(version=3, layers={first: LayerRouting(disabled=frozenset({0, 1, 2})),
+                                                                 second: LayerRouting(disabled=frozenset({3}))}, top_k=1))
     steered = run()
     load = lm.model.take_expert_load()
-    assert load[0] == [0, 0, 0, 16] and load[1][3] == 0 and sum(load[1]) == 16
+    assert load[first] == [0, 0, 0, 16] and load[second][3] == 0 and sum(load[second]) == 16
     assert not torch.allclose(base, steered)
     lm.model.set_routing_policy(RoutingPolicy())
     torch.testing.assert_close(run(), base)

@@ -27,6 +27,14 @@ CASES = {
     "qwen2-bias": (transformers.Qwen2Config, dict(BASE, rope_theta=1e6, num_key_value_heads=4, tie_word_embeddings=False)),
     "mixtral-moe": (transformers.MixtralConfig, dict(BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                                                      tie_word_embeddings=False)),
+    "qwen3-qk-norm": (transformers.Qwen3Config, dict(BASE, rope_theta=1e6, tie_word_embeddings=True)),
+    # two MoE layers of experts smaller than the dense layer's, weights not renormalized; one dense layer between
+    "qwen3-moe": (transformers.Qwen3MoeConfig, dict(BASE, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+                                                    rope_theta=1e6, tie_word_embeddings=False)),
+    "qwen3-moe-renormalized": (transformers.Qwen3MoeConfig, dict(BASE, num_experts=4, num_experts_per_tok=2,
+                                                                 moe_intermediate_size=48, norm_topk_prob=True,
+                                                                 tie_word_embeddings=False)),
 }
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -90,3 +98,32 @@ def test_greedy_32_tokens_identical_to_transformers(checkpoint):
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                               pad_token_id=2)[0, len(ids):].tolist()
         assert out.token_ids == ref
+
+
+def test_a_prefix_cache_hit_and_four_forks_keep_greedy_identical_to_transformers(checkpoint):
+    """The same prompt again (its pages from the prefix cache: a hit) and as n=4 greedy samples sharing its pages
+    (forks): every sample's tokens are transformers' greedy ones, and the second request found its prompt cached."""
+    folder, hf = checkpoint
+    ours = load_model(folder)
+    engine = Engine(ours, EngineConfig(num_blocks=64, block_size=4, max_model_len=256, enable_prefix_caching=True))
+    ids = prompt_ids(21, 7)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                          pad_token_id=2)[0, len(ids):].tolist()
+    (first,) = run_engine(engine, [ids], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    samples: dict[int, list[int]] = {}
+    cached = []
+
+    def sink(out) -> None:
+        assert out.error is None, out.error
+        samples.setdefault(out.index, []).append(out.token_id)
+        if out.is_last:
+            cached.append(out.cached_prompt_tokens)
+
+    engine.submit("forks", ids, SamplingParams(max_new_tokens=12, ignore_eos=True, n=4), sink)
+    engine.drain_inbox(block=False)
+    while engine.scheduler.has_work():
+        engine.step()
+    assert first.token_ids == ref
+    assert samples == {i: ref for i in range(4)}
+    assert cached == [20]  # the prompt's five full pages of four (its last token is computed again)
