@@ -13,6 +13,8 @@ What the body may say, and how it maps:
   BATCH (the response says which tier served it).
 - `reasoning_effort` sets the thinking budget of a reasoning model: `none` 0 tokens, `minimal` 64, `low` 256,
   `medium` 1024, `high` no budget.
+- `chat_template_kwargs` (chat): variables for the model's chat template, as vLLM and SGLang take them (e.g.
+  `{"enable_thinking": false}` for Qwen3); `reasoning_effort` reaches the template as a variable of that name too.
 - cotserve's own fields, beside OpenAI's: `top_k`, `ignore_eos`, `stop_token_ids`, `cache_salt`, `pre_processor`,
   `post_processor`, `max_thinking_tokens`, `min_thinking_tokens`, `early_exit` and `self_consistency` (the
   `ReasoningOptions` fields of the gRPC API, same names).
@@ -59,7 +61,8 @@ _REASONING_FIELDS = ("max_thinking_tokens", "min_thinking_tokens", "early_exit",
 _COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "max_tokens", "temperature", "top_p", "seed",
                   "logprobs", "user", "service_tier", "top_k", "ignore_eos", "stop_token_ids", "cache_salt",
                   "pre_processor", "post_processor", "best_of", *_REASONING_FIELDS}
-_FIELDS = {"chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "reasoning_effort"},
+_FIELDS = {"chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "reasoning_effort",
+                                     "chat_template_kwargs"},
            "completion": _COMMON_FIELDS | {"prompt"}}
 PARAM_OF = {  # the relay's field names (its InvalidArgument messages begin with one) -> this API's
     "sampling.max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
@@ -67,6 +70,7 @@ PARAM_OF = {  # the relay's field names (its InvalidArgument messages begin with
     "sampling.top_logprobs": "top_logprobs", "sampling.seed": "seed", "sla_class": "service_tier",
     "prompt / messages": "messages", "pre_processor": "pre_processor", "post_processor": "post_processor",
     "cache_salt": "cache_salt", "model": "model", "prompt": "prompt", "messages": "messages",
+    "chat_template_kwargs": "chat_template_kwargs",
     **{f"reasoning.{name}": name for name in _REASONING_FIELDS}, "reasoning": "reasoning_effort",
 }
 _INT32, _UINT32, _UINT64 = (-(1 << 31), (1 << 31) - 1), (0, (1 << 32) - 1), (0, (1 << 64) - 1)
@@ -152,6 +156,7 @@ def parse(kind: str, data: Any) -> ApiRequest:
         api.include_usage = _Body(options).get("include_usage", "boolean", False)
     if kind == "chat":
         _messages(body, req)
+        _template_kwargs(body, req)
     else:
         _prompt(body, req)
     _sampling(kind, body, api)
@@ -203,6 +208,20 @@ def _messages(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
         thought = m.get("reasoning", m.get("reasoning_content"))
         if thought is not None:
             msg.reasoning_content = thought
+
+
+def _template_kwargs(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
+    """`chat_template_kwargs` (checked by the relay, `common.chat`), and `reasoning_effort` as the template variable
+    of that name too (gpt-oss's template reads it) unless the kwargs set it."""
+    variables = dict(body.get("chat_template_kwargs", "object", {}))
+    effort = body.data.get("reasoning_effort")
+    if isinstance(effort, str) and effort in REASONING_EFFORT:
+        variables.setdefault("reasoning_effort", effort)
+    if variables:
+        try:
+            req.chat_template_kwargs.update(variables)
+        except (ValueError, TypeError) as exc:  # a value JSON cannot carry as a Struct value
+            raise ApiError("chat_template_kwargs", f"values must be JSON values ({exc})") from None
 
 
 def _prompt(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:

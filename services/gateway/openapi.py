@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cotserve.common import sampling
+from cotserve.common import chat, sampling
 
 _INT32 = {"type": "integer", "minimum": -(1 << 31), "maximum": (1 << 31) - 1}
 _UINT32 = {"type": "integer", "minimum": 0, "maximum": (1 << 32) - 1}
@@ -84,6 +84,9 @@ CHAT = _body("messages", {
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": sampling.MAX_TOP_LOGPROBS,
                      "description": "Needs logprobs: true."},
     "reasoning_effort": {"type": "string", "enum": ["none", "minimal", "low", "medium", "high"]},
+    "chat_template_kwargs": {"type": "object", "maxProperties": chat.MAX_TEMPLATE_KWARGS,
+                             "propertyNames": {"pattern": f"^{chat.NAME.pattern}$", "not": {"enum": sorted(chat.RESERVED)}},
+                             "description": "Variables for the model's chat template (e.g. enable_thinking)."},
 })
 COMPLETION = _body("prompt", {
     **COMMON,

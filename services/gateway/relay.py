@@ -16,6 +16,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from cotserve.common.chat import template_kwargs
 from cotserve.common.errors import CotserveError, InvalidArgument, RelayedError, Unavailable
 from cotserve.common.sampling import check_self_consistency, max_new_tokens_of, reasoning_from_pb, sampling_from_pb, sla_from_pb
 from cotserve.common.streams import coalesce
@@ -127,6 +128,11 @@ class Relay:
             sla_class=request.sla_class,
             max_prompt_tokens=self.max_prompt_tokens,
         )
+        if request.HasField("chat_template_kwargs"):
+            if not request.messages:
+                raise InvalidArgument("chat_template_kwargs: only with messages (a prompt is not rendered by a template)")
+            template_kwargs(request.chat_template_kwargs)
+            wreq.chat_template_kwargs.CopyFrom(request.chat_template_kwargs)
         ctx.samples_at_once = params.n
         if request.HasField("reasoning"):
             reasoning = reasoning_from_pb(request.reasoning)  # the worker checks what its model's format allows

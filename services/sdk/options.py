@@ -9,7 +9,7 @@ import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import grpc
 
@@ -59,6 +59,8 @@ class RequestOptions:
     post_processor: str = ""  # a sandbox module run on each sample's completed text
     pre_processor: str = ""  # a sandbox module run on the prompt
     cache_salt: str = ""  # narrows who shares the worker's cached prompt blocks with this request
+    chat_template_kwargs: Mapping[str, Any] | None = None  # variables for the chat template (with messages), e.g.
+    # {"enable_thinking": False}
 
     def sla_pb(self) -> int:
         """The SLA class as the proto's enum; InvalidArgument names the allowed classes."""
@@ -118,4 +120,6 @@ def build_request(cls, prompt: str, messages: Sequence[Mapping[str, str]] | None
               post_processor=options.post_processor, pre_processor=options.pre_processor, cache_salt=options.cache_salt)
     if reasoning is not None:
         req.reasoning.CopyFrom(reasoning.to_pb())
+    if options.chat_template_kwargs:
+        req.chat_template_kwargs.update(dict(options.chat_template_kwargs))
     return req

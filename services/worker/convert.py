@@ -7,6 +7,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from cotserve.common.chat import template_kwargs
 from cotserve.common.errors import FailedPrecondition, InvalidArgument
 from cotserve.common.sampling import (
     ReasoningParams, SamplingParams, SlaClass, check_self_consistency, finish_reason_to_pb, reasoning_from_pb, sampling_from_pb, sla_from_pb,
@@ -62,7 +63,8 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
         if bad is not None:
             raise InvalidArgument(f"prompt_token_ids: token {bad} is out of range (0..{vocab_size - 1})")
     elif req.messages:
-        text = render_messages(req.messages, chat_template)
+        variables = template_kwargs(req.chat_template_kwargs) if req.HasField("chat_template_kwargs") else {}
+        text = render_messages(req.messages, chat_template, variables)
         check_text_length(text, "messages", max_prompt, chars)
         ids = tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote the special tokens
     else:
@@ -85,8 +87,9 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     return GenerateCall(ids, params, sla_from_pb(req.sla_class), req.cache_salt, budget, req.tenant)
 
 
-def render_messages(messages, chat_template: Any) -> str:
-    """Chat messages as the model's prompt text; FAILED_PRECONDITION when the model has no chat template."""
+def render_messages(messages, chat_template: Any, variables: dict[str, Any] | None = None) -> str:
+    """Chat messages as the model's prompt text, with the client's template `variables` (`common.chat`);
+    FAILED_PRECONDITION when the model has no chat template."""
     if chat_template is None:
         raise FailedPrecondition("messages: this model has no chat template (chat_template.jinja, or chat_template in "
                                  "tokenizer_config.json); send a prompt instead")
@@ -96,7 +99,7 @@ def render_messages(messages, chat_template: Any) -> str:
         if m.reasoning_content:
             turn["reasoning_content"] = m.reasoning_content
         turns.append(turn)
-    return chat_template.render(turns, add_generation_prompt=True)
+    return chat_template.render(turns, add_generation_prompt=True, **(variables or {}))
 
 
 def check_budget(budget: ReasoningParams, fmt: ReasoningFormat | None) -> None:

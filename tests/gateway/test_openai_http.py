@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from cotserve.common.procs import free_port
-from cotserve.sdk import Client
+from cotserve.sdk import Client, InvalidArgument
 from tests.conftest import start_gateway, stop_process, wait_worker_idle
 
 PROMPT = "37+48-12="
@@ -338,3 +338,49 @@ def test_processors_and_reasoning_options_as_extra_body_fields(tmp_path):
     assert steps.choices[0].message.reasoning == grpc_steps.reasoning_text
     assert steps.choices[0].message.content.strip() == grpc_steps.answer_text
     assert steps.usage.completion_tokens_details.reasoning_tokens == grpc_steps.usage.reasoning_tokens
+
+
+# Qwen3's convention for hybrid thinking: with enable_thinking false, the generation prompt carries an empty
+# thinking block, so the model answers at once (the demo model's own turns otherwise)
+HYBRID_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                   "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_and_turn_thinking_off(tmp_path):
+    """`chat_template_kwargs` through the official client's `extra_body`, as vLLM takes it: a template that honours
+    `enable_thinking` (Qwen3's switch) answers without thinking when it is false (no reasoning, no reasoning tokens,
+    one more prompt token pair), and thinks as before otherwise; a bad variable name is a 400 naming it."""
+    import shutil
+
+    from cotserve.worker.config import DEMO_MODEL
+    from tests.conftest import start_worker
+
+    model = tmp_path / "hybrid"
+    shutil.copytree(DEMO_MODEL, model)
+    (model / "chat_template.jinja").write_text(HYBRID_TEMPLATE)
+    worker, worker_address = start_worker("--model", str(model), "--max-num-seqs", "4")
+    port = free_port()
+    gateway, address = start_gateway(worker_address, extra=("--http-port", str(port)))
+    try:
+        with _client(f"http://127.0.0.1:{port}/v1") as client:
+            def ask(**extra):
+                return client.chat.completions.create(model="hybrid", messages=MESSAGES, max_tokens=48, **extra)
+
+            thinking, direct = ask(), ask(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            with pytest.raises(openai.BadRequestError) as bad:
+                ask(extra_body={"chat_template_kwargs": {"messages": []}})
+        with Client(address) as sdk:  # the gRPC API and the SDK: the same variables, only with messages
+            sdk_direct = sdk.generate(messages=MESSAGES, max_new_tokens=48, chat_template_kwargs={"enable_thinking": False})
+            with pytest.raises(InvalidArgument, match="chat_template_kwargs: only with messages"):
+                sdk.generate(PROMPT, chat_template_kwargs={"enable_thinking": False})
+    finally:
+        stop_process(gateway)
+        stop_process(worker)
+    assert thinking.choices[0].message.reasoning == "37+48=85. 85-12=73." and thinking.usage.completion_tokens_details.reasoning_tokens > 0
+    assert not getattr(direct.choices[0].message, "reasoning", None)
+    # all of the output is answer (the demo model, never trained to answer without thinking, says little)
+    assert direct.usage.completion_tokens_details.reasoning_tokens == 0 < direct.usage.completion_tokens
+    assert direct.usage.prompt_tokens == thinking.usage.prompt_tokens + 2  # <think> and </think>, one token each
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "chat_template_kwargs.messages"
+    assert sdk_direct.reasoning_text == "" and sdk_direct.usage.reasoning_tokens == 0
+    assert "chat_template_kwargs.messages: set by the renderer itself" in bad.value.body["message"]

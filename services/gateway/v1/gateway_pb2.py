@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from cotserve.common.v1 import common_pb2 as cotserve_dot_common_dot_v1_dot_common__pb2
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!cotserve/gateway/v1/gateway.proto\x12\x13\x63otserve.gateway.v1\x1a\x1f\x63otserve/common/v1/common.proto\"\x80\x01\n\x0eSessionRequest\x12\x30\n\x04open\x18\x01 \x01(\x0b\x32 .cotserve.gateway.v1.SessionOpenH\x00\x12\x34\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\".cotserve.gateway.v1.SessionCancelH\x00\x42\x06\n\x04kind\"\xf1\x01\n\x0bSessionOpen\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12;\n\x07request\x18\x02 \x01(\x0b\x32*.cotserve.gateway.v1.GenerateStreamRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12I\n\rtrace_context\x18\x04 \x03(\x0b\x32\x32.cotserve.gateway.v1.SessionOpen.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\rSessionCancel\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"D\n\x0fSessionResponse\x12\x31\n\x06\x63hunks\x18\x01 \x03(\x0b\x32!.cotserve.gateway.v1.SessionChunk\"\x8e\x01\n\x0cSessionChunk\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12=\n\x08response\x18\x02 \x01(\x0b\x32+.cotserve.gateway.v1.GenerateStreamResponse\x12,\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1f.cotserve.gateway.v1.SessionEnd\"\x9d\x01\n\nSessionEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12?\n\x08trailers\x18\x03 \x03(\x0b\x32-.cotserve.gateway.v1.SessionEnd.TrailersEntry\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xcc\x02\n\x15GenerateStreamRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x16\n\x0epost_processor\x18\x05 \x01(\t\x12\x15\n\rpre_processor\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x37\n\treasoning\x18\x08 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\x12\x31\n\x08messages\x18\t \x03(\x0b\x32\x1f.cotserve.common.v1.ChatMessage\"\xee\x03\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x04part\x18\x08 \x01(\x0e\x32\x1c.cotserve.common.v1.TextPart\x12\x1b\n\x0ereasoning_text\x18\t \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\n \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\x0b \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResult\x12\x38\n\x0etoken_logprobs\x18\x0c \x03(\x0b\x32 .cotserve.common.v1.TokenLogprobB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\xc6\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x16\n\x0epost_processor\x18\x05 \x01(\t\x12\x15\n\rpre_processor\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x37\n\treasoning\x18\x08 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\x12\x31\n\x08messages\x18\t \x03(\x0b\x32\x1f.cotserve.common.v1.ChatMessage\"\x97\x02\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12\x1b\n\x0ereasoning_text\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x38\n\x0etoken_logprobs\x18\x08 \x03(\x0b\x32 .cotserve.common.v1.TokenLogprobB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\xa1\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12,\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x1b.cotserve.gateway.v1.Choice\x12\x1b\n\x0ereasoning_text\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\t \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\n \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResultB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\x13\n\x11ListModelsRequest\"v\n\nModelEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x04 \x01(\r\x12\x0f\n\x07\x61liases\x18\x05 \x03(\t\"E\n\x12ListModelsResponse\x12/\n\x06models\x18\x01 \x03(\x0b\x32\x1f.cotserve.gateway.v1.ModelEntry\".\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r2\xe8\x03\n\x0eGatewayService\x12k\n\x0eGenerateStream\x12*.cotserve.gateway.v1.GenerateStreamRequest\x1a+.cotserve.gateway.v1.GenerateStreamResponse0\x01\x12W\n\x08Generate\x12$.cotserve.gateway.v1.GenerateRequest\x1a%.cotserve.gateway.v1.GenerateResponse\x12]\n\nListModels\x12&.cotserve.gateway.v1.ListModelsRequest\x1a\'.cotserve.gateway.v1.ListModelsResponse\x12W\n\x08Tokenize\x12$.cotserve.gateway.v1.TokenizeRequest\x1a%.cotserve.gateway.v1.TokenizeResponse\x12X\n\x07Session\x12#.cotserve.gateway.v1.SessionRequest\x1a$.cotserve.gateway.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!cotserve/gateway/v1/gateway.proto\x12\x13\x63otserve.gateway.v1\x1a\x1f\x63otserve/common/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\"\x80\x01\n\x0eSessionRequest\x12\x30\n\x04open\x18\x01 \x01(\x0b\x32 .cotserve.gateway.v1.SessionOpenH\x00\x12\x34\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\".cotserve.gateway.v1.SessionCancelH\x00\x42\x06\n\x04kind\"\xf1\x01\n\x0bSessionOpen\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12;\n\x07request\x18\x02 \x01(\x0b\x32*.cotserve.gateway.v1.GenerateStreamRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12I\n\rtrace_context\x18\x04 \x03(\x0b\x32\x32.cotserve.gateway.v1.SessionOpen.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\rSessionCancel\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"D\n\x0fSessionResponse\x12\x31\n\x06\x63hunks\x18\x01 \x03(\x0b\x32!.cotserve.gateway.v1.SessionChunk\"\x8e\x01\n\x0cSessionChunk\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12=\n\x08response\x18\x02 \x01(\x0b\x32+.cotserve.gateway.v1.GenerateStreamResponse\x12,\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1f.cotserve.gateway.v1.SessionEnd\"\x9d\x01\n\nSessionEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12?\n\x08trailers\x18\x03 \x03(\x0b\x32-.cotserve.gateway.v1.SessionEnd.TrailersEntry\x1a/\n\rTrailersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x83\x03\n\x15GenerateStreamRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x16\n\x0epost_processor\x18\x05 \x01(\t\x12\x15\n\rpre_processor\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x37\n\treasoning\x18\x08 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\x12\x31\n\x08messages\x18\t \x03(\x0b\x32\x1f.cotserve.common.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\n \x01(\x0b\x32\x17.google.protobuf.Struct\"\xee\x03\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x04part\x18\x08 \x01(\x0e\x32\x1c.cotserve.common.v1.TextPart\x12\x1b\n\x0ereasoning_text\x18\t \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\n \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\x0b \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResult\x12\x38\n\x0etoken_logprobs\x18\x0c \x03(\x0b\x32 .cotserve.common.v1.TokenLogprobB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\xfd\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x04 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x16\n\x0epost_processor\x18\x05 \x01(\t\x12\x15\n\rpre_processor\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x37\n\treasoning\x18\x08 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\x12\x31\n\x08messages\x18\t \x03(\x0b\x32\x1f.cotserve.common.v1.ChatMessage\x12\x35\n\x14\x63hat_template_kwargs\x18\n \x01(\x0b\x32\x17.google.protobuf.Struct\"\x97\x02\n\x06\x43hoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12\x1b\n\x0ereasoning_text\x18\x06 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x38\n\x0etoken_logprobs\x18\x08 \x03(\x0b\x32 .cotserve.common.v1.TokenLogprobB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\xa1\x03\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12,\n\x07\x63hoices\x18\x07 \x03(\x0b\x32\x1b.cotserve.gateway.v1.Choice\x12\x1b\n\x0ereasoning_text\x18\x08 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\t \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\n \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResultB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\x13\n\x11ListModelsRequest\"v\n\nModelEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x1b\n\x13num_healthy_workers\x18\x04 \x01(\r\x12\x0f\n\x07\x61liases\x18\x05 \x03(\t\"E\n\x12ListModelsResponse\x12/\n\x06models\x18\x01 \x03(\x0b\x32\x1f.cotserve.gateway.v1.ModelEntry\".\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r2\xe8\x03\n\x0eGatewayService\x12k\n\x0eGenerateStream\x12*.cotserve.gateway.v1.GenerateStreamRequest\x1a+.cotserve.gateway.v1.GenerateStreamResponse0\x01\x12W\n\x08Generate\x12$.cotserve.gateway.v1.GenerateRequest\x1a%.cotserve.gateway.v1.GenerateResponse\x12]\n\nListModels\x12&.cotserve.gateway.v1.ListModelsRequest\x1a\'.cotserve.gateway.v1.ListModelsResponse\x12W\n\x08Tokenize\x12$.cotserve.gateway.v1.TokenizeRequest\x1a%.cotserve.gateway.v1.TokenizeResponse\x12X\n\x07Session\x12#.cotserve.gateway.v1.SessionRequest\x1a$.cotserve.gateway.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,42 +37,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONOPEN_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SESSIONEND_TRAILERSENTRY']._loaded_options = None
   _globals['_SESSIONEND_TRAILERSENTRY']._serialized_options = b'8\001'
-  _globals['_SESSIONREQUEST']._serialized_start=92
-  _globals['_SESSIONREQUEST']._serialized_end=220
-  _globals['_SESSIONOPEN']._serialized_start=223
-  _globals['_SESSIONOPEN']._serialized_end=464
-  _globals['_SESSIONOPEN_TRACECONTEXTENTRY']._serialized_start=413
-  _globals['_SESSIONOPEN_TRACECONTEXTENTRY']._serialized_end=464
-  _globals['_SESSIONCANCEL']._serialized_start=466
-  _globals['_SESSIONCANCEL']._serialized_end=500
-  _globals['_SESSIONRESPONSE']._serialized_start=502
-  _globals['_SESSIONRESPONSE']._serialized_end=570
-  _globals['_SESSIONCHUNK']._serialized_start=573
-  _globals['_SESSIONCHUNK']._serialized_end=715
-  _globals['_SESSIONEND']._serialized_start=718
-  _globals['_SESSIONEND']._serialized_end=875
-  _globals['_SESSIONEND_TRAILERSENTRY']._serialized_start=828
-  _globals['_SESSIONEND_TRAILERSENTRY']._serialized_end=875
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=878
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1210
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1213
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1707
-  _globals['_GENERATEREQUEST']._serialized_start=1710
-  _globals['_GENERATEREQUEST']._serialized_end=2036
-  _globals['_CHOICE']._serialized_start=2039
-  _globals['_CHOICE']._serialized_end=2318
-  _globals['_GENERATERESPONSE']._serialized_start=2321
-  _globals['_GENERATERESPONSE']._serialized_end=2738
-  _globals['_LISTMODELSREQUEST']._serialized_start=2740
-  _globals['_LISTMODELSREQUEST']._serialized_end=2759
-  _globals['_MODELENTRY']._serialized_start=2761
-  _globals['_MODELENTRY']._serialized_end=2879
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2881
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2950
-  _globals['_TOKENIZEREQUEST']._serialized_start=2952
-  _globals['_TOKENIZEREQUEST']._serialized_end=2998
-  _globals['_TOKENIZERESPONSE']._serialized_start=3000
-  _globals['_TOKENIZERESPONSE']._serialized_end=3037
-  _globals['_GATEWAYSERVICE']._serialized_start=3040
-  _globals['_GATEWAYSERVICE']._serialized_end=3528
+  _globals['_SESSIONREQUEST']._serialized_start=122
+  _globals['_SESSIONREQUEST']._serialized_end=250
+  _globals['_SESSIONOPEN']._serialized_start=253
+  _globals['_SESSIONOPEN']._serialized_end=494
+  _globals['_SESSIONOPEN_TRACECONTEXTENTRY']._serialized_start=443
+  _globals['_SESSIONOPEN_TRACECONTEXTENTRY']._serialized_end=494
+  _globals['_SESSIONCANCEL']._serialized_start=496
+  _globals['_SESSIONCANCEL']._serialized_end=530
+  _globals['_SESSIONRESPONSE']._serialized_start=532
+  _globals['_SESSIONRESPONSE']._serialized_end=600
+  _globals['_SESSIONCHUNK']._serialized_start=603
+  _globals['_SESSIONCHUNK']._serialized_end=745
+  _globals['_SESSIONEND']._serialized_start=748
+  _globals['_SESSIONEND']._serialized_end=905
+  _globals['_SESSIONEND_TRAILERSENTRY']._serialized_start=858
+  _globals['_SESSIONEND_TRAILERSENTRY']._serialized_end=905
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=908
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1295
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1298
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1792
+  _globals['_GENERATEREQUEST']._serialized_start=1795
+  _globals['_GENERATEREQUEST']._serialized_end=2176
+  _globals['_CHOICE']._serialized_start=2179
+  _globals['_CHOICE']._serialized_end=2458
+  _globals['_GENERATERESPONSE']._serialized_start=2461
+  _globals['_GENERATERESPONSE']._serialized_end=2878
+  _globals['_LISTMODELSREQUEST']._serialized_start=2880
+  _globals['_LISTMODELSREQUEST']._serialized_end=2899
+  _globals['_MODELENTRY']._serialized_start=2901
+  _globals['_MODELENTRY']._serialized_end=3019
+  _globals['_LISTMODELSRESPONSE']._serialized_start=3021
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3090
+  _globals['_TOKENIZEREQUEST']._serialized_start=3092
+  _globals['_TOKENIZEREQUEST']._serialized_end=3138
+  _globals['_TOKENIZERESPONSE']._serialized_start=3140
+  _globals['_TOKENIZERESPONSE']._serialized_end=3177
+  _globals['_GATEWAYSERVICE']._serialized_start=3180
+  _globals['_GATEWAYSERVICE']._serialized_end=3668
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,7 @@ from collections import abc as _abc
 from cotserve.common.v1 import common_pb2 as _common_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -256,6 +257,7 @@ class GenerateStreamRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text; set this or messages, not both."""
     model: _builtins.str
@@ -284,6 +286,12 @@ class GenerateStreamRequest(_message.Message):
         prompt, not both.
         """
 
+    @_builtins.property
+    def chat_template_kwargs(self) -> _struct_pb2.Struct:
+        """Extra variables for the chat template, with messages (e.g. {"enable_thinking": false} for Qwen3's hybrid
+        thinking), as vLLM and SGLang take them: at most 32, each name an identifier the template does not own.
+        """
+
     def __init__(
         self,
         *,
@@ -296,10 +304,11 @@ class GenerateStreamRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         reasoning: _common_pb2.ReasoningOptions | None = ...,
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
+        chat_template_kwargs: _struct_pb2.Struct | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -410,6 +419,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     REASONING_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text; set this or messages, not both."""
     model: _builtins.str
@@ -436,6 +446,10 @@ class GenerateRequest(_message.Message):
         prompt, not both.
         """
 
+    @_builtins.property
+    def chat_template_kwargs(self) -> _struct_pb2.Struct:
+        """Extra variables for the chat template, as in GenerateStreamRequest."""
+
     def __init__(
         self,
         *,
@@ -448,10 +462,11 @@ class GenerateRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         reasoning: _common_pb2.ReasoningOptions | None = ...,
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
+        chat_template_kwargs: _struct_pb2.Struct | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

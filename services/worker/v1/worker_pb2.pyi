@@ -7,6 +7,7 @@ from collections import abc as _abc
 from cotserve.common.v1 import common_pb2 as _common_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import struct_pb2 as _struct_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -35,6 +36,7 @@ class GenerateRequest(_message.Message):
     MAX_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and traces; the worker makes one up when empty."""
     prompt_text: _builtins.str
@@ -70,6 +72,10 @@ class GenerateRequest(_message.Message):
         prompt_token_ids and messages.
         """
 
+    @_builtins.property
+    def chat_template_kwargs(self) -> _struct_pb2.Struct:
+        """Extra variables for the chat template, with messages (the gateway checked them; the worker checks again)."""
+
     def __init__(
         self,
         *,
@@ -83,10 +89,11 @@ class GenerateRequest(_message.Message):
         max_prompt_tokens: _builtins.int = ...,
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
         tenant: _builtins.str = ...,
+        chat_template_kwargs: _struct_pb2.Struct | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
