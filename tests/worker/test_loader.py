@@ -57,7 +57,7 @@ def test_dtype_defaults_to_float32_on_cpu_and_can_be_overridden(good):
     (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()),
                                                           "architectures": ["GPT2LMHeadModel"]})),
      r"architecture 'GPT2LMHeadModel' is not supported \(supported: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-     r"Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)"),
+     r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)"),
     (lambda f: (f / "model.safetensors").unlink(), r"no model.safetensors or model.safetensors.index.json"),
     (lambda f: (f / "model.safetensors").write_bytes(b"garbage"), r"model.safetensors: cannot read safetensors file"),
     (lambda f: (f / "tokenizer.json").unlink(), r"tokenizer.json: file not found"),

@@ -8,6 +8,7 @@ model classes for variants of one design.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()  # longrope: the per-frequency factors for contexts up to the original length
+    attention_factor: float = 1.0  # longrope: cos and sin scaled by it
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotated (Phi-4-mini: 0.75)
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,11 +66,20 @@ class ModelConfig:
         return bool(self.num_experts) and (self.moe_layers is None or layer in self.moe_layers)
 
     @property
+    def rotary_dim(self) -> int:
+        """Each head's leading dimensions that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
     def max_context(self) -> int:
-        """Longest context served exactly: a sliding window caps it (we never drop keys)."""
+        """Longest context served exactly: a sliding window caps it (we never drop keys), and so does LongRoPE's
+        original length (its long factors, for longer contexts, are not implemented)."""
+        longest = self.max_position_embeddings
+        if self.rope.rope_type == "longrope":
+            longest = min(longest, self.rope.original_max_position_embeddings)
         if self.sliding_window:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+            return min(longest, self.sliding_window)
+        return longest
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -127,11 +140,14 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     params = dict(raw.get("rope_scaling") or {})
     params.update(raw.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in ("default", "llama3"):
-        raise ModelLoadError(f"config.json: rope type {rope_type!r} is not supported (default, llama3)")
+    if rope_type not in ("default", "llama3", "longrope"):
+        raise ModelLoadError(f"config.json: rope type {rope_type!r} is not supported (default, llama3, longrope)")
     if rope_type == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
+    if rope_type == "longrope":
+        return _longrope(raw, params, theta, partial)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
@@ -140,3 +156,17 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial: float) -> RopeConfig:
+    """LongRoPE (Phi-3/Phi-4): the short factors (contexts up to the original length: what is served) and the
+    attention factor, as transformers computes them."""
+    original = int(params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+                   or raw.get("max_position_embeddings", 2048))
+    factor = float(params.get("factor") or int(raw.get("max_position_embeddings", original)) / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta=theta, rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                      short_factor=tuple(float(f) for f in params["short_factor"]), attention_factor=float(attention),
+                      partial_rotary_factor=partial)

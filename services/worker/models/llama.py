@@ -35,6 +35,9 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]`, computed exactly as Hugging Face does (float32)."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "longrope":  # the short factors: contexts up to the original length (what is served)
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** (
+            torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type != "llama3":
         return inv
     old_len = rope.original_max_position_embeddings
@@ -60,6 +63,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int | None = None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
+        self.scale = rope.attention_factor  # LongRoPE's: cos and sin scaled (1.0 otherwise)
         self.max_positions = max_positions
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -75,6 +79,8 @@ class RotaryEmbedding(nn.Module):
     def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [num_tokens, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.scale != 1.0:
+            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -116,6 +122,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_out, h, bias=cfg.o_bias)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse` once the weights are loaded
         self.ops: LayerOps = REFERENCE_OPS
+        self.rotary_dim = cfg.rotary_dim  # below head_dim: only each head's first dimensions rotate (Phi-4-mini)
         if cfg.qk_norm:  # Qwen3: each query and key head normalized before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -129,7 +136,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         n = x.shape[0]
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") or self.rotary_dim < self.head_dim:
             q, k, v = self._normed_qkv(x, cos, sin)
         elif self.qkv is not None:
             q, k, v = self.ops.rope_split(self.ops.linear(x, *self.qkv), cos, sin, self.num_heads,
@@ -143,17 +150,25 @@ class Attention(nn.Module):
         return self.ops.linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
     def _normed_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k (each head RMS-normalized, then rotated) and v, for a model with per-head q/k norms."""
+        """q, k (each head RMS-normalized where the model has per-head norms, then rotated, over its first
+        `rotary_dim` dimensions) and v."""
         n, d = x.shape[0], self.head_dim
         if self.qkv is not None:
             q, k, v = self.ops.linear(x, *self.qkv).split([self.num_heads * d, self.num_kv_heads * d,
                                                             self.num_kv_heads * d], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        cs, sn = cos[:, None, :], sin[:, None, :]
-        q = rotate_half_rope(self.q_norm(q.reshape(-1, d))[0].view(n, self.num_heads, d), cs, sn)
-        k = rotate_half_rope(self.k_norm(k.reshape(-1, d))[0].view(n, self.num_kv_heads, d), cs, sn)
-        return q, k, v.reshape(n, self.num_kv_heads, d)
+        cs, sn, r = cos[:, None, :], sin[:, None, :], self.rotary_dim
+
+        def heads(x: torch.Tensor, count: int, norm: str) -> torch.Tensor:
+            if hasattr(self, norm):
+                x = getattr(self, norm)(x.reshape(-1, d))[0]
+            x = x.reshape(n, count, d)
+            if r == d:
+                return rotate_half_rope(x, cs, sn)
+            return torch.cat([rotate_half_rope(x[..., :r], cs, sn), x[..., r:]], dim=-1)
+
+        return heads(q, self.num_heads, "q_norm"), heads(k, self.num_kv_heads, "k_norm"), v.reshape(n, self.num_kv_heads, d)
 
 
 class MLP(nn.Module):
@@ -213,7 +228,7 @@ class LlamaBackbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -282,7 +297,8 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer, cache in zip(self.model.layers, caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or mlp.gate_up is None or hasattr(attn, "q_norm"):  # (per-head norms: not in C)
+            if attn.qkv is None or mlp.gate_up is None or hasattr(attn, "q_norm") or attn.rotary_dim < attn.head_dim:
+                # (per-head norms, partial rotation: not in C)
                 return None
             layers.append(cpu_native.DecodeLayer(
                 layer.input_layernorm.weight, *attn.qkv, attn.o_proj.weight, attn.o_proj.bias,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import struct
 from dataclasses import dataclass
@@ -170,12 +171,16 @@ def load_model(
     dtype = dtype or default_dtype(device)
     cfg = ModelConfig.from_file(folder / "config.json")
     arch = architecture(cfg.architecture)
+    if cfg.rope.rope_type == "longrope" and cfg.max_context < cfg.max_position_embeddings:
+        logging.getLogger("cotserve.worker").warning(
+            "%s: LongRoPE's long factors are not implemented: contexts are served up to its original length, %d "
+            "tokens (of %d)", folder, cfg.max_context, cfg.max_position_embeddings)
     files = weight_files(folder)
     tensors = {}
     for key, tensor in read_tensors(files).items():
         ours = arch.weight_name(key)
         if ours is not None:
-            tensors[ours] = tensor
+            tensors.update(arch.split(ours, tensor, cfg) if arch.split else [(ours, tensor)])
 
     with torch.device("meta"):
         model = arch.build(cfg)
@@ -199,7 +204,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # float32 inv_freq, on device; served positions read from a table (they stay below the longest context served)
-    model.model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_context).to(device)
+    model.model.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim, cfg.max_context).to(device)
     for block in model.moe_blocks():  # plain-tensor state made on the meta device: make it real
         block.load = torch.zeros(block.num_experts, dtype=torch.int64)
     model.eval().requires_grad_(False)

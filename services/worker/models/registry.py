@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from cotserve.common.errors import ModelLoadError
 
-FAMILY_MODULES = ("llama", "mixtral", "qwen3")
+FAMILY_MODULES = ("llama", "mixtral", "qwen3", "phi3")
 """The modules of `cotserve.worker.models.architectures` imported (and so registered) on the first lookup."""
 
 
@@ -28,6 +28,8 @@ class Architecture:
     config: Callable[[dict[str, Any]], dict[str, Any]]  # the family's ModelConfig fields from the raw config.json
     build: Callable[[Any], Any]  # ModelConfig -> the model (an nn.Module with the causal-LM interface of llama.py)
     weight_name: Callable[[str], str | None] = keep_name  # checkpoint weight name -> the model's (None: not used)
+    split: Callable[[str, Any, Any], list[tuple[str, Any]]] | None = None  # (the model's name, tensor, ModelConfig) ->
+    # the model's tensors it holds (a checkpoint that stores several as one, as Phi3's fused qkv_proj); None: as is
 
 
 _REGISTRY: dict[str, Architecture] = {}

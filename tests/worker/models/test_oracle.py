@@ -32,6 +32,10 @@ CASES = {
     "qwen3-moe": (transformers.Qwen3MoeConfig, dict(BASE, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
                                                     moe_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
                                                     rope_theta=1e6, tie_word_embeddings=False)),
+    # fused q/k/v and gate/up in the checkpoint, RoPE over half of each head
+    "phi3-partial-rotary": (transformers.Phi3Config, dict(BASE, rope_theta=250000.0, tie_word_embeddings=False,
+                                                          partial_rotary_factor=0.5, bos_token_id=1, eos_token_id=2,
+                                                          pad_token_id=0)),
     "qwen3-moe-renormalized": (transformers.Qwen3MoeConfig, dict(BASE, num_experts=4, num_experts_per_tok=2,
                                                                  moe_intermediate_size=48, norm_topk_prob=True,
                                                                  tie_word_embeddings=False)),
@@ -49,6 +53,17 @@ def checkpoint(request, tmp_path_factory):
 
 def prompt_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy `n` tokens after `ids`, none of them ending the sequence: what `ignore_eos` asks of ours
+    (generate's `min_new_tokens` would instead forbid the EOS token, which ours may still pick). A forward pass over
+    the whole sequence per token: the tiny models make it cheap, and no cache of transformers' is involved."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(hf(torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
 
 
 def test_logits_match_transformers(checkpoint):
@@ -94,10 +109,7 @@ def test_greedy_32_tokens_identical_to_transformers(checkpoint):
     engine = Engine(ours, EngineConfig(num_blocks=64, block_size=16, max_model_len=256))
     outs = run_engine(engine, prompts, SamplingParams(max_new_tokens=32, ignore_eos=True))
     for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                              pad_token_id=2)[0, len(ids):].tolist()
-        assert out.token_ids == ref
+        assert out.token_ids == greedy(hf, ids, 32)
 
 
 def test_a_prefix_cache_hit_and_four_forks_keep_greedy_identical_to_transformers(checkpoint):
@@ -107,9 +119,7 @@ def test_a_prefix_cache_hit_and_four_forks_keep_greedy_identical_to_transformers
     ours = load_model(folder)
     engine = Engine(ours, EngineConfig(num_blocks=64, block_size=4, max_model_len=256, enable_prefix_caching=True))
     ids = prompt_ids(21, 7)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                          pad_token_id=2)[0, len(ids):].tolist()
+    ref = greedy(hf, ids, 12)
     (first,) = run_engine(engine, [ids], SamplingParams(max_new_tokens=12, ignore_eos=True))
     samples: dict[int, list[int]] = {}
     cached = []
@@ -127,3 +137,30 @@ def test_a_prefix_cache_hit_and_four_forks_keep_greedy_identical_to_transformers
     assert first.token_ids == ref
     assert samples == {i: ref for i in range(4)}
     assert cached == [20]  # the prompt's five full pages of four (its last token is computed again)
+
+
+def test_phi3_longrope_matches_transformers_up_to_its_original_length_and_serves_no_further(tmp_path, caplog):
+    """LongRoPE (Phi-3/Phi-4-mini): within the original length transformers uses the short factors and scales cos and
+    sin by the attention factor; logits and greedy tokens match. Longer contexts (the long factors) are not served:
+    the model's context is the original length."""
+    # heads of 16 (transformers' Phi3 checks the factors against hidden_size / heads), 0.75 of each rotated: 6 factors
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
+            "partial_rotary_factor": 0.75}
+    cfg = transformers.Phi3Config(**dict(BASE, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         original_max_position_embeddings=64,
+                                         rope_scaling=rope, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                                         pad_token_id=0))
+    hf = save_tiny_checkpoint(cfg, tmp_path, seed=5)
+    with caplog.at_level("WARNING", logger="cotserve.worker"):
+        ours = load_model(tmp_path)
+    assert ours.config.max_context == 64 and ours.config.rope.attention_factor > 1.0
+    assert "contexts are served up to its original length, 64 tokens (of 256)" in caplog.text
+    ids = prompt_ids(30, 11)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+        got = ours.model.compute_logits(ours.model(torch.tensor(ids), torch.arange(30), DenseCausalAttention(1, 30)))
+    torch.testing.assert_close(got, expected, **TOL)
+    engine = Engine(ours, EngineConfig(num_blocks=32, block_size=16, max_model_len=64))
+    (out,) = run_engine(engine, [ids], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert out.token_ids == greedy(hf, ids, 30)
