@@ -218,6 +218,31 @@ def _bench_fairness(model, duration_s: float, flood_concurrency: int, interactiv
         console.print(line)
 
 
+@bench_app.command("families")
+def bench_families(
+    hidden: int = typer.Option(512, min=64, help="Hidden size of every family's checkpoint."),
+    layers: int = typer.Option(8, min=1, help="Decoder layers."),
+    heads: int = typer.Option(8, min=1, help="Query heads (head size: hidden / heads)."),
+    kv_heads: int = typer.Option(2, min=1, help="Key/value heads."),
+    intermediate: int = typer.Option(1536, min=4, help="Dense MLP size (an MoE expert's: a quarter of it, 8 experts, 2 chosen)."),
+    batches: str = typer.Option("1,8,32", help="Engine-alone batch sizes; transformers runs static batches of the last."),
+    prompt_tokens: int = typer.Option(64, min=1, help="Tokens per prompt."),
+    max_new_tokens: int = typer.Option(64, min=1, help="Tokens generated per request."),
+) -> None:
+    """Every architecture the worker loads (random weights, one shape): cotserve's engine alone at several batch
+    sizes against transformers' generate in static batches, in the same process."""
+    from cotserve.bench.families import Shape, measure, table
+
+    console = wide_console()
+    if hidden % heads or heads % kv_heads:
+        raise typer.BadParameter(f"hidden {hidden} / heads {heads} / kv_heads {kv_heads}: heads must divide hidden and "
+                                 "kv_heads divide heads", param_hint="--heads")
+    shape = Shape(hidden, layers, heads, kv_heads, intermediate)
+    sizes = int_list(batches, "1,8,32")
+    rows = measure(shape, sizes, prompt_tokens, max_new_tokens, lambda m: console.print(m, style="dim"))
+    console.print(table(rows, sizes, shape, prompt_tokens, max_new_tokens))
+
+
 @bench_app.command("sandbox")
 def bench_sandbox(
     runs: int = typer.Option(1000, help="Runs for the latency percentiles and for the throughput pass."),

@@ -202,3 +202,20 @@ def test_faults_bench_kills_a_worker_and_reports_its_table():
         assert fault == "SIGKILL" and int(requests) > 0 and unexpected == "0" and never == "0" and kv == "0"
         assert again != "never"
     assert "goals: never answered = 0: True; unexpected failures = 0: True; no leaks: True" in out.stdout
+
+
+def test_families_command_runs_every_registered_architecture():
+    """`bench families` makes a checkpoint of each family the worker registers and prints the engine against
+    transformers for each (a small shape: the command's behaviour, not its figures)."""
+    from cotserve.worker.models.registry import supported
+
+    out = subprocess.run([sys.executable, "-m", "cotserve.cli", "bench", "families", "--hidden", "64", "--layers", "1",
+                          "--heads", "4", "--intermediate", "128", "--batches", "1,2", "--prompt-tokens", "8",
+                          "--max-new-tokens", "4"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr + out.stdout
+    from cotserve.bench.families import Shape, family_configs
+
+    made = {type(c).__name__.replace("Config", "ForCausalLM") for c in family_configs(Shape(64, 1, 4, 2, 128)).values()}
+    assert made == set(supported()) - {"MistralForCausalLM"}  # Mistral is Llama's code with a sliding window
+    for family in ("Llama", "Qwen2", "Qwen3", "Phi3 (partial rotary 0.75)", "Mixtral", "Qwen3-MoE"):
+        assert re.search(rf"│ {re.escape(family)} +│ +\d+M │ +[\d,]+ │ +[\d,]+ │ +[\d,]+ │ +[\d.]+x │", out.stdout), out.stdout

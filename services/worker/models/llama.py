@@ -137,7 +137,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         if hasattr(self, "q_norm") or self.rotary_dim < self.head_dim:
-            q, k, v = self._normed_qkv(x, cos, sin)
+            q, k, v = self._qkv_in_torch(x, cos, sin)
         elif self.qkv is not None:
             q, k, v = self.ops.rope_split(self.ops.linear(x, *self.qkv), cos, sin, self.num_heads,
                                           self.num_kv_heads, self.head_dim)
@@ -149,7 +149,7 @@ class Attention(nn.Module):
         out = attn.attend(self.layer, q, k, v)  # [num_tokens, num_heads, head_dim]
         return self.ops.linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
-    def _normed_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _qkv_in_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k (each head RMS-normalized where the model has per-head norms, then rotated, over its first
         `rotary_dim` dimensions) and v."""
         n, d = x.shape[0], self.head_dim
