@@ -122,3 +122,42 @@ def test_no_request_message_gets_an_internal_error_or_leaves_anything_behind(sta
     while leases.zcard("cotserve:quota:fuzz:concurrent") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert leases.zcard("cotserve:quota:fuzz:concurrent") == 0
+
+
+def test_no_session_message_ends_a_stream_or_the_call_with_an_internal_error(stack):
+    """Session calls of one to four messages (opens with any GenerateStreamRequest, any ids and deadlines, and
+    cancels), half-closed, read to their end: no stream ends INTERNAL or UNKNOWN, nor the call; afterwards nothing is
+    left on the worker and no lease on the tenant."""
+    import redis
+
+    address, worker, key, url = stack
+    ends: dict[str, int] = {}
+
+    async def session(messages) -> str:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = gateway_pb2_grpc.GatewayServiceStub(channel).Session(
+                iter(messages), metadata=(("authorization", f"Bearer {key}"),), timeout=30)
+            try:
+                async for response in call:
+                    for chunk in response.chunks:
+                        if chunk.HasField("end"):
+                            ends[chunk.end.code] = ends.get(chunk.end.code, 0) + 1
+                            assert chunk.end.code not in {c.name for c in BAD}, (chunk.end, messages)
+            except grpc.aio.AioRpcError as err:
+                return err.code().name
+        return "OK"
+
+    @FUZZ
+    @given(st.lists(message(gateway_pb2.SessionRequest.DESCRIPTOR), min_size=1, max_size=4))
+    def run(fields):
+        code = asyncio.run(session([gateway_pb2.SessionRequest(**f) for f in fields]))
+        assert code not in {c.name for c in BAD}, (code, fields)
+
+    run()
+    assert "OK" in ends and len(ends) > 1, ends  # streams both served and refused
+    wait_worker_idle(worker, timeout_s=30)
+    leases = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while leases.zcard("cotserve:quota:fuzz:concurrent") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leases.zcard("cotserve:quota:fuzz:concurrent") == 0
