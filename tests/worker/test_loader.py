@@ -142,3 +142,56 @@ def test_projections_are_fused_without_a_second_copy_and_compute_the_same(good):
         layer.self_attn.qkv, layer.mlp.gate_up = None, None  # back to one multiply per projection
     separate = model.compute_logits(model(ids, positions, DenseCausalAttention(1, 8)))
     torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
+
+
+def _fp8_copy(good, folder, block: tuple[int, int]) -> tuple:
+    """`good` with every projection block-quantized to E4M3 (a float32 scale per block, `weight_scale_inv`, as
+    Qwen3-FP8 and DeepSeek-V3 ship them; embeddings, LM head and norms left as they are) in `folder`, and the
+    projections' dequantized values."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(good, folder)
+    state, dequantized = load_file(folder / "model.safetensors"), {}
+    for name in [k for k in state if k.endswith("_proj.weight")]:
+        w = state[name].float()
+        rows, cols = w.shape
+        blocks = w.reshape(rows // block[0], block[0], cols // block[1], block[1])
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        state[name], state[name.removesuffix("weight") + "weight_scale_inv"] = q.reshape(rows, cols), scale
+        dequantized[name] = (q.float() * scale[:, None, :, None]).reshape(rows, cols)
+    save_file(state, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (folder / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_a_block_quantized_fp8_checkpoint_loads_dequantized_to_its_originals_outputs(good, tmp_path, caplog):
+    """Each projection's FP8 blocks times their scales, exactly (against dequantizing by hand), and the model's
+    logits close to the float32 original's (E4M3 keeps 3 mantissa bits); the startup log says the weights were
+    dequantized; a scale of the wrong shape, or per-tensor FP8, is refused naming it."""
+    from cotserve.worker.models.attention import DenseCausalAttention
+
+    dequantized = _fp8_copy(good, tmp_path / "fp8", (4, 8))
+    with caplog.at_level("WARNING", logger="cotserve.worker"):
+        fp8 = load_model(tmp_path / "fp8")
+    original = load_model(good)
+    state = fp8.model.state_dict()
+    for name, value in dequantized.items():
+        assert torch.equal(state[name], value), name
+    ids = torch.arange(3, 19)
+    with torch.no_grad():
+        got, want = (m.model.compute_logits(m.model(ids, torch.arange(16), DenseCausalAttention(1, 16)))
+                     for m in (fp8, original))
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    assert "block-quantized FP8 weights dequantized at load" in caplog.text
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        **config["quantization_config"], "weight_block_size": [8, 8]}}))
+    with pytest.raises(ModelLoadError, match=r"weight_scale_inv: shape \(\d+, \d+\), expected \(\d+, \d+\) for "):
+        load_model(tmp_path / "fp8")
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ModelLoadError, match=r"weight_block_size: None, expected \[rows, columns\]"):
+        load_model(tmp_path / "fp8")

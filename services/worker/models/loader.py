@@ -84,6 +84,35 @@ def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def dequantize_fp8_blocks(tensors: dict[str, torch.Tensor], raw_config: dict) -> int:
+    """Block-quantized FP8 weights (`quantization_config.quant_method` "fp8" with `weight_block_size`, as Qwen3-FP8
+    and DeepSeek-V3 ship them: an E4M3 `weight` and a float32 `weight_scale_inv` per block of it) made plain in place:
+    each block times its scale, in float32 (the model's dtype comes after). No FP8 matrix kernel runs them yet: the
+    weights are dequantized at load, and the startup log says so. Returns how many were."""
+    quant = raw_config.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
+        return 0
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(f"config.json: quantization_config.weight_block_size: {block!r}, expected [rows, columns] "
+                             "(per-tensor FP8 is not supported)")
+    done = 0
+    for scale_name in [k for k in tensors if k.endswith(".weight_scale_inv")]:
+        name = scale_name.removesuffix("_scale_inv")
+        weight, scale = tensors.get(name), tensors.pop(scale_name)
+        if weight is None:
+            raise ModelLoadError(f"{scale_name}: a scale for {name}, which the checkpoint does not hold")
+        rows, cols = weight.shape
+        expected = (-(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale.shape) != expected:
+            raise ModelLoadError(f"{scale_name}: shape {tuple(scale.shape)}, expected {expected} for {name} "
+                                 f"{tuple(weight.shape)} in blocks of {block}")
+        full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+        tensors[name] = weight.float() * full
+        done += 1
+    return done
+
+
 def hub_cache_dir() -> Path:
     """Where Hugging Face keeps downloaded models: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -177,7 +206,12 @@ def load_model(
             "tokens (of %d)", folder, cfg.max_context, cfg.max_position_embeddings)
     files = weight_files(folder)
     tensors = {}
-    for key, tensor in read_tensors(files).items():
+    checkpoint = read_tensors(files)
+    if dequantize_fp8_blocks(checkpoint, json.loads((folder / "config.json").read_text())):
+        logging.getLogger("cotserve.worker").warning(
+            "%s: block-quantized FP8 weights dequantized at load (no FP8 matrix kernel yet): they take the model "
+            "dtype's memory", folder)
+    for key, tensor in checkpoint.items():
         ours = arch.weight_name(key)
         if ours is not None:
             tensors.update(arch.split(ours, tensor, cfg) if arch.split else [(ours, tensor)])
