@@ -151,8 +151,10 @@ class TenantFair(PriorityYield):
         """Seats back from tenants over their fair share for tenants under it that wait, within each class: a
         class's fair share is the seats over the tenants with work of that class (running or waiting), so a tenant
         alone uses every seat and is the first to give them back when another arrives. The seats the waiting tenants
-        could take (up to their share, up to what they wait with) less the free ones are taken from the tenants most
-        over their share, each one's newest sequence first; it queues again behind its tenant's other work."""
+        could take (up to their share, up to what they wait with) less the free ones are taken from tenants over their
+        share, the newest sequences first, none below its tenant's share; each queues again behind its tenant's other
+        work. A waiting sequence that then cannot be admitted (its blocks) leaves the seats free: the next step takes
+        none, so nothing is preempted over and over."""
         victims: list[Sequence] = []
         free = sched.max_num_seqs - sched.seats_taken
         for cls in SlaClass:

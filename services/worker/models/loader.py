@@ -185,6 +185,25 @@ def load_tokenizer(folder: Path, cfg: ModelConfig) -> tuple[Tokenizer, frozenset
     return tok, frozenset(int(e) for e in eos)
 
 
+def model_tensors(folder: Path, files: list[Path], arch, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's names (block-quantized FP8 dequantized, fused tensors split, unused
+    ones left out); what the model serves short of its config is logged."""
+    log = logging.getLogger("cotserve.worker")
+    if cfg.rope.rope_type == "longrope" and cfg.max_context < cfg.max_position_embeddings:
+        log.warning("%s: LongRoPE's long factors are not implemented: contexts are served up to its original length, "
+                    "%d tokens (of %d)", folder, cfg.max_context, cfg.max_position_embeddings)
+    checkpoint = read_tensors(files)
+    if dequantize_fp8_blocks(checkpoint, json.loads((folder / "config.json").read_text())):
+        log.warning("%s: block-quantized FP8 weights dequantized at load (no FP8 matrix kernel yet): they take the "
+                    "model dtype's memory", folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, tensor in checkpoint.items():
+        ours = arch.weight_name(key)
+        if ours is not None:
+            tensors.update(arch.split(ours, tensor, cfg) if arch.split else [(ours, tensor)])
+    return tensors
+
+
 def load_model(
     folder: str | Path,
     *,
@@ -200,21 +219,8 @@ def load_model(
     dtype = dtype or default_dtype(device)
     cfg = ModelConfig.from_file(folder / "config.json")
     arch = architecture(cfg.architecture)
-    if cfg.rope.rope_type == "longrope" and cfg.max_context < cfg.max_position_embeddings:
-        logging.getLogger("cotserve.worker").warning(
-            "%s: LongRoPE's long factors are not implemented: contexts are served up to its original length, %d "
-            "tokens (of %d)", folder, cfg.max_context, cfg.max_position_embeddings)
     files = weight_files(folder)
-    tensors = {}
-    checkpoint = read_tensors(files)
-    if dequantize_fp8_blocks(checkpoint, json.loads((folder / "config.json").read_text())):
-        logging.getLogger("cotserve.worker").warning(
-            "%s: block-quantized FP8 weights dequantized at load (no FP8 matrix kernel yet): they take the model "
-            "dtype's memory", folder)
-    for key, tensor in checkpoint.items():
-        ours = arch.weight_name(key)
-        if ours is not None:
-            tensors.update(arch.split(ours, tensor, cfg) if arch.split else [(ours, tensor)])
+    tensors = model_tensors(folder, files, arch, cfg)
 
     with torch.device("meta"):
         model = arch.build(cfg)
