@@ -123,3 +123,41 @@ def test_engine_applies_newer_policies_between_steps_only(tmp_path):
     assert engine.policy_version == 2 and engine.stats().moe_policy_version == 2
     assert all(load[:3] == [0, 0, 0] for load in take_load().values())
     assert steered != base
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_a_live_policy_computes_what_transformers_does_with_the_same_bias(tmp_path, family):
+    """A policy's per-expert bias (choosing only: the weights stay the unbiased softmax's) and a narrower top-k,
+    applied by the model, against transformers with each MoE layer's router choosing the same way: the same logits."""
+    transformers = pytest.importorskip("transformers")
+    from cotserve.worker.models.attention import DenseCausalAttention
+    from cotserve.worker.models.loader import load_model
+    from tests.worker.engine_helpers import save_tiny_checkpoint
+
+    make, layers = MOE_FAMILIES[family]
+    hf = save_tiny_checkpoint(make(transformers), tmp_path, seed=3)
+    lm = load_model(tmp_path)
+    biases = {layers[0]: [2.0, -1.0, 0.5, 0.0], layers[1]: [0.0, 0.0, -3.0, 1.5]}
+    lm.model.set_routing_policy(RoutingPolicy(version=1, layers={i: LayerRouting(bias=b) for i, b in biases.items()},
+                                              top_k=1))
+    renormalize = getattr(hf.config, "norm_topk_prob", True)
+    routers = [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+    assert len(routers) == len(layers)
+    for router, layer in zip(routers, layers):
+        bias = torch.tensor(biases[layer])
+
+        def choose(hidden, router=router, bias=bias):  # what the policy does, in transformers' router
+            logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
+            probs = torch.softmax(logits.float(), dim=-1)
+            chosen = torch.topk(logits.float() + bias, 1, dim=-1).indices
+            weights = probs.gather(-1, chosen)
+            if renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(logits.dtype), chosen
+
+        router.forward = choose
+    ids = torch.arange(3, 19)
+    with torch.no_grad():
+        ours = lm.model.compute_logits(lm.model(ids, torch.arange(16), DenseCausalAttention(1, 16)))
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-4)
