@@ -118,11 +118,10 @@ class StackTls:
 
     def credentials(self, identity: str | None):
         """grpc.ChannelCredentials trusting the CA and presenting `identity`'s certificate (None: none)."""
-        import grpc
+        from cotserve.common.tls import TlsSettings
 
         cert, key = self.identity(identity) if identity else (None, None)
-        return grpc.ssl_channel_credentials(self.ca.read_bytes(), key.read_bytes() if key else None,
-                                            cert.read_bytes() if cert else None)
+        return TlsSettings().client_credentials(self.ca, cert, key)
 
     def operator_env(self) -> dict[str, str]:
         """The variables with which `cotserve`'s admin commands call the services as `operator`."""

@@ -89,6 +89,17 @@ def stack(tmp_path_factory):
         child.stop(grace_s=5)
 
 
+def assert_no_lease(url: str) -> None:
+    """The fuzz tenant holds no concurrency lease (each is released as its call ends: wait for the last one)."""
+    import redis
+
+    leases = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while leases.zcard("cotserve:quota:fuzz:concurrent") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leases.zcard("cotserve:quota:fuzz:concurrent") == 0
+
+
 BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
 
 
@@ -96,8 +107,6 @@ BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_L
                                              ("Generate", gateway_pb2.GenerateRequest),
                                              ("Tokenize", gateway_pb2.TokenizeRequest)])
 def test_no_request_message_gets_an_internal_error_or_leaves_anything_behind(stack, rpc, request_cls):
-    import redis
-
     address, worker, key, url = stack
     codes: dict[str, int] = {}
 
@@ -117,19 +126,13 @@ def test_no_request_message_gets_an_internal_error_or_leaves_anything_behind(sta
     run()
     assert "OK" in codes and len(codes) > 1, codes  # both served and refused messages were tried
     wait_worker_idle(worker, timeout_s=30)  # no KV block, no sequence left behind
-    leases = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10  # a lease is released as its call ends: wait for the last one
-    while leases.zcard("cotserve:quota:fuzz:concurrent") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert leases.zcard("cotserve:quota:fuzz:concurrent") == 0
+    assert_no_lease(url)
 
 
 def test_no_session_message_ends_a_stream_or_the_call_with_an_internal_error(stack):
     """Session calls of one to four messages (opens with any GenerateStreamRequest, any ids and deadlines, and
     cancels), half-closed, read to their end: no stream ends INTERNAL or UNKNOWN, nor the call; afterwards nothing is
     left on the worker and no lease on the tenant."""
-    import redis
-
     address, worker, key, url = stack
     ends: dict[str, int] = {}
 
@@ -156,8 +159,4 @@ def test_no_session_message_ends_a_stream_or_the_call_with_an_internal_error(sta
     run()
     assert "OK" in ends and len(ends) > 1, ends  # streams both served and refused
     wait_worker_idle(worker, timeout_s=30)
-    leases = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while leases.zcard("cotserve:quota:fuzz:concurrent") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert leases.zcard("cotserve:quota:fuzz:concurrent") == 0
+    assert_no_lease(url)
