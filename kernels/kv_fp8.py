@@ -76,11 +76,11 @@ def write_fp8_ref(
     """Quantize and write new tokens into their slots, and fold their keys into their pages' min/max
     (reset first for pages that start with this write). Uses the dequantized keys, so the bound
     holds for what attention will actually read."""
-    block_size, heads, dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    block_size, heads = k_cache.shape[1], k_cache.shape[2]
     kq, ks = quantize_ref(key, k_scale.dtype)
     vq, vs = quantize_ref(value, v_scale.dtype)
-    k_cache.view(-1, heads, dim)[slot_mapping] = kq
-    v_cache.view(-1, heads, dim)[slot_mapping] = vq
+    k_cache.view(-1, heads, k_cache.shape[3])[slot_mapping] = kq
+    v_cache.view(-1, heads, v_cache.shape[3])[slot_mapping] = vq  # (values may be of another size than keys)
     k_scale.view(-1, heads)[slot_mapping] = ks
     v_scale.view(-1, heads)[slot_mapping] = vs
     if k_min is not None:

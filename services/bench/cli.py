@@ -228,18 +228,24 @@ def bench_families(
     batches: str = typer.Option("1,8,32", help="Engine-alone batch sizes; transformers runs static batches of the last."),
     prompt_tokens: int = typer.Option(64, min=1, help="Tokens per prompt."),
     max_new_tokens: int = typer.Option(64, min=1, help="Tokens generated per request."),
+    family: list[str] = typer.Option([], help="Only this family (repeatable; the table's names, e.g. gpt-oss); "
+                                              "default: every one."),
 ) -> None:
     """Every architecture the worker loads (random weights, one shape): cotserve's engine alone at several batch
     sizes against transformers' generate in static batches, in the same process."""
-    from cotserve.bench.families import Shape, measure, table
+    from cotserve.bench.families import Shape, family_configs, measure, table
 
     console = wide_console()
     if hidden % heads or heads % kv_heads:
         raise typer.BadParameter(f"hidden {hidden} / heads {heads} / kv_heads {kv_heads}: heads must divide hidden and "
                                  "kv_heads divide heads", param_hint="--heads")
     shape = Shape(hidden, layers, heads, kv_heads, intermediate)
+    known = list(family_configs(shape))
+    unknown = [f for f in family if f not in known]
+    if unknown:
+        raise typer.BadParameter(f"{', '.join(unknown)}: not a family (allowed: {', '.join(known)})", param_hint="--family")
     sizes = int_list(batches, "1,8,32")
-    rows = measure(shape, sizes, prompt_tokens, max_new_tokens, lambda m: console.print(m, style="dim"))
+    rows = measure(shape, sizes, prompt_tokens, max_new_tokens, lambda m: console.print(m, style="dim"), family or None)
     console.print(table(rows, sizes, shape, prompt_tokens, max_new_tokens))
 
 

@@ -42,6 +42,16 @@ def family_configs(shape: Shape) -> dict[str, Any]:
                                               num_local_experts=shape.experts, sliding_window=None, **moe),
         "Qwen3-MoE": transformers.Qwen3MoeConfig(**common, head_dim=head_dim, num_experts=shape.experts,
                                                  moe_intermediate_size=shape.intermediate // 4, norm_topk_prob=True, **moe),
+        # latent attention (a latent of 4 heads' size, RoPE over half a head), one dense layer, then MoE with a shared
+        # expert and DeepSeek's grouped sigmoid router (4 groups, 2 kept)
+        "DeepSeek-V3 (MLA)": transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": shape.heads}, q_lora_rank=None, kv_lora_rank=4 * head_dim,
+            qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim, head_dim=head_dim // 2,
+            n_routed_experts=shape.experts, moe_intermediate_size=shape.intermediate // 4, n_group=4, topk_group=2,
+            n_shared_experts=1, first_k_dense_replace=1, **moe),
+        # its own sliding window (128) and YaRN defaults; attention sinks in every layer
+        "gpt-oss": transformers.GptOssConfig(**{**common, "intermediate_size": shape.intermediate // 4},
+                                             head_dim=head_dim, num_local_experts=shape.experts, **moe),
     }
 
 
@@ -71,12 +81,15 @@ class FamilyRow:
 
 
 def measure(shape: Shape, batches: list[int], prompt_tokens: int, max_new_tokens: int,
-            say: Callable[[str], None]) -> list[FamilyRow]:
+            say: Callable[[str], None], only: list[str] | None = None) -> list[FamilyRow]:
+    """Each family's row (`only`: those named, else every one)."""
     from cotserve.bench.baseline import run_engine_only, run_transformers
 
     rows = []
     prompt = [3 + (7 * i) % 1400 for i in range(prompt_tokens)]
     for family, config in family_configs(shape).items():
+        if only is not None and family not in only:
+            continue
         with tempfile.TemporaryDirectory(prefix="cotserve-family-") as folder:
             params = make_checkpoint(config, Path(folder))
             engine = {}

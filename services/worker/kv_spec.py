@@ -55,6 +55,7 @@ class KvCacheSpec:
     num_kv_heads: int
     head_dim: int
     topk_pages: int = 0  # decode reads this many pages per KV head in the layers that are not dense (0: all)
+    v_head_dim: int = 0  # the values' size where it is not the keys' (latent attention: its RoPE key's); 0: head_dim
 
     @classmethod
     def resolve(cls, cfg: ModelConfig, model_dtype: torch.dtype, kv_cache_dtype: str, block_size: int,
@@ -62,6 +63,11 @@ class KvCacheSpec:
         dtype = resolve_kv_dtype(kv_cache_dtype, model_dtype) if isinstance(kv_cache_dtype, str) else kv_cache_dtype
         layers = tuple(LayerKvSpec(model_dtype if dtype == FP8 and i in skip_layers else dtype,
                                    dense=not topk_pages or i in topk_dense_layers) for i in range(cfg.num_layers))
+        if cfg.mla is not None:  # one latent and one RoPE key per token (`models/mla.py`), as a cache head each
+            if topk_pages:
+                raise ValueError("kv_topk_pages: not for multi-head latent attention (its cache holds latents, which "
+                                 "the page bounds cannot score against a query); leave it 0")
+            return cls(dtype, layers, block_size, 1, cfg.mla.kv_lora_rank, 0, cfg.mla.qk_rope_head_dim)
         return cls(dtype, layers, block_size, cfg.num_kv_heads, cfg.head_dim, topk_pages)
 
     @property
@@ -82,9 +88,13 @@ class KvCacheSpec:
         """Keys and values of one token in each layer, FP8 scales included."""
         out = []
         for layer in self.layers:
-            per_head = self.head_dim * _size(layer.dtype) + (_size(FP8_SCALE_DTYPE) if layer.quantized else 0)
-            out.append(2 * self.num_kv_heads * per_head)
+            scales = 2 * _size(FP8_SCALE_DTYPE) if layer.quantized else 0
+            out.append(self.num_kv_heads * ((self.head_dim + self.value_dim) * _size(layer.dtype) + scales))
         return out
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @property
     def bytes_per_token(self) -> int:
@@ -103,13 +113,14 @@ class KvCacheSpec:
     def allocate(self, num_blocks: int, device: torch.device) -> list[LayerCache]:
         """Zeroed caches of `num_blocks` blocks, one per layer."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        v_shape = shape[:3] + (self.value_dim,)
 
         def zeros(s: tuple, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(s, dtype=dtype, device=device)
 
         out = []
         for layer in self.layers:
-            cache = LayerCache(zeros(shape, layer.dtype), zeros(shape, layer.dtype))
+            cache = LayerCache(zeros(shape, layer.dtype), zeros(v_shape, layer.dtype))
             if layer.quantized:
                 cache.k_scale, cache.v_scale = zeros(shape[:3], FP8_SCALE_DTYPE), zeros(shape[:3], FP8_SCALE_DTYPE)
             if self.has_page_bounds:

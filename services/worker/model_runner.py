@@ -155,18 +155,21 @@ class ModelRunner:
                     if cache.k.dtype in done:
                         continue
                     done.add(cache.k.dtype)
-                    # two rows of three pages: the padded shape class every decode batch falls in
+                    # two rows of three pages: the padded shape class every decode batch falls in (latent attention
+                    # gathers its pages instead: no decode kernel)
                     query = torch.zeros(2, cfg.num_heads, cfg.head_dim, dtype=model_dtype, device=dev)
                     tables = torch.zeros(2, 3, dtype=torch.int64, device=dev)
                     ones = torch.ones(2, dtype=torch.int64, device=dev)
                     native = self.kernels.decode_attention is cpu_native.decode_attention
-                    if not (native and cpu_native.supports(query, cache.k, cache.v, cache.k_scale, cache.v_scale)):
+                    if cfg.mla is None and not (native and cpu_native.supports(query, cache.k, cache.v, cache.k_scale,
+                                                                               cache.v_scale)):
                         decode_all_pages.warm_up(query, cache.k, cache.v, tables, ones, self.scale, cache.k_scale, cache.v_scale)
                     if cache.k_scale is not None:
                         for rows in (1, 2):
-                            shape = (rows, cfg.num_kv_heads, 3)
-                            dequantize_fast.warm_up(torch.zeros(*shape, cfg.head_dim, dtype=FP8, device=dev),
-                                                    torch.ones(shape, dtype=FP8_SCALE_DTYPE, device=dev))
+                            shape = (rows, cache.k.shape[2], 3)
+                            for dim in {cache.k.shape[3], cache.v.shape[3]}:
+                                dequantize_fast.warm_up(torch.zeros(*shape, dim, dtype=FP8, device=dev),
+                                                        torch.ones(shape, dtype=FP8_SCALE_DTYPE, device=dev))
             finally:
                 self.warmed.set()
 

@@ -65,8 +65,12 @@ def save_tiny_checkpoint(config, folder: Path, seed: int = 0, max_shard_size: st
     model = getattr(transformers, config.architectures[0])._from_config(config, attn_implementation="eager")
     with torch.no_grad():  # untrained logits are near uniform; widen them so token choices are decisive
         for name, p in model.named_parameters():
-            if p.dim() == 2 or name.endswith(".bias"):  # random biases too, so Qwen2's are exercised
+            # random biases too (Qwen2's, gpt-oss's experts'), stacked experts and attention sinks
+            if p.dim() >= 2 or name.endswith((".bias", "_bias", ".sinks")):
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek's learned choice bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)

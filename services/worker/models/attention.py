@@ -7,13 +7,18 @@ the same layers serve a continuous batch of ragged sequences and train on a padd
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from cotserve.kernels.dispatch import KernelSet
+from cotserve.kernels.kv_fp8 import FP8, dequantize_fast, pages_key_mask, write_kv_ref
+from cotserve.kernels.paged_attention import attend_gathered, gather_pages
 from cotserve.worker.kv_spec import KvCacheSpec, LayerCache
+
+
+Expand = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class AttentionBackend(Protocol):
@@ -23,7 +28,12 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        window: int | None = None,  # the layer's sliding window (`ModelConfig.window`)
+        sinks: torch.Tensor | None = None,  # [num_heads]: the layer's attention sinks (`ModelConfig.attention_sinks`)
+        expand: Expand | None = None,  # latent attention (`models/mla.py`): k and v are what the cache holds, and
+        # expand(k rows, v rows) -> every head's keys and values, [batch, heads, ctx, dim] each
+        scale: float | None = None,  # the softmax scale, when not head_dim ** -0.5
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] (latent attention: the values' head_dim)
         ...
 
 
@@ -34,12 +44,21 @@ class DenseCausalAttention:
     batch: int
     seq_len: int
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+               sinks: torch.Tensor | None = None, expand: Expand | None = None,
+               scale: float | None = None) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k.shape[1]
 
         def rows(x: torch.Tensor) -> torch.Tensor:  # [b, heads, len, dim]
-            return x.view(self.batch, self.seq_len, x.shape[1], head_dim).transpose(1, 2)
+            return x.view(self.batch, self.seq_len, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        if window is not None or sinks is not None or expand is not None:
+            lens = torch.full((self.batch,), self.seq_len, device=q.device)
+            keys, values = expand(rows(k), rows(v)) if expand is not None else (rows(k), rows(v))
+            out = attend_gathered(q.view(self.batch, self.seq_len, num_heads, head_dim), keys, values, lens, lens,
+                                  scale or head_dim ** -0.5, window=window, sinks=sinks)
+            return out.reshape(-1, num_heads, values.shape[-1])
 
         kk, vv = rows(k), rows(v)
         if group > 1:
@@ -113,9 +132,16 @@ class PagedAttention:
     kernels: KernelSet
     scale: float
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
+               sinks: torch.Tensor | None = None, expand: Expand | None = None,
+               scale: float | None = None) -> torch.Tensor:
         b, c = self.batch, self.caches[layer]
+        if expand is not None:  # a latent and a RoPE key of their own sizes: the reference writes any shape
+            write_kv_ref(k, v, c.k, c.v, b.slot_mapping, c.k_scale, c.v_scale, c.k_min, c.k_max, b.fresh_page)
+            return self._gathered(layer, q, window, sinks, expand, scale)
         self.kernels.write_kv(k, v, c.k, c.v, b.slot_mapping, c.k_scale, c.v_scale, c.k_min, c.k_max, b.fresh_page)
+        if window is not None or sinks is not None:
+            return self._gathered(layer, q, window, sinks)
         if not b.prefill_groups:  # every token a decode row, in order: no gather and scatter around the kernel
             return self._decode(layer, q)
         out = torch.empty_like(q)
@@ -143,6 +169,40 @@ class PagedAttention:
         """Whether whole prompts attend over the step's own keys and values instead of reading their pages back: the
         cache holds them unchanged when it keeps the model's dtype."""
         return cache.k_scale is None and cache.k.dtype == k.dtype
+
+    def _gathered(self, layer: int, q: torch.Tensor, window: int | None, sinks: torch.Tensor | None,
+                  expand: Expand | None = None, scale: float | None = None) -> torch.Tensor:
+        """Attention with a sliding window, sinks (gpt-oss) or latents to expand (DeepSeek's MLA), for every row,
+        through the reference (no kernel has these yet): each row's pages gathered (FP8 dequantized), decode rows
+        together as rows of one query. A decode row of a layer with top-k page selection and no window sees only its
+        selected pages (a window already bounds what a row reads)."""
+        b, c = self.batch, self.caches[layer]
+        out = None
+        rows = [(b.decode_token_idx, b.decode_block_tables, b.decode_context_lens, 1)]
+        rows += [(g.token_idx, g.block_tables, g.context_lens, g.query_len) for g in b.prefill_groups]
+        for idx, tables, ctx, qlen in rows:
+            if not idx.numel():
+                continue
+            keys, values = gather_pages(c.k, tables, ctx), gather_pages(c.v, tables, ctx)
+            if c.k.dtype == FP8:
+                keys = dequantize_fast(keys, gather_pages(c.k_scale, tables, ctx), q.dtype)
+                values = dequantize_fast(values, gather_pages(c.v_scale, tables, ctx), q.dtype)
+            key_mask = None
+            if qlen == 1 and window is None and not self.spec.layers[layer].dense:
+                pages = self.kernels.select_pages(q.index_select(0, idx), c.k_min, c.k_max, tables, ctx,
+                                                  self.spec.topk_pages, self.spec.block_size)
+                key_mask = pages_key_mask(pages, ctx, self.spec.block_size)[..., :keys.shape[2]]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+            if expand is not None:
+                keys, values = expand(keys, values)
+            query = q.index_select(0, idx).view(-1, qlen, *q.shape[1:])
+            res = attend_gathered(query, keys, values, ctx, torch.full_like(ctx, qlen), scale or self.scale, key_mask,
+                                  window, sinks)
+            if out is None:
+                out = q.new_empty(q.shape[0], q.shape[1], res.shape[-1])
+            out.index_copy_(0, idx, res.reshape(-1, q.shape[1], res.shape[-1]))
+        assert out is not None, "a step has at least one token"
+        return out
 
     def _decode(self, layer: int, dq: torch.Tensor) -> torch.Tensor:
         """Decode attention for the batch's decode rows `dq` [num_decode, heads, dim], over all their pages or, in a

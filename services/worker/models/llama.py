@@ -15,6 +15,7 @@ from torch import nn
 from cotserve.kernels.layer_ops import REFERENCE_OPS, LayerOps, rotate_half_rope, store_transposed
 from cotserve.worker.models.attention import AttentionBackend
 from cotserve.worker.models.config import ModelConfig, RopeConfig
+from cotserve.worker.models.mla import LatentAttention
 from cotserve.worker.models.moe import RoutingPolicy, SparseMoeBlock
 
 
@@ -38,6 +39,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     if rope.rope_type == "longrope":  # the short factors: contexts up to the original length (what is served)
         return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** (
             torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "yarn":
+        return yarn_inv_freq(rope, head_dim)
     if rope.rope_type != "llama3":
         return inv
     old_len = rope.original_max_position_embeddings
@@ -49,6 +52,22 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def yarn_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """YaRN's frequencies: the original ones for dimensions that turn more than `beta_fast` times over the
+    original context, divided by the factor for those that turn fewer than `beta_slow` times, a linear ramp between."""
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original length
+        return head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    kept = 1 - ramp  # each dimension's share of its original frequency (written as transformers does, to the bit)
+    wavelengths = rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return 1.0 / (rope.factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
 
 
 class RotaryEmbedding(nn.Module):
@@ -126,6 +145,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3: each query and key head normalized before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.window = cfg.window(layer)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None  # gpt-oss
 
     def fuse(self, transposed: bool = False) -> None:
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj, transposed=transposed)
@@ -146,7 +167,10 @@ class Attention(nn.Module):
             q = rotate_half_rope(self.q_proj(x).reshape(n, self.num_heads, self.head_dim), cs, sn)
             k = rotate_half_rope(self.k_proj(x).reshape(n, self.num_kv_heads, self.head_dim), cs, sn)
             v = self.v_proj(x).reshape(n, self.num_kv_heads, self.head_dim)
-        out = attn.attend(self.layer, q, k, v)  # [num_tokens, num_heads, head_dim]
+        if self.window is None and self.sinks is None:
+            out = attn.attend(self.layer, q, k, v)  # [num_tokens, num_heads, head_dim]
+        else:
+            out = attn.attend(self.layer, q, k, v, window=self.window, sinks=self.sinks)
         return self.ops.linear(out.reshape(n, -1), self.o_proj.weight, self.o_proj.bias)
 
     def _qkv_in_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -201,7 +225,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = LatentAttention(cfg, layer) if cfg.mla is not None else Attention(cfg, layer)
         if cfg.is_moe_layer(layer):
             self.block_sparse_moe = SparseMoeBlock(cfg)
         else:
@@ -297,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for layer, cache in zip(self.model.layers, caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or mlp.gate_up is None or hasattr(attn, "q_norm") or attn.rotary_dim < attn.head_dim:
+            if not isinstance(attn, Attention) or attn.qkv is None or mlp.gate_up is None or hasattr(attn, "q_norm") or attn.rotary_dim < attn.head_dim:
                 # (per-head norms, partial rotation: not in C)
                 return None
             layers.append(cpu_native.DecodeLayer(

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,6 +114,36 @@ def dequantize_fp8_blocks(tensors: dict[str, torch.Tensor], raw_config: dict) ->
     return done
 
 
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The sixteen values of an FP4 (E2M1) code, by code."""
+
+
+def dequantize_mxfp4(tensors: dict[str, torch.Tensor], raw_config: dict) -> int:
+    """MXFP4 weights (`quantization_config.quant_method` "mxfp4", gpt-oss's experts) made plain in place: `X_blocks`
+    [..., rows, groups, 16] bytes of two FP4 codes each (the low nibble first) and `X_scales` [..., rows, groups]
+    power-of-two exponents biased by 127, one per group of 32 values, become `X` [..., columns, rows] (float32: each
+    value is an FP4 value times its group's power of two; stored transposed, as the model multiplies by it). No MXFP4
+    kernel runs them yet: the startup log says so. Returns how many were."""
+    quant = raw_config.get("quantization_config") or {}
+    if quant.get("quant_method") != "mxfp4":
+        return 0
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    done = 0
+    for blocks_name in [k for k in tensors if k.endswith("_blocks")]:
+        name = blocks_name.removesuffix("_blocks")
+        blocks, scales = tensors.pop(blocks_name), tensors.pop(f"{name}_scales", None)
+        if scales is None:
+            raise ModelLoadError(f"{blocks_name}: MXFP4 blocks without their scales ({name}_scales)")
+        if blocks.dtype != torch.uint8 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+            raise ModelLoadError(f"{blocks_name}: shape {tuple(blocks.shape)} {blocks.dtype}, expected uint8 "
+                                 f"{(*scales.shape, 16)} for scales {tuple(scales.shape)}")
+        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., rows, groups, 32]
+        values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
+        tensors[name] = values.flatten(-2).transpose(-1, -2).contiguous()
+        done += 1
+    return done
+
+
 def hub_cache_dir() -> Path:
     """Where Hugging Face keeps downloaded models: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
     if os.environ.get("HF_HUB_CACHE"):
@@ -185,6 +216,15 @@ def load_tokenizer(folder: Path, cfg: ModelConfig) -> tuple[Tokenizer, frozenset
     return tok, frozenset(int(e) for e in eos)
 
 
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint weight belongs to (None: not a layer's)."""
+    m = _LAYER.match(name)
+    return int(m[1]) if m else None
+
+
 def model_tensors(folder: Path, files: list[Path], arch, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the model's names (block-quantized FP8 dequantized, fused tensors split, unused
     ones left out); what the model serves short of its config is logged."""
@@ -193,11 +233,20 @@ def model_tensors(folder: Path, files: list[Path], arch, cfg: ModelConfig) -> di
         log.warning("%s: LongRoPE's long factors are not implemented: contexts are served up to its original length, "
                     "%d tokens (of %d)", folder, cfg.max_context, cfg.max_position_embeddings)
     checkpoint = read_tensors(files)
-    if dequantize_fp8_blocks(checkpoint, json.loads((folder / "config.json").read_text())):
+    raw = json.loads((folder / "config.json").read_text())
+    if dequantize_fp8_blocks(checkpoint, raw):
         log.warning("%s: block-quantized FP8 weights dequantized at load (no FP8 matrix kernel yet): they take the "
                     "model dtype's memory", folder)
+    if dequantize_mxfp4(checkpoint, raw):
+        log.warning("%s: MXFP4 expert weights dequantized at load (no MXFP4 kernel yet): they take the model dtype's "
+                    "memory", folder)
     tensors: dict[str, torch.Tensor] = {}
+    extra = sorted({n for key in checkpoint if (n := _layer_of(key)) is not None and n >= cfg.num_layers})
+    if extra:  # e.g. DeepSeek-V3's multi-token-prediction layer
+        log.info("%s: layer(s) %s past num_hidden_layers are not served", folder, ", ".join(map(str, extra)))
     for key, tensor in checkpoint.items():
+        if extra and (_layer_of(key) or 0) >= cfg.num_layers:
+            continue
         ours = arch.weight_name(key)
         if ours is not None:
             tensors.update(arch.split(ours, tensor, cfg) if arch.split else [(ours, tensor)])

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from cotserve.common.errors import ModelLoadError
 
-FAMILY_MODULES = ("llama", "mixtral", "qwen3", "phi3")
+FAMILY_MODULES = ("llama", "mixtral", "qwen3", "phi3", "gpt_oss", "deepseek_v3")
 """The modules of `cotserve.worker.models.architectures` imported (and so registered) on the first lookup."""
 
 

@@ -67,6 +67,15 @@ MOE_FAMILIES = {  # each MoE family's tiny config: its MoE layers, as the policy
                                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
                                              num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
                                              max_position_embeddings=64), (0, 2)),
+    "deepseek-v3": (lambda t: t.DeepseekV3Config(vocab_size=1464, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                                 num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, head_dim=4,
+                                                 n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                                 moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+                                                 max_position_embeddings=64), (1, 2)),
+    "gpt-oss": (lambda t: t.GptOssConfig(vocab_size=1464, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                         num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64), (0, 1)),
 }
 
 
@@ -141,16 +150,26 @@ def test_a_live_policy_computes_what_transformers_does_with_the_same_bias(tmp_pa
     lm.model.set_routing_policy(RoutingPolicy(version=1, layers={i: LayerRouting(bias=b) for i, b in biases.items()},
                                               top_k=1))
     renormalize = getattr(hf.config, "norm_topk_prob", True)
-    routers = [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+    routers = [m for m in hf.modules() if type(m).__name__.lower().endswith("topkrouter")]
     assert len(routers) == len(layers)
     for router, layer in zip(routers, layers):
         bias = torch.tensor(biases[layer])
 
         def choose(hidden, router=router, bias=bias):  # what the policy does, in transformers' router
-            logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight)
-            probs = torch.softmax(logits.float(), dim=-1)
+            logits = torch.nn.functional.linear(hidden.reshape(-1, router.hidden_dim), router.weight,
+                                                getattr(router, "bias", None))
+            if family == "deepseek-v3":  # sigmoid scores; the checkpoint's choice bias and the policy's add up
+                scores = logits.float().sigmoid()
+                choice = (scores + router.e_score_correction_bias + bias).view(-1, 2, 2)
+                best = choice.topk(2, dim=-1).values.sum(-1).argmax(-1)  # topk_group 1 of n_group 2
+                choice = choice.masked_fill(torch.arange(2)[None, :, None] != best[:, None, None], float("-inf"))
+                chosen = choice.view(-1, 4).topk(1, dim=-1).indices
+                weights = scores.gather(1, chosen)
+                return logits, weights / (weights.sum(-1, keepdim=True) + 1e-20) * router.routed_scaling_factor, chosen
             chosen = torch.topk(logits.float() + bias, 1, dim=-1).indices
-            weights = probs.gather(-1, chosen)
+            if family == "gpt-oss":  # its router: a softmax over the chosen experts' own logits
+                return logits, torch.softmax(logits.gather(-1, chosen), dim=-1), chosen
+            weights = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)
             if renormalize:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return logits, weights.to(logits.dtype), chosen

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from cotserve.kernels.kv_fp8 import dequantize_ref, quantize_ref  # noqa: E402
 from cotserve.worker.engine import Engine  # noqa: E402
 from cotserve.worker.engine_config import EngineConfig  # noqa: E402
+from cotserve.worker.kv_spec import FP8_SCALE_DTYPE  # noqa: E402
 from cotserve.worker.models.attention import DenseCausalAttention  # noqa: E402
 from cotserve.worker.models.loader import load_model  # noqa: E402
 from cotserve.worker.sequence import SamplingParams  # noqa: E402
 from tests.worker.engine_helpers import run_engine, save_tiny_checkpoint  # noqa: E402
+from transformers.masking_utils import eager_mask  # noqa: E402
 
 VOCAB = 1464  # the demo tokenizer's size, reused as the tokenizer of every tiny checkpoint
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -39,6 +45,22 @@ CASES = {
     "qwen3-moe-renormalized": (transformers.Qwen3MoeConfig, dict(BASE, num_experts=4, num_experts_per_tok=2,
                                                                  moe_intermediate_size=48, norm_topk_prob=True,
                                                                  tie_word_embeddings=False)),
+    # multi-head latent attention (a query bottleneck, YaRN with DeepSeek's mscales) with interleaved RoPE; one dense
+    # layer, then MoE with a shared expert, 8 experts in 4 groups (2 kept), sigmoid scores and a choice bias
+    "deepseek-v3-mla": (transformers.DeepseekV3Config, dict(
+        BASE, num_hidden_layers=3, num_key_value_heads=8, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, head_dim=8, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0,
+            "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1})),
+    # attention sinks, windows of 8 tokens in layers 0 and 2 (prompts and outputs run past them), YaRN RoPE, biased
+    # router and clamped experts
+    "gpt-oss": (transformers.GptOssConfig, dict(BASE, num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+                                                sliding_window=8, tie_word_embeddings=False, rope_parameters={
+                                                    "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                    "original_max_position_embeddings": 64})),
 }
 TOL = dict(atol=2e-5, rtol=1e-4)
 
@@ -137,6 +159,72 @@ def test_a_prefix_cache_hit_and_four_forks_keep_greedy_identical_to_transformers
     assert first.token_ids == ref
     assert samples == {i: ref for i in range(4)}
     assert cached == [20]  # the prompt's five full pages of four (its last token is computed again)
+
+
+def fp8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """`x` as our FP8 cache stores it: E4M3, one scale per vector (per token and head)."""
+    return dequantize_ref(*quantize_ref(x, FP8_SCALE_DTYPE), x.dtype)
+
+
+def fp8_kv_attention(module, query, key, value, *args, **kwargs):
+    """transformers' own eager attention of the module's family over keys and values rounded as our FP8 cache stores
+    them: the reference for a worker serving with `kv_cache_dtype=fp8_e4m3`."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, query, fp8_rounded(key), fp8_rounded(value), *args, **kwargs)
+
+
+@contextlib.contextmanager
+def fp8_cache_reference(hf, monkeypatch):
+    """transformers' `hf` computing over an FP8-rounded cache: keys and values rounded before attention, or, for
+    latent attention (DeepSeek), what its cache holds, the normalized latent and the rotated RoPE key, rounded where
+    they are made (before they expand into keys and values)."""
+    if not hasattr(hf.config, "kv_lora_rank"):
+        transformers.AttentionInterface.register("cotserve-fp8-kv", fp8_kv_attention)
+        transformers.AttentionMaskInterface.register("cotserve-fp8-kv", eager_mask)  # the additive mask eager takes
+        hf.set_attn_implementation("cotserve-fp8-kv")
+        try:
+            yield
+        finally:
+            hf.set_attn_implementation("eager")
+        return
+    module = sys.modules[type(hf).__module__]
+    rope = module.apply_rotary_pos_emb_interleave if hf.config.rope_interleave else module.apply_rotary_pos_emb
+
+    def rounded_rope(q, k, *args, **kwargs):
+        q, k = rope(q, k, *args, **kwargs)
+        return q, fp8_rounded(k)
+
+    monkeypatch.setattr(module, rope.__name__, rounded_rope)
+    hooks = [m.kv_a_layernorm.register_forward_hook(lambda mod, inputs, out: fp8_rounded(out))
+             for m in hf.modules() if hasattr(m, "kv_a_layernorm")]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_fp8_kv_matches_transformers_over_the_same_rounded_keys_and_values(checkpoint, monkeypatch):
+    """The KV cache in FP8: prefill in chunks and decode; every sampled step's logits are transformers' with what its
+    cache holds rounded the same way (`fp8_cache_reference`), and the greedy tokens are that model's."""
+    folder, hf = checkpoint
+    with fp8_cache_reference(hf, monkeypatch):
+        ours = load_model(folder)
+        engine = Engine(ours, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=13, max_model_len=256,
+                                           kv_cache_dtype="fp8_e4m3"))
+        assert engine.runner.caches[0].k.dtype == torch.float8_e4m3fn
+        ids = prompt_ids(30, 4)
+        seen = []
+        execute = engine.runner.execute
+        engine.runner.execute = lambda batch: seen.append(execute(batch)) or seen[-1]
+        (out,) = run_engine(engine, [ids], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        with torch.no_grad():
+            expected = hf(torch.tensor([ids + out.token_ids])).logits[0]
+        sampled = [x for x in seen if x.shape[0]]
+        assert len(sampled) == 8
+        for step, logits in enumerate(sampled):
+            torch.testing.assert_close(logits[0], expected[len(ids) - 1 + step], atol=1e-3, rtol=1e-3)
+        assert out.token_ids == greedy(hf, ids, 8)
 
 
 def test_phi3_longrope_matches_transformers_up_to_its_original_length_and_serves_no_further(tmp_path, caplog):

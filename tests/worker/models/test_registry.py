@@ -24,8 +24,9 @@ SMALL = dict(vocab_size=1464, hidden_size=32, intermediate_size=64, num_hidden_l
 
 def test_every_served_family_is_registered_and_an_unknown_one_is_named():
     assert set(registry.supported()) >= {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                         "MixtralForCausalLM"}
-    with pytest.raises(ModelLoadError, match=r"x.json: architecture 'Nope' is not supported \(supported: Llama"):
+                                         "MixtralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                         "Phi3ForCausalLM", "GptOssForCausalLM", "DeepseekV3ForCausalLM"}
+    with pytest.raises(ModelLoadError, match=r"x.json: architecture 'Nope' is not supported \(supported: DeepseekV3"):
         registry.architecture("Nope", "x.json")
     with pytest.raises(ValueError, match="registered twice"):
         registry.register(registry.architecture("LlamaForCausalLM"))

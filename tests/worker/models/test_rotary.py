@@ -39,3 +39,27 @@ def test_the_loader_sizes_the_table_to_the_longest_context_served():
 
     loaded = load_model(DEMO_MODEL)
     assert loaded.model.model.rotary.max_positions == loaded.config.max_context == 256
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "original_max_position_embeddings": 32768},  # Qwen3's long-context setting: truncated range
+    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+     "original_max_position_embeddings": 4096},  # DeepSeek-V3's: the two mscales cancel
+    {"factor": 40.0, "mscale": 0.707, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+], ids=["gpt-oss", "qwen3-long", "deepseek-v3", "mscales"])
+def test_yarn_frequencies_and_attention_factor_are_transformers(params):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from cotserve.worker.models.config import ModelConfig
+    from cotserve.worker.models.llama import rope_inv_freq
+
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 256, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 131072,
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, **params}}
+    ours = ModelConfig.from_dict(raw)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.LlamaConfig(**raw))
+    assert ours.max_context == 131072  # one set of frequencies serves every length
+    assert ours.rope.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+    assert torch.equal(rope_inv_freq(ours.rope, ours.rotary_dim), inv_freq)

@@ -1,0 +1,114 @@
+"""gpt-oss's parts that the oracle tests (test_oracle.py) do not reach alone: MXFP4 experts dequantized at load, and
+the attention path that serves sinks and sliding windows against the kernels that serve everything else."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+from cotserve.worker.engine import Engine  # noqa: E402
+from cotserve.worker.engine_config import EngineConfig  # noqa: E402
+from cotserve.worker.models.attention import DenseCausalAttention  # noqa: E402
+from cotserve.worker.models.loader import dequantize_mxfp4, load_model  # noqa: E402
+from cotserve.worker.sequence import SamplingParams  # noqa: E402
+from tests.worker.engine_helpers import run_engine, save_tiny_checkpoint  # noqa: E402
+
+TINY = dict(vocab_size=1464, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            max_position_embeddings=128, tie_word_embeddings=False)
+MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                             "model.embed_tokens", "lm_head"]}
+
+
+def random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 blocks [..., rows, groups, 16] and scales [..., rows, groups] (exponents near 2^-4)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), generator=g, dtype=torch.uint8)
+    return blocks, torch.randint(120, 126, shape, generator=g, dtype=torch.uint8)
+
+
+def test_mxfp4_dequantization_is_transformers_to_the_bit():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = random_mxfp4((3, 48, 2), seed=1)
+    tensors = {"x.gate_up_proj_blocks": blocks, "x.gate_up_proj_scales": scales, "x.other": torch.ones(2)}
+    assert dequantize_mxfp4(tensors, {"quantization_config": MXFP4}) == 1
+    assert sorted(tensors) == ["x.gate_up_proj", "x.other"]
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert tensors["x.gate_up_proj"].shape == (3, 64, 48)
+    assert torch.equal(tensors["x.gate_up_proj"], expected)
+    assert dequantize_mxfp4({"y": torch.ones(1)}, {}) == 0  # not an MXFP4 checkpoint: untouched
+
+
+def test_an_mxfp4_checkpoint_serves_what_its_dequantized_original_does(tmp_path, caplog):
+    """The experts stored as MXFP4 (as the published gpt-oss checkpoints store them) load to the same weights as a
+    plain checkpoint of their dequantized values: the same logits, to the bit, and transformers' on that original; the
+    startup log says the experts were dequantized."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    plain, packed = tmp_path / "plain", tmp_path / "mxfp4"
+    hf = save_tiny_checkpoint(transformers.GptOssConfig(**TINY), plain, seed=2)
+    quantized = {}
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            for j, (proj, rows, cols) in enumerate((("gate_up_proj", 64, 64), ("down_proj", 64, 32))):
+                blocks, scales = random_mxfp4((4, rows, cols // 32), seed=10 * i + j)
+                getattr(layer.mlp.experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                quantized[f"model.layers.{i}.mlp.experts.{proj}"] = (blocks, scales)
+    hf.save_pretrained(plain)
+    shutil.copytree(plain, packed)
+    tensors = load_file(packed / "model.safetensors")
+    for name, (blocks, scales) in quantized.items():
+        del tensors[name]
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, packed / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((packed / "config.json").read_text())
+    (packed / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4}))
+
+    ids = torch.randint(3, 1464, (24,), generator=torch.Generator().manual_seed(3))
+
+    def logits(folder):
+        lm = load_model(folder)
+        with torch.no_grad():
+            return lm.model.compute_logits(lm.model(ids, torch.arange(24), DenseCausalAttention(1, 24)))
+
+    with caplog.at_level("WARNING", logger="cotserve.worker"):
+        from_packed = logits(packed)
+    assert "MXFP4 expert weights dequantized at load" in caplog.text
+    assert torch.equal(from_packed, logits(plain))
+    with torch.no_grad():
+        torch.testing.assert_close(from_packed, hf(ids[None]).logits[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype, topk", [("auto", 0), ("fp8_e4m3", 0), ("auto", 2), ("fp8_e4m3", 2)])
+def test_the_sink_and_window_path_is_the_kernels_where_sinks_and_windows_change_nothing(tmp_path, kv_dtype, topk):
+    """Sinks of -inf take no share of any softmax: a model served through the path that serves sinks and windows (a
+    reference; no kernel has them yet) then computes what the kernels do for it, with FP8 pages and with top-k page
+    selection in the second layer (each decode row reading 2 of its pages): the same logits every step."""
+    save_tiny_checkpoint(transformers.Qwen3Config(**{k: v for k, v in TINY.items() if "expert" not in k
+                                                     and k != "sliding_window"}), tmp_path, seed=4)
+    ids = torch.randint(3, 1464, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+
+    def run(sinks: bool):
+        lm = load_model(tmp_path)
+        if sinks:
+            for layer in lm.model.model.layers:
+                layer.self_attn.sinks = torch.full((4,), float("-inf"))
+        engine = Engine(lm, EngineConfig(num_blocks=64, block_size=4, max_model_len=128, kv_cache_dtype=kv_dtype,
+                                         kv_topk_pages=topk, kv_topk_dense_layers=(0,)))
+        seen = []
+        execute = engine.runner.execute
+        engine.runner.execute = lambda batch: seen.append(execute(batch)) or seen[-1]
+        (out,) = run_engine(engine, [ids], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        return out.token_ids, [x for x in seen if x.shape[0]]
+
+    (kernel_tokens, kernel_logits), (path_tokens, path_logits) = run(False), run(True)
+    assert path_tokens == kernel_tokens
+    for a, b in zip(kernel_logits, path_logits, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
