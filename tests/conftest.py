@@ -51,9 +51,9 @@ def _start_service(service: str, args: list[str], timeout_s: float,
     raise RuntimeError(f"{service} did not become SERVING: {output()}")
 
 
-def start_worker(*args: str, timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
-    """Start `cotserve serve worker` on a free loopback port and wait for SERVING."""
-    return _start_service("worker", list(args), timeout_s)
+def start_worker(*args: str, timeout_s: float = 90.0, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `cotserve serve worker` on a free loopback port and wait for SERVING (`env`: more environment variables)."""
+    return _start_service("worker", list(args), timeout_s, env)
 
 
 def start_gateway(*workers: str, extra: tuple[str, ...] = (), timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:

@@ -431,8 +431,8 @@ class Responder:
             if chunk.index not in self._roles_sent:
                 self._roles_sent.add(chunk.index)
                 delta["role"] = "assistant"
-            if reasoning:
-                delta["reasoning"] = reasoning
+            if reasoning:  # also as reasoning_content: the name DeepSeek's API and most clients read
+                delta["reasoning"] = delta["reasoning_content"] = reasoning
             if content or not reasoning:
                 delta["content"] = content
             logprobs = {"content": chat_logprobs(chunk.token_logprobs)} if self.api.logprobs else None
@@ -496,8 +496,8 @@ def _finish_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
                 "finish_reason": choice["finish_reason"]}
     message: dict[str, Any] = {"role": "assistant", "content": "".join(parts["content"])}
     reasoning = "".join(parts["reasoning"])
-    if reasoning:
-        message["reasoning"] = reasoning
+    if reasoning:  # also as reasoning_content: the name DeepSeek's API and most clients read
+        message["reasoning"] = message["reasoning_content"] = reasoning
     return {"index": choice["index"], "message": message, "logprobs": choice["logprobs"],
             "finish_reason": choice["finish_reason"]}
 

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from cotserve.common.config import Cli, legacy_env
 from cotserve.common.tls import TlsSettings
+from cotserve.worker.reasoning import PARSERS
 from cotserve.worker.scheduling import POLICIES
 
 DEMO_MODEL = Path(__file__).parent / "demo" / "cotserve-demo"
@@ -39,6 +40,10 @@ class WorkerConfig(TlsSettings):
     """With fp8_e4m3: layers whose cache keeps the model's dtype (the most sensitive ones)."""
     kv_topk_dense_layers: tuple[int, ...] = ()
     """With kv_topk_pages: layers that read every page."""
+    reasoning_parser: str = "auto"
+    """How the model marks its reasoning: auto (harmony for gpt-oss's tokenizer, else think where the tokenizer has
+    <think> and </think>, else none), think (text between --reasoning-start and --reasoning-end: Qwen3, Phi-4-reasoning,
+    DeepSeek-R1), harmony (gpt-oss's analysis and final channels) or none."""
     reasoning_start: str | None = None
     """Text that opens the model's thinking (default: <think> when the tokenizer has it and </think>)."""
     reasoning_end: str | None = None
@@ -138,6 +143,7 @@ class WorkerConfig(TlsSettings):
              f"kv_cache_dtype: {self.kv_cache_dtype!r}, allowed: auto, {', '.join(KV_CACHE_DTYPES)}"),
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
             (self.scheduling in POLICIES, f"scheduling: {self.scheduling!r}, allowed: {', '.join(POLICIES)}"),
+            (self.reasoning_parser in PARSERS, f"reasoning_parser: {self.reasoning_parser!r}, allowed: {', '.join(PARSERS)}"),
             (self.max_batch_tokens_when_urgent >= 1,
              f"max_batch_tokens_when_urgent: {self.max_batch_tokens_when_urgent}, must be >= 1"),
             (0.0 <= self.batch_min_share <= 1.0, f"batch_min_share: {self.batch_min_share}, allowed 0..1"),

@@ -8,6 +8,7 @@ it is known not to be one, so a stop string never reaches the client.
 from __future__ import annotations
 
 import codecs
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -49,9 +50,13 @@ class TokenBytes:
 
 
 class IncrementalDetokenizer:
+    """One sample's output text, token by token. With `channels` (`harmony.HarmonyChannels`) only what they keep of
+    each token's text is the sample's text (a harmony reply's message content, without its headers)."""
+
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: tuple[str, ...],
-                 token_bytes: TokenBytes | None = None) -> None:
+                 token_bytes: TokenBytes | None = None, channels: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.channels = channels
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -70,19 +75,24 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str:
         """Append a generated token; return the text that can be sent now (possibly empty)."""
+        new = self._new_text(token_id)
+        if self.channels is not None:
+            new = self.channels.take(token_id, new, len(self.text))
+        if new:
+            self._append(new)
+        return self._ready(final=False)
+
+    def _new_text(self, token_id: int) -> str:
+        """The text `token_id` completes (possibly empty)."""
         if self._utf8 is not None:
-            new = self._utf8.decode(self._bytes(token_id))
-            if new:
-                self._append(new)
-            return self._ready(final=False)
+            return self._utf8.decode(self._bytes(token_id))
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            self._append(new)
-        return self._ready(final=False)
+            return full[len(prefix) :]
+        return ""
 
     def _append(self, new: str) -> None:
         if self.stopped_by_string:
@@ -103,6 +113,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of the request: whatever was held back."""
+        if self.channels is not None and (rest := self.channels.finish(len(self.text))):
+            self._append(rest)
         return self._ready(final=True)
 
 

@@ -130,7 +130,7 @@ def _build_engine(cfg: Any, send: Callable[[object], None]) -> tuple[Any, Any] |
         dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         loaded = load_model(cfg.model, device=device, dtype=dtype, **cfg.model_names)
         reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, cfg.reasoning_start, cfg.reasoning_end,
-                                                  cfg.reasoning_step, cfg.answer_regex)
+                                                  cfg.reasoning_step, cfg.answer_regex, cfg.reasoning_parser)
         return Engine(loaded, engine_config(cfg, loaded), reasoning), loaded
     except (CotserveError, ValueError, OSError) as exc:
         send(EngineFailed(getattr(exc, "message", str(exc)), FailureKind.of(exc)))

@@ -58,8 +58,9 @@ class FrontText:
     def _text(self, out: RequestOutput) -> None:
         detok = self.detoks.get(out.index)
         if detok is None:
+            channels = self.fmt.channels(self.prompt_ids) if self.fmt is not None else None
             detok = self.detoks[out.index] = IncrementalDetokenizer(self.tokenizer, self.prompt_ids, self.params.stop,
-                                                                    self.token_bytes)
+                                                                    self.token_bytes, channels)
         if out.token_id != NO_TOKEN and not is_stop_token(self.params, self.eos_token_ids, out.token_id):
             out.text = detok.add_token(out.token_id)  # up to a stop string, all of it: nothing is held back then
             if detok.stopped_by_string:
@@ -75,7 +76,7 @@ class FrontText:
     def _split(self, out: RequestOutput) -> None:
         """A sample's last output: its reasoning/answer split, for a reasoning model."""
         if self.fmt is not None:
-            out.reasoning_text, out.answer_text = self.fmt.split(self.detoks[out.index].text, self.thinking_at_start)
+            out.reasoning_text, out.answer_text = self.fmt.split_sample(self.detoks[out.index], self.thinking_at_start)
 
 
 class _Dropped:

@@ -12,16 +12,22 @@ token ids: nothing here knows the demo model's format.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 
 from cotserve.common.sampling import ReasoningParams, SelfConsistencyParams
 
 DEFAULT_START, DEFAULT_END = "<think>", "</think>"
+PARSERS = ("auto", "think", "harmony", "none")
+"""`--reasoning-parser`: auto (harmony for a tokenizer with its control tokens, else think where the tokenizer has
+<think> and </think>, else none), think (text between two markers: Qwen3, Phi-4-reasoning, DeepSeek-R1), harmony
+(gpt-oss's analysis and final channels, `harmony.py`), none (no reasoning split)."""
 
 
 class Part(enum.IntEnum):
@@ -42,14 +48,24 @@ class ReasoningFormat:
     end_ids: tuple[int, ...]
     step: str | None = None  # reasoning steps end with this text (for max_thinking_steps)
     answer_regex: re.Pattern[str] | None = None  # group 1 (or the whole match) of the text after the end marker
+    harmony: Any = None  # harmony's encoding for a gpt-oss model (its markers are its channel headers), else None
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Tokenizer, start: str | None = None, end: str | None = None,
-                      step: str | None = None, answer_regex: str | None = None) -> "ReasoningFormat | None":
-        """The format from flags, or the tokenizer's `<think>` / `</think>` tokens when it has both; None
-        when the model has no reasoning markers. Raises ValueError naming the bad flag."""
+                      step: str | None = None, answer_regex: str | None = None,
+                      parser: str = "auto") -> "ReasoningFormat | None":
+        """The format from flags (`parser`: one of PARSERS), or the tokenizer's `<think>` / `</think>` tokens when it
+        has both; None when the model has no reasoning markers. Raises ValueError naming the bad flag."""
+        from cotserve.worker import harmony
+
+        if parser not in PARSERS:
+            raise ValueError(f"reasoning_parser: {parser!r}, allowed: {', '.join(PARSERS)}")
         if (start is None) != (end is None):
             raise ValueError("reasoning_start / reasoning_end: give both markers or neither")
+        if parser == "none":
+            return None
+        if parser == "harmony" or (parser == "auto" and start is None and harmony.is_harmony_tokenizer(tokenizer)):
+            return cls._harmony(tokenizer, start, step, answer_regex)
         if start is None:
             if tokenizer.token_to_id(DEFAULT_START) is None or tokenizer.token_to_id(DEFAULT_END) is None:
                 if step is not None or answer_regex is not None:
@@ -67,6 +83,42 @@ class ReasoningFormat:
             raise ValueError(f"answer_regex: {answer_regex!r} is not a regular expression: {exc}") from None
         return cls(start, end, tuple(tokenizer.encode(start, add_special_tokens=False).ids),
                    tuple(tokenizer.encode(end, add_special_tokens=False).ids), step, pattern)
+
+    @classmethod
+    def _harmony(cls, tokenizer: Tokenizer, start: str | None, step: str | None,
+                 answer_regex: str | None) -> "ReasoningFormat":
+        from cotserve.worker import harmony
+
+        if start is not None:
+            raise ValueError("reasoning_start / reasoning_end: the harmony parser's markers are its channel headers; "
+                             "give --reasoning-parser think for markers of your own")
+        if not harmony.is_harmony_tokenizer(tokenizer):
+            raise ValueError("reasoning_parser: harmony, but the tokenizer has no <|channel|> / <|message|> tokens "
+                             "(not gpt-oss's)")
+        plain = cls.for_tokenizer(tokenizer, harmony.HARMONY_START, harmony.HARMONY_END, step, answer_regex, "think")
+        return dataclasses.replace(plain, harmony=harmony.load_encoding(tokenizer))
+
+    def channels(self, prompt_ids: list[int]) -> Any:
+        """A sample's text filter (`IncrementalDetokenizer`'s `channels`): harmony's, else None (the text is as
+        decoded)."""
+        if self.harmony is None:
+            return None
+        from cotserve.worker.harmony import HarmonyChannels
+
+        return HarmonyChannels(self.harmony, prompt_ids)
+
+    @property
+    def text_markers(self) -> tuple[str, str]:
+        """The markers as they appear in a sample's text (what a client strips from the reasoning): none for
+        harmony, whose headers never reach the text."""
+        return ("", "") if self.harmony is not None else (self.start, self.end)
+
+    def split_sample(self, detok: Any, thinking_at_start: bool = False) -> tuple[str, str]:
+        """A finished sample's (reasoning, answer) from its detokenizer (`IncrementalDetokenizer`)."""
+        if detok.channels is not None:
+            reasoning, answer = detok.channels.split(detok.text)
+            return reasoning, self.answer(answer)
+        return self.split(detok.text, thinking_at_start)
 
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
         """The prompt ends with the start marker (the chat template opened the thinking): its output starts inside
@@ -125,12 +177,13 @@ class ThinkingTracker:
         self._recent = (self._recent + [token_id])[-max(len(fmt.start_ids), len(fmt.end_ids)):]
         if not self.has_thought and self._ends_with(fmt.start_ids):
             self.is_thinking = self.has_thought = True
-            self.num_reasoning_tokens += 1
+            self.num_reasoning_tokens += len(fmt.start_ids)  # a marker of several tokens: all of them
             return Part.REASONING
         if self.is_thinking:
             self.num_reasoning_tokens += 1
             if self._ends_with(fmt.end_ids):
                 self.is_thinking = False
+                self.num_thinking_tokens -= len(fmt.end_ids) - 1  # the marker's first tokens were counted as thinking
                 return Part.REASONING
             self.num_thinking_tokens += 1
             ended_steps = 0

@@ -76,7 +76,8 @@ class RequestState:
                  for i in range(first + 1, first + k)]
         for s in (head, *forks):
             self.samples.append(s)
-            self.detoks.append(IncrementalDetokenizer(tokenizer, s.prompt_ids, s.params.stop, token_bytes)
+            self.detoks.append(IncrementalDetokenizer(tokenizer, s.prompt_ids, s.params.stop, token_bytes,
+                                                      fmt.channels(s.prompt_ids) if fmt is not None else None)
                                if self.detokenize else None)
             if fmt is not None:
                 self.trackers.append(ThinkingTracker(fmt, self.reasoning, s.prompt_ids))

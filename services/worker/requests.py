@@ -178,7 +178,7 @@ class Requests:
             text += detok.flush()
         reasoning_text = answer_text = None
         if tracker is not None and detok is not None:
-            reasoning_text, answer_text = tracker.fmt.split(detok.text, tracker.thinking_at_start)
+            reasoning_text, answer_text = tracker.fmt.split_sample(detok, tracker.thinking_at_start)
         self._finish_sample(req, seq, RequestOutput(seq.request_id, token, text, logprob, finish_reason=finish,
                                                     timing=first, events=req.new_events(), index=seq.index, part=part,
                                                     reasoning_text=reasoning_text, answer_text=answer_text,

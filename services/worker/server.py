@@ -355,8 +355,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             max_context_tokens=ec.max_model_len, max_num_seqs=ec.max_num_seqs, device=str(lm.device),
             num_experts=lm.config.num_experts, num_experts_per_tok=lm.config.num_experts_per_tok,
             max_token_chars=self._token_chars,
-            reasoning_start=self.engine.reasoning.start if self.engine.reasoning else "",
-            reasoning_end=self.engine.reasoning.end if self.engine.reasoning else "",
+            reasoning_start=self.engine.reasoning.text_markers[0] if self.engine.reasoning else "",
+            reasoning_end=self.engine.reasoning.text_markers[1] if self.engine.reasoning else "",
             kv_cache=worker_pb2.KvCacheInfo(
                 dtype=self.engine.kv_spec.dtype_name, block_size_tokens=ec.block_size,
                 total_blocks=ec.num_blocks, bytes_per_token=self.engine.kv_spec.bytes_per_token,
@@ -429,7 +429,7 @@ class RunningWorker:
 
 async def _make_engine(cfg: WorkerConfig, engine_died: Callable[[str], None]) -> tuple[Engine | EngineProcess, LoadedModel]:
     """The engine: in its own process (the front loads only the config and tokenizer), or on a thread here."""
-    reasoning_markers = (cfg.reasoning_start, cfg.reasoning_end, cfg.reasoning_step, cfg.answer_regex)
+    reasoning_markers = (cfg.reasoning_start, cfg.reasoning_end, cfg.reasoning_step, cfg.answer_regex, cfg.reasoning_parser)
     if cfg.engine_process:
         loaded = await asyncio.to_thread(lambda: load_front(cfg.model, **cfg.model_names))
         reasoning = ReasoningFormat.for_tokenizer(loaded.tokenizer, *reasoning_markers)

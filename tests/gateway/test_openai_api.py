@@ -133,11 +133,13 @@ def test_streamed_events_and_the_whole_response_say_the_same():
     deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert "".join(d.get("reasoning", "") for d in deltas) == "1+1=2."
+    assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)  # the name DeepSeek's API uses too
     assert "".join(d.get("content", "") for d in deltas) == " 2"
     assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 7
     assert all(e["usage"] is None for e in events[:-1]) and events[-2]["choices"][0]["finish_reason"] == "stop"
     assert {e["object"] for e in events} == {"chat.completion.chunk"} and events[0]["id"] == "chatcmpl-id1"
     whole = Responder(parse("chat", CHAT), "id2", "m", ("<think>", "</think>")).whole(chunks)
-    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": " 2", "reasoning": "1+1=2."},
+    assert whole["choices"] == [{"index": 0, "message": {"role": "assistant", "content": " 2", "reasoning": "1+1=2.",
+                                                         "reasoning_content": "1+1=2."},
                                  "logprobs": None, "finish_reason": "stop"}]
     assert whole["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3} and whole["object"] == "chat.completion"
