@@ -96,8 +96,8 @@ def render_messages(messages, chat_template: Any, variables: dict[str, Any] | No
     turns = []
     for m in messages:
         turn = {"role": m.role, "content": m.content}
-        if m.reasoning_content:
-            turn["reasoning_content"] = m.reasoning_content
+        if m.reasoning_content:  # by the names templates read it: Qwen3's and DeepSeek's, and gpt-oss's `thinking`
+            turn["reasoning_content"] = turn["thinking"] = m.reasoning_content
         turns.append(turn)
     return chat_template.render(turns, add_generation_prompt=True, **(variables or {}))
 

@@ -120,11 +120,23 @@ class ReasoningFormat:
             return reasoning, self.answer(answer)
         return self.split(detok.text, thinking_at_start)
 
+    OPENED_WITHIN = 2
+    """Tokens a prompt may hold after the start marker that opens the thinking for the model (DeepSeek-R1's template
+    ends its prompts with `<think>` and a newline)."""
+
     def opens_thinking(self, prompt_ids: list[int]) -> bool:
-        """The prompt ends with the start marker (the chat template opened the thinking): its output starts inside
-        the reasoning."""
+        """The prompt ends with the start marker, or with it and a token or two (a newline), and no end marker after
+        it (the chat template opened the thinking): its output starts inside the reasoning."""
         n = len(self.start_ids)
-        return n > 0 and tuple(prompt_ids[-n:]) == self.start_ids
+        if not n:
+            return False
+        tail = prompt_ids[-(n + self.OPENED_WITHIN):]
+        for at in range(len(tail) - n, -1, -1):
+            if tuple(tail[at:at + n]) == self.start_ids:
+                after = tuple(tail[at + n:])
+                m = len(self.end_ids)
+                return not any(after[i:i + m] == self.end_ids for i in range(len(after) - m + 1))
+        return False
 
     def split(self, text: str, thinking_at_start: bool = False) -> tuple[str, str]:
         """A sample's whole output text as (reasoning, answer): the reasoning between the markers
