@@ -56,8 +56,9 @@ def test_dtype_defaults_to_float32_on_cpu_and_can_be_overridden(good):
     (lambda f: (f / "config.json").write_text("{not json"), r"config.json: not valid JSON"),
     (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()),
                                                           "architectures": ["GPT2LMHeadModel"]})),
-     r"architecture 'GPT2LMHeadModel' is not supported \(supported: LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, "
-     r"Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM\)"),
+     r"architecture 'GPT2LMHeadModel' is not supported \(supported: DeepseekV3ForCausalLM, GptOssForCausalLM, "
+     r"LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+     r"Qwen3MoeForCausalLM\)"),
     (lambda f: (f / "model.safetensors").unlink(), r"no model.safetensors or model.safetensors.index.json"),
     (lambda f: (f / "model.safetensors").write_bytes(b"garbage"), r"model.safetensors: cannot read safetensors file"),
     (lambda f: (f / "tokenizer.json").unlink(), r"tokenizer.json: file not found"),
@@ -195,3 +196,30 @@ def test_a_block_quantized_fp8_checkpoint_loads_dequantized_to_its_originals_out
     (tmp_path / "fp8" / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(ModelLoadError, match=r"weight_block_size: None, expected \[rows, columns\]"):
         load_model(tmp_path / "fp8")
+
+
+def test_weights_stream_through_one_tensor_at_a_time(good, monkeypatch):
+    """Loaded in another dtype, the checkpoint's tensors are read one at a time: each is converted before the next is
+    read, so memory never holds the checkpoint and the model side by side."""
+    import weakref
+
+    from cotserve.worker.models import loader
+    from cotserve.worker.models.registry import architecture
+
+    read, alive = [], []
+    stream = loader.checkpoint_tensors
+
+    def tracked(files):
+        for key, tensor in stream(files):
+            read.append(weakref.ref(tensor))
+            yield key, tensor
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        alive.append(sum(ref() is not None for ref in read))
+        return t.to(torch.bfloat16)
+
+    monkeypatch.setattr(loader, "checkpoint_tensors", tracked)
+    cfg = loader.ModelConfig.from_file(good / "config.json")
+    tensors = loader.model_tensors(good, loader.weight_files(good), architecture(cfg.architecture), cfg, convert)
+    assert len(read) == len(tensors) > 10 and all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert max(alive) <= 1

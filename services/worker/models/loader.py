@@ -19,7 +19,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -73,75 +73,104 @@ def weight_files(folder: Path) -> list[Path]:
     raise ModelLoadError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+def checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors one at a time, file after file (only the one being handed out is read)."""
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for key in fh.keys():
-                    tensors[key] = fh.get_tensor(key)
+                    yield key, fh.get_tensor(key)
+        except ModelLoadError:
+            raise
         except Exception as exc:  # safetensors raises several types for corrupt files
             raise ModelLoadError(f"{f}: cannot read safetensors file ({exc})") from None
-    return tensors
 
 
-def dequantize_fp8_blocks(tensors: dict[str, torch.Tensor], raw_config: dict) -> int:
-    """Block-quantized FP8 weights (`quantization_config.quant_method` "fp8" with `weight_block_size`, as Qwen3-FP8
-    and DeepSeek-V3 ship them: an E4M3 `weight` and a float32 `weight_scale_inv` per block of it) made plain in place:
-    each block times its scale, in float32 (the model's dtype comes after). No FP8 matrix kernel runs them yet: the
-    weights are dequantized at load, and the startup log says so. Returns how many were."""
+def fp8_block_size(raw_config: dict) -> tuple[int, int] | None:
+    """A block-quantized FP8 checkpoint's block (`quantization_config.quant_method` "fp8" with `weight_block_size`,
+    as Qwen3-FP8 and DeepSeek-V3 ship them), None for any other checkpoint."""
     quant = raw_config.get("quantization_config") or {}
     if quant.get("quant_method") != "fp8":
-        return 0
+        return None
     block = quant.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ModelLoadError(f"config.json: quantization_config.weight_block_size: {block!r}, expected [rows, columns] "
                              "(per-tensor FP8 is not supported)")
-    done = 0
-    for scale_name in [k for k in tensors if k.endswith(".weight_scale_inv")]:
-        name = scale_name.removesuffix("_scale_inv")
-        weight, scale = tensors.get(name), tensors.pop(scale_name)
-        if weight is None:
-            raise ModelLoadError(f"{scale_name}: a scale for {name}, which the checkpoint does not hold")
-        rows, cols = weight.shape
-        expected = (-(-rows // block[0]), -(-cols // block[1]))
-        if tuple(scale.shape) != expected:
-            raise ModelLoadError(f"{scale_name}: shape {tuple(scale.shape)}, expected {expected} for {name} "
-                                 f"{tuple(weight.shape)} in blocks of {block}")
-        full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
-        tensors[name] = weight.float() * full
-        done += 1
-    return done
+    return block[0], block[1]
+
+
+def fp8_dequantized(name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An E4M3 `weight` made plain: each block times its float32 scale (`weight_scale_inv`), in float32. No FP8
+    matrix kernel runs such weights yet: they are dequantized at load, and the startup log says so."""
+    rows, cols = weight.shape
+    expected = (-(-rows // block[0]), -(-cols // block[1]))
+    if tuple(scale.shape) != expected:
+        raise ModelLoadError(f"{name}_scale_inv: shape {tuple(scale.shape)}, expected {expected} for {name} "
+                             f"{tuple(weight.shape)} in blocks of {list(block)}")
+    full = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * full
 
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The sixteen values of an FP4 (E2M1) code, by code."""
 
 
-def dequantize_mxfp4(tensors: dict[str, torch.Tensor], raw_config: dict) -> int:
-    """MXFP4 weights (`quantization_config.quant_method` "mxfp4", gpt-oss's experts) made plain in place: `X_blocks`
+def mxfp4_dequantized(name: str, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 weights (`quantization_config.quant_method` "mxfp4", gpt-oss's experts) made plain: `X_blocks`
     [..., rows, groups, 16] bytes of two FP4 codes each (the low nibble first) and `X_scales` [..., rows, groups]
     power-of-two exponents biased by 127, one per group of 32 values, become `X` [..., columns, rows] (float32: each
     value is an FP4 value times its group's power of two; stored transposed, as the model multiplies by it). No MXFP4
-    kernel runs them yet: the startup log says so. Returns how many were."""
-    quant = raw_config.get("quantization_config") or {}
-    if quant.get("quant_method") != "mxfp4":
-        return 0
-    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
-    done = 0
-    for blocks_name in [k for k in tensors if k.endswith("_blocks")]:
-        name = blocks_name.removesuffix("_blocks")
-        blocks, scales = tensors.pop(blocks_name), tensors.pop(f"{name}_scales", None)
-        if scales is None:
-            raise ModelLoadError(f"{blocks_name}: MXFP4 blocks without their scales ({name}_scales)")
-        if blocks.dtype != torch.uint8 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-            raise ModelLoadError(f"{blocks_name}: shape {tuple(blocks.shape)} {blocks.dtype}, expected uint8 "
-                                 f"{(*scales.shape, 16)} for scales {tuple(scales.shape)}")
-        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., rows, groups, 32]
-        values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
-        tensors[name] = values.flatten(-2).transpose(-1, -2).contiguous()
-        done += 1
-    return done
+    kernel runs them yet: the startup log says so."""
+    if blocks.dtype != torch.uint8 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ModelLoadError(f"{name}_blocks: shape {tuple(blocks.shape)} {blocks.dtype}, expected uint8 "
+                             f"{(*scales.shape, 16)} for scales {tuple(scales.shape)}")
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., rows, groups, 32]
+    values = torch.ldexp(torch.tensor(FP4_E2M1)[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(-1, -2).contiguous()
+
+
+class Dequantizer:
+    """Pairs a checkpoint's quantized weights with their scales as they stream past (FP8 blocks and
+    `weight_scale_inv`, MXFP4 `_blocks` and `_scales`), holding only a pair's first half until its second arrives."""
+
+    def __init__(self, raw_config: dict) -> None:
+        self.fp8 = fp8_block_size(raw_config)
+        self.mxfp4 = (raw_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+        self.waiting: dict[str, torch.Tensor] = {}  # a pair's half, by its name
+        self.counts = {"fp8": 0, "mxfp4": 0}
+
+    def take(self, key: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """(name, plain tensor) for a tensor that is (or completes) a weight, None while a pair is half read."""
+        if self.fp8 is not None and (key.endswith(".weight_scale_inv") or tensor.dtype == torch.float8_e4m3fn):
+            name = key.removesuffix("_scale_inv")
+            scale_name = f"{name}_scale_inv"
+            other = self.waiting.pop(scale_name if key == name else name, None)
+            if other is None:
+                self.waiting[key] = tensor
+                return None
+            weight, scale = (tensor, other) if key == name else (other, tensor)
+            self.counts["fp8"] += 1
+            return name, fp8_dequantized(name, weight, scale, self.fp8)
+        if self.mxfp4 and key.endswith(("_blocks", "_scales")):
+            name = key.removesuffix("_blocks").removesuffix("_scales")
+            is_blocks = key.endswith("_blocks")
+            other = self.waiting.pop(f"{name}_scales" if is_blocks else f"{name}_blocks", None)
+            if other is None:
+                self.waiting[key] = tensor
+                return None
+            self.counts["mxfp4"] += 1
+            return name, mxfp4_dequantized(name, *((tensor, other) if is_blocks else (other, tensor)))
+        return key, tensor
+
+    def finish(self) -> None:
+        """Every pair completed; ModelLoadError naming a half without its other."""
+        for key in self.waiting:
+            if key.endswith("_scale_inv"):
+                raise ModelLoadError(f"{key}: a scale for {key.removesuffix('_scale_inv')}, which the checkpoint "
+                                     "does not hold")
+            if key.endswith(("_blocks", "_scales")):
+                raise ModelLoadError(f"{key}: MXFP4 {key.rsplit('_', 1)[1]} without their other half")
+            raise ModelLoadError(f"{key}: an FP8 weight without its weight_scale_inv")
 
 
 def hub_cache_dir() -> Path:
@@ -225,31 +254,41 @@ def _layer_of(name: str) -> int | None:
     return int(m[1]) if m else None
 
 
-def model_tensors(folder: Path, files: list[Path], arch, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under the model's names (block-quantized FP8 dequantized, fused tensors split, unused
-    ones left out); what the model serves short of its config is logged."""
+def model_tensors(folder: Path, files: list[Path], arch, cfg: ModelConfig,
+                  convert: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the model's names, each made as it is read (quantized ones dequantized, fused
+    ones split, unused ones and layers past the config's left out) and passed through `convert` (the model's dtype and
+    device) before the next is read: memory holds the model once, plus one tensor (or a quantized pair) in flight.
+    What the model serves short of its config is logged."""
     log = logging.getLogger("cotserve.worker")
     if cfg.rope.rope_type == "longrope" and cfg.max_context < cfg.max_position_embeddings:
         log.warning("%s: LongRoPE's long factors are not implemented: contexts are served up to its original length, "
                     "%d tokens (of %d)", folder, cfg.max_context, cfg.max_position_embeddings)
-    checkpoint = read_tensors(files)
-    raw = json.loads((folder / "config.json").read_text())
-    if dequantize_fp8_blocks(checkpoint, raw):
+    quant = Dequantizer(json.loads((folder / "config.json").read_text()))
+    tensors: dict[str, torch.Tensor] = {}
+    extra: set[int] = set()
+    for key, tensor in checkpoint_tensors(files):
+        layer = _layer_of(key)
+        if layer is not None and layer >= cfg.num_layers:  # e.g. DeepSeek-V3's multi-token-prediction layer
+            extra.add(layer)
+            continue
+        plain = quant.take(key, tensor)
+        del tensor
+        if plain is None:
+            continue
+        ours = arch.weight_name(plain[0])
+        if ours is not None:
+            parts = arch.split(ours, plain[1], cfg) if arch.split else [(ours, plain[1])]
+            tensors.update((name, convert(part)) for name, part in parts)
+    quant.finish()
+    if extra:
+        log.info("%s: layer(s) %s past num_hidden_layers are not served", folder, ", ".join(map(str, sorted(extra))))
+    if quant.counts["fp8"]:
         log.warning("%s: block-quantized FP8 weights dequantized at load (no FP8 matrix kernel yet): they take the "
                     "model dtype's memory", folder)
-    if dequantize_mxfp4(checkpoint, raw):
+    if quant.counts["mxfp4"]:
         log.warning("%s: MXFP4 expert weights dequantized at load (no MXFP4 kernel yet): they take the model dtype's "
                     "memory", folder)
-    tensors: dict[str, torch.Tensor] = {}
-    extra = sorted({n for key in checkpoint if (n := _layer_of(key)) is not None and n >= cfg.num_layers})
-    if extra:  # e.g. DeepSeek-V3's multi-token-prediction layer
-        log.info("%s: layer(s) %s past num_hidden_layers are not served", folder, ", ".join(map(str, extra)))
-    for key, tensor in checkpoint.items():
-        if extra and (_layer_of(key) or 0) >= cfg.num_layers:
-            continue
-        ours = arch.weight_name(key)
-        if ours is not None:
-            tensors.update(arch.split(ours, tensor, cfg) if arch.split else [(ours, tensor)])
     return tensors
 
 
@@ -269,7 +308,7 @@ def load_model(
     cfg = ModelConfig.from_file(folder / "config.json")
     arch = architecture(cfg.architecture)
     files = weight_files(folder)
-    tensors = model_tensors(folder, files, arch, cfg)
+    tensors = model_tensors(folder, files, arch, cfg, lambda t: t.to(device=device, dtype=dtype))
 
     with torch.device("meta"):
         model = arch.build(cfg)
@@ -288,7 +327,7 @@ def load_model(
         if tensors[key].shape != shape:
             raise ModelLoadError(f"{files[0].parent}: weight {key} has shape {tuple(tensors[key].shape)}, "
                                  f"config.json implies {tuple(shape)}")
-    state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected}
+    state = {k: tensors[k] for k in expected}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

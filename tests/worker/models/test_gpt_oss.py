@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from cotserve.worker.engine import Engine  # noqa: E402
 from cotserve.worker.engine_config import EngineConfig  # noqa: E402
 from cotserve.worker.models.attention import DenseCausalAttention  # noqa: E402
-from cotserve.worker.models.loader import dequantize_mxfp4, load_model  # noqa: E402
+from cotserve.worker.models.loader import load_model, mxfp4_dequantized  # noqa: E402
 from cotserve.worker.sequence import SamplingParams  # noqa: E402
 from tests.worker.engine_helpers import run_engine, save_tiny_checkpoint  # noqa: E402
 
@@ -37,13 +37,9 @@ def test_mxfp4_dequantization_is_transformers_to_the_bit():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     blocks, scales = random_mxfp4((3, 48, 2), seed=1)
-    tensors = {"x.gate_up_proj_blocks": blocks, "x.gate_up_proj_scales": scales, "x.other": torch.ones(2)}
-    assert dequantize_mxfp4(tensors, {"quantization_config": MXFP4}) == 1
-    assert sorted(tensors) == ["x.gate_up_proj", "x.other"]
-    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    assert tensors["x.gate_up_proj"].shape == (3, 64, 48)
-    assert torch.equal(tensors["x.gate_up_proj"], expected)
-    assert dequantize_mxfp4({"y": torch.ones(1)}, {}) == 0  # not an MXFP4 checkpoint: untouched
+    got = mxfp4_dequantized("x.gate_up_proj", blocks, scales)
+    assert got.shape == (3, 64, 48)
+    assert torch.equal(got, convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
 
 
 def test_an_mxfp4_checkpoint_serves_what_its_dequantized_original_does(tmp_path, caplog):

@@ -3,7 +3,7 @@ alternating between a sliding window and full attention (`layer_types`), YaRN Ro
 experts whose router has a bias and weighs the top-k by a softmax over their logits, with stacked, biased experts
 whose SwiGLU is clamped (`models/moe.py`, `ClampedExperts`). Checkpoints name the block `mlp` (`mlp.router`,
 `mlp.experts.gate_up_proj`...): mapped to the block's names (`block_sparse_moe.gate`, `block_sparse_moe.experts...`).
-The experts of the published checkpoints are MXFP4 (`loader.dequantize_mxfp4`)."""
+The experts of the published checkpoints are MXFP4 (`loader.mxfp4_dequantized`)."""
 
 from __future__ import annotations
 
