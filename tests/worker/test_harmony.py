@@ -17,11 +17,10 @@ from openai_harmony import (  # noqa: E402
 )
 
 from cotserve.common.sampling import ReasoningParams  # noqa: E402
-from cotserve.gateway.openai_api import ReasoningSplit  # noqa: E402
 from cotserve.worker import harmony  # noqa: E402
-from cotserve.worker.detokenizer import IncrementalDetokenizer, TokenBytes  # noqa: E402
-from cotserve.worker.reasoning import Part, ReasoningFormat, ThinkingTracker  # noqa: E402
-from tests.worker.harmony_helpers import VOCAB_SIZE, VOCABULARY, encoding, tokenizer_json, vocabulary_dir  # noqa: E402
+from cotserve.worker.reasoning import Part, ReasoningFormat  # noqa: E402
+from tests.worker.harmony_helpers import VOCAB_SIZE, VOCABULARY, encoding, tokenizer_json  # noqa: E402
+from tests.worker.reasoning_helpers import gateway_split, worker_pieces  # noqa: E402
 
 REASONING = "The user asks for 17 * 23. 17 * 20 = 340, 17 * 3 = 51; 340 + 51 = 391. Héllo, 世界 — done."
 ANSWER = "17 × 23 = **391**."
@@ -90,16 +89,8 @@ def test_the_parser_is_chosen_from_the_tokenizer_and_can_be_named(tok, cache):
 
 
 def stream(fmt: ReasoningFormat, tok: Tokenizer, prompt: list[int], reply: list[int]):
-    """The reply through the worker's text path, token by token as the engine emits it (a stop token gives no
-    text): [(text, part)], the detokenizer, the tracker."""
-    detok = IncrementalDetokenizer(tok, prompt, (), TokenBytes.of(tok), fmt.channels(prompt))
-    tracker = ThinkingTracker(fmt, ReasoningParams(), prompt)
-    out = []
-    for t in reply:
-        text = "" if t == 200002 else detok.add_token(t)  # <|return|>: the end of the sample
-        out.append((text, int(tracker.observe(t, text))))
-    out[-1] = (out[-1][0] + detok.flush(), out[-1][1])
-    return out, detok, tracker
+    """The reply through the worker's text path, up to <|return|> (the end of the sample)."""
+    return worker_pieces(fmt, tok, prompt, reply, {200002})
 
 
 def test_a_rendered_reply_splits_exactly_whole_and_streamed_in_pieces_of_every_size(fmt, tok):
@@ -114,19 +105,10 @@ def test_a_rendered_reply_splits_exactly_whole_and_streamed_in_pieces_of_every_s
     assert fmt.split_sample(detok) == (REASONING, ANSWER)
     assert "".join(text for text, _ in pieces) == REASONING + ANSWER  # no header's words
     end = reply.index(200008, 3) + 1  # the final channel's <|message|>
-    assert [part for _, part in pieces] == [Part.ANSWER] * 2 + [Part.REASONING] * (end - 2) + [Part.ANSWER] * (len(reply) - end)
+    assert [part for _, part in pieces] == [Part.ANSWER] * 2 + [Part.REASONING] * (end - 2) + [Part.ANSWER] * (len(reply) - 1 - end)
     assert tracker.num_reasoning_tokens == end and tracker.num_thinking_tokens == end - 3 - 6
     for size in range(1, len(reply) + 1):
-        split, reasoning, content = ReasoningSplit(*fmt.text_markers), "", ""
-        i = 0
-        while i < len(pieces):
-            j = i
-            while j < len(pieces) and j - i < size and pieces[j][1] == pieces[i][1]:
-                j += 1
-            r, c = split.feed("".join(text for text, _ in pieces[i:j]), pieces[i][1])
-            reasoning, content, i = reasoning + r, content + c, j
-        reasoning += split.finish()
-        assert (reasoning.strip(), content.strip()) == (REASONING, ANSWER), size
+        assert gateway_split(fmt, pieces, size) == (REASONING, ANSWER), size
 
 
 def test_a_reply_that_leaves_the_format_is_answer_text_from_there(fmt, tok):

@@ -14,12 +14,10 @@ pytest.importorskip("openai_harmony")
 
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402
 
-from cotserve.common.sampling import ReasoningParams  # noqa: E402
-from cotserve.gateway.openai_api import ReasoningSplit  # noqa: E402
 from cotserve.worker.chat_template import ChatTemplate  # noqa: E402
-from cotserve.worker.detokenizer import IncrementalDetokenizer, TokenBytes  # noqa: E402
-from cotserve.worker.reasoning import ReasoningFormat, ThinkingTracker  # noqa: E402
+from cotserve.worker.reasoning import ReasoningFormat  # noqa: E402
 from tests.worker.harmony_helpers import tokenizer_json  # noqa: E402
+from tests.worker.reasoning_helpers import gateway_split, worker_pieces  # noqa: E402
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
 SPECIAL = {  # each template's special tokens, as its model's tokenizer_config.json names them
@@ -104,25 +102,9 @@ def test_a_rendered_reply_splits_exactly_streamed_in_pieces_of_every_size(name, 
     reply_ids = tok.encode(whole[len(prompt):], add_special_tokens=False).ids
     stops = {tok.token_to_id(t) for t in ("<|im_end|>", "<｜end▁of▁sentence｜>", "<|return|>")} - {None}
     assert reply_ids[-1] in stops or tok.decode(reply_ids[-2:], skip_special_tokens=False).startswith("<|im_end|>")
-    detok = IncrementalDetokenizer(tok, prompt_ids, (), TokenBytes.of(tok), fmt.channels(prompt_ids))
-    tracker = ThinkingTracker(fmt, ReasoningParams(), prompt_ids)
-    pieces = []
-    for t in reply_ids:
-        if t in stops:  # the end of the sample: no text, nothing after it
-            break
-        text = detok.add_token(t)
-        pieces.append((text, int(tracker.observe(t, text))))
-    pieces[-1] = (pieces[-1][0] + detok.flush(), pieces[-1][1])
+    pieces, detok, tracker = worker_pieces(fmt, tok, prompt_ids, reply_ids, stops)
     if name.startswith("deepseek"):
         expected = (REASONING, ANSWER)  # what the model wrote after the prompt's <think>
     assert fmt.split_sample(detok, tracker.thinking_at_start) == expected
     for size in range(1, len(pieces) + 1):
-        split, reasoning, content, i = ReasoningSplit(*fmt.text_markers), "", "", 0
-        while i < len(pieces):
-            j = i
-            while j < len(pieces) and j - i < size and pieces[j][1] == pieces[i][1]:
-                j += 1
-            r, c = split.feed("".join(text for text, _ in pieces[i:j]), pieces[i][1])
-            reasoning, content, i = reasoning + r, content + c, j
-        reasoning += split.finish()
-        assert (reasoning.strip(), content.strip()) == expected, size
+        assert gateway_split(fmt, pieces, size) == expected, size

@@ -183,6 +183,8 @@ class PagedAttention:
         for idx, tables, ctx, qlen in rows:
             if not idx.numel():
                 continue
+            if window is not None:
+                tables, ctx = self._window_pages(tables, ctx, qlen, window)
             keys, values = gather_pages(c.k, tables, ctx), gather_pages(c.v, tables, ctx)
             if c.k.dtype == FP8:
                 keys = dequantize_fast(keys, gather_pages(c.k_scale, tables, ctx), q.dtype)
@@ -203,6 +205,18 @@ class PagedAttention:
             out.index_copy_(0, idx, res.reshape(-1, q.shape[1], res.shape[-1]))
         assert out is not None, "a step has at least one token"
         return out
+
+    def _window_pages(self, tables: torch.Tensor, ctx: torch.Tensor, qlen: int,
+                      window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows' block tables and context lengths cut to the pages their queries' windows reach: each row's table
+        starts at the page of its first query's oldest visible key and its context counts from there. Masks are
+        relative to the gathered keys and RoPE is already in them, so attention is unchanged, and a sliding layer
+        reads a window's pages per step, however long the sequence."""
+        bs = self.spec.block_size
+        first = ((ctx - qlen - window + 1).clamp(min=0) // bs)  # [rows]
+        width = int((-(-(ctx - first * bs) // bs)).max())
+        cols = (first[:, None] + torch.arange(width, device=tables.device)[None]).clamp(max=tables.shape[1] - 1)
+        return tables.gather(1, cols), ctx - first * bs
 
     def _decode(self, layer: int, dq: torch.Tensor) -> torch.Tensor:
         """Decode attention for the batch's decode rows `dq` [num_decode, heads, dim], over all their pages or, in a

@@ -108,3 +108,18 @@ def test_the_sink_and_window_path_is_the_kernels_where_sinks_and_windows_change_
     assert path_tokens == kernel_tokens
     for a, b in zip(kernel_logits, path_logits, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+def test_a_sliding_layer_reads_only_the_pages_its_window_reaches():
+    """A decode row 70 tokens in, with a window of 8 and pages of 4: its oldest visible key is at 62, on page 15, so
+    it reads pages 15-17 (context counted from page 15's first token); a row 9 tokens in reads from its first page.
+    (That attention over the cut pages is the model's: the gpt-oss oracle tests run past the window.)"""
+    from types import SimpleNamespace
+
+    from cotserve.worker.models.attention import PagedAttention
+
+    attn = PagedAttention(caches=[], spec=SimpleNamespace(block_size=4), batch=None, kernels=None, scale=1.0)
+    tables, ctx = attn._window_pages(torch.arange(40).view(2, 20), torch.tensor([70, 9]), qlen=1, window=8)
+    assert tables.tolist() == [[15, 16, 17], [20, 21, 22]] and ctx.tolist() == [10, 9]
+    tables, ctx = attn._window_pages(torch.arange(40).view(2, 20), torch.tensor([70, 9]), qlen=6, window=8)
+    assert tables[0].tolist() == [14, 15, 16, 17] and ctx.tolist() == [14, 9]  # the first query sees back to key 57

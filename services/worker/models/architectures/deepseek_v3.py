@@ -8,10 +8,10 @@ carry past `num_hidden_layers` is not served (the loader leaves out layers the c
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from cotserve.worker.models.architectures.llama import build
+from cotserve.worker.models.architectures.qwen3 import moe_weight_name
 from cotserve.worker.models.config import MlaConfig, yarn_mscale
 from cotserve.worker.models.registry import Architecture, register
 
@@ -43,18 +43,4 @@ def config(raw: dict[str, Any]) -> dict[str, Any]:
             "moe_shared_intermediate": inter * int(raw.get("n_shared_experts") or 0)}
 
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.)mlp\.(experts\.\d+\.|shared_experts\.)(gate|up|down)_proj\.")
-_ROUTER = re.compile(r"^(model\.layers\.\d+\.)mlp\.gate\.")
-_EXPERT_WEIGHT = {"gate": "w1", "up": "w3", "down": "w2"}
-
-
-def weight_name(name: str) -> str:
-    """A DeepSeek-V3 checkpoint's weight name as the model code names it."""
-    if m := _EXPERT.match(name):
-        return f"{m[1]}block_sparse_moe.{m[2]}{_EXPERT_WEIGHT[m[3]]}.{name[m.end():]}"
-    if m := _ROUTER.match(name):
-        return f"{m[1]}block_sparse_moe.gate.{name[m.end():]}"
-    return name
-
-
-register(Architecture("DeepseekV3ForCausalLM", config, build, weight_name))
+register(Architecture("DeepseekV3ForCausalLM", config, build, moe_weight_name))  # Qwen3-MoE's layout, plus a shared expert

@@ -28,13 +28,13 @@ def moe(raw: dict[str, Any]) -> dict[str, Any]:
             "moe_renormalize": bool(raw.get("norm_topk_prob", False)), "moe_layers": layers}
 
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.)mlp\.(experts\.\d+\.)(gate|up|down)_proj\.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.)mlp\.(experts\.\d+\.|shared_experts\.)(gate|up|down)_proj\.")
 _ROUTER = re.compile(r"^(model\.layers\.\d+\.)mlp\.gate\.")
 _EXPERT_WEIGHT = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 def moe_weight_name(name: str) -> str:
-    """A Qwen3-MoE checkpoint's weight name as the model code names it."""
+    """A Qwen3-MoE (or DeepSeek-V3: its shared expert too) checkpoint's weight name as the model code names it."""
     if m := _EXPERT.match(name):
         return f"{m[1]}block_sparse_moe.{m[2]}{_EXPERT_WEIGHT[m[3]]}.{name[m.end():]}"
     if m := _ROUTER.match(name):
