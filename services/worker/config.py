@@ -9,7 +9,6 @@ from typing import ClassVar
 
 from cotserve.common.config import Cli, legacy_env
 from cotserve.common.tls import TlsSettings
-from cotserve.worker.reasoning import PARSERS
 from cotserve.worker.scheduling import POLICIES
 
 DEMO_MODEL = Path(__file__).parent / "demo" / "cotserve-demo"
@@ -127,6 +126,7 @@ class WorkerConfig(TlsSettings):
     def validate(self) -> None:
         self.check_tls()
         from cotserve.worker.kv_spec import KV_CACHE_DTYPES  # (torch: imported when a config is checked, not named)
+        from cotserve.worker.reasoning import PARSERS  # (tokenizers: likewise)
         from cotserve.worker.models.loader import DTYPES
 
         checks = [

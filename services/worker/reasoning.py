@@ -71,6 +71,9 @@ class ReasoningFormat:
                 if step is not None or answer_regex is not None:
                     raise ValueError("reasoning_step / answer_regex: the tokenizer has no <think> / </think> tokens; "
                                      "give --reasoning-start and --reasoning-end")
+                if parser == "think":  # asked for by name: a model it cannot read is a start-up error, not silence
+                    raise ValueError("reasoning_parser: think, but the tokenizer has no <think> / </think> tokens; "
+                                     "give --reasoning-start and --reasoning-end")
                 return None
             start, end = DEFAULT_START, DEFAULT_END
         if not start or not end:

@@ -81,7 +81,8 @@ def test_the_parser_is_chosen_from_the_tokenizer_and_can_be_named(tok, cache):
     assert fmt.start_ids == (200005, 35644, 200008)  # <|channel|>analysis<|message|>
     assert fmt.end_ids == (200007, 200006, 173781, 200005, 17196, 200008)  # <|end|><|start|>assistant<|channel|>final<|message|>
     assert ReasoningFormat.for_tokenizer(tok, parser="none") is None
-    assert ReasoningFormat.for_tokenizer(tok, parser="think") is None  # no <think> tokens in o200k
+    with pytest.raises(ValueError, match="reasoning_parser: think, but the tokenizer has no <think> / </think>"):
+        ReasoningFormat.for_tokenizer(tok, parser="think")  # no <think> tokens in o200k
     with pytest.raises(ValueError, match="reasoning_parser: 'r1', allowed: auto, think, harmony, none"):
         ReasoningFormat.for_tokenizer(tok, parser="r1")
     with pytest.raises(ValueError, match="the harmony parser's markers are its channel headers"):
