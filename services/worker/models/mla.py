@@ -5,9 +5,9 @@ layer's "keys" and its RoPE key, shared by every head, as its "values" (one cach
 back and expands the latent into every head's keys and values (`kv_b_proj`) before attending: the cache stores
 `kv_lora_rank + qk_rope_head_dim` numbers per token and layer where the expanded keys and values are
 `heads * (qk_nope + qk_rope + v_head_dim)` (DeepSeek-V3: 576 against 40,960), so the paged pool, the prefix cache
-and forks hold 71x the tokens in the same bytes. No kernel absorbs `kv_b_proj` into the query yet: the expansion runs per row group in
-torch (`attention.PagedAttention`), and decode reads every page (top-k page selection scores keys, which the cache
-does not hold).
+and forks hold 71x the tokens in the same bytes. No kernel absorbs `kv_b_proj` into the query yet: the expansion
+runs per row group in torch (`attention.PagedAttention`), and decode reads every page (top-k page selection scores
+keys, which the cache does not hold).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, gpt-oss), with a live routing policy.
+"""The mixture-of-experts feed-forward block (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3), with a live routing policy.
 
-Routing: softmax over the gate's logits, the top-k experts per token, their weights renormalized
-over the chosen ones (Mixtral; Qwen3-MoE when its config says `norm_topk_prob`, else the softmax's own); or, for
-gpt-oss, the top-k of the (biased) router's logits and a softmax over those k; or, for DeepSeek-V3, sigmoid scores
-plus the checkpoint's per-expert choice bias, experts chosen within the best groups, weights the chosen scores
-(renormalized) times a scaling factor, and a shared expert every token goes through. A policy may add a per-expert bias used only to choose the
-experts (the weights still come from the unbiased scores, as in DeepSeek-V3's auxiliary-loss-free
-balancing) and may disable experts, which are then never chosen. With no policy the block
-computes exactly what Mixtral does. The block counts tokens routed to each expert.
+Routing: softmax over the gate's logits, the top-k experts per token, their weights renormalized over the chosen ones
+(Mixtral; Qwen3-MoE when its config says `norm_topk_prob`, else the softmax's own); or, for gpt-oss, the top-k of the
+(biased) router's logits and a softmax over those k; or, for DeepSeek-V3, sigmoid scores plus the checkpoint's
+per-expert choice bias, experts chosen within the best groups, weights the chosen scores (renormalized) times a
+scaling factor, and a shared expert every token goes through. A policy may add a per-expert bias used only to choose
+the experts (the weights still come from the unbiased scores, as in DeepSeek-V3's auxiliary-loss-free balancing; for
+DeepSeek-V3 it adds to the checkpoint's own) and may disable experts, which are then never chosen. With no policy the
+block computes exactly what the family's own router does. The block counts tokens routed to each expert.
 """
 
 from __future__ import annotations
