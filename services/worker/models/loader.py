@@ -143,24 +143,27 @@ class Dequantizer:
         """(name, plain tensor) for a tensor that is (or completes) a weight, None while a pair is half read."""
         if self.fp8 is not None and (key.endswith(".weight_scale_inv") or tensor.dtype == torch.float8_e4m3fn):
             name = key.removesuffix("_scale_inv")
-            scale_name = f"{name}_scale_inv"
-            other = self.waiting.pop(scale_name if key == name else name, None)
-            if other is None:
-                self.waiting[key] = tensor
+            pair = self._pair(key, tensor, name, f"{name}_scale_inv")
+            if pair is None:
                 return None
-            weight, scale = (tensor, other) if key == name else (other, tensor)
             self.counts["fp8"] += 1
-            return name, fp8_dequantized(name, weight, scale, self.fp8)
+            return name, fp8_dequantized(name, *pair, self.fp8)
         if self.mxfp4 and key.endswith(("_blocks", "_scales")):
             name = key.removesuffix("_blocks").removesuffix("_scales")
-            is_blocks = key.endswith("_blocks")
-            other = self.waiting.pop(f"{name}_scales" if is_blocks else f"{name}_blocks", None)
-            if other is None:
-                self.waiting[key] = tensor
+            pair = self._pair(key, tensor, f"{name}_blocks", f"{name}_scales")
+            if pair is None:
                 return None
             self.counts["mxfp4"] += 1
-            return name, mxfp4_dequantized(name, *((tensor, other) if is_blocks else (other, tensor)))
+            return name, mxfp4_dequantized(name, *pair)
         return key, tensor
+
+    def _pair(self, key: str, tensor: torch.Tensor, first: str, second: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pair (`first`'s tensor, `second`'s) once `key` (one of the two) completes it; None while it waits."""
+        other = self.waiting.pop(second if key == first else first, None)
+        if other is None:
+            self.waiting[key] = tensor
+            return None
+        return (tensor, other) if key == first else (other, tensor)
 
     def finish(self) -> None:
         """Every pair completed; ModelLoadError naming a half without its other."""

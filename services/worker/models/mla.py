@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cotserve.kernels.layer_ops import REFERENCE_OPS, LayerOps, rotate_half_rope
+from cotserve.kernels.layer_ops import rotate_half_rope
 from cotserve.worker.models.attention import AttentionBackend
 from cotserve.worker.models.config import ModelConfig
 
@@ -49,7 +49,6 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * m.v_head_dim, h, bias=cfg.o_bias)
-        self.ops: LayerOps = REFERENCE_OPS
         self.qkv = None  # (no fused projection: the model's layer-ops pass looks for one)
 
     def fuse(self, transposed: bool = False) -> None:
