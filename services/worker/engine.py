@@ -10,6 +10,8 @@ reasoning controller (budgets, probes, votes: `reasoning_control.py`, whose acti
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import threading
 import time
@@ -42,11 +44,14 @@ class Engine(EngineClient):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, reasoning: ReasoningFormat | None = None) -> None:
         self.loaded, self.config = loaded, config
         self.reasoning = reasoning  # the model's reasoning markers; None: budgets are refused upstream
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_spec = kv_spec_of(config, loaded)
+        if config.kv_group_windows != self.kv_spec.windows:  # the pool's shape decides what a request may hold
+            config = self.config = dataclasses.replace(config, kv_group_windows=self.kv_spec.windows)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.kv_spec.windows)
         policy = make_policy(config.scheduling, config.batch_min_share, config.max_batch_tokens_when_urgent)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, policy,
                                    max_model_len=config.max_model_len, eos_token_ids=loaded.eos_token_ids)
-        self.kv_spec = kv_spec_of(config, loaded)
         self.runner = ModelRunner(loaded, config.num_blocks, self.kv_spec)
         self.kernels = f"{self.runner.kernels.name} kernels, {loaded.model.layer_ops.name} layer ops"
         """What runs the KV-cache kernels and the layers' small operations (logged when the worker starts serving)."""

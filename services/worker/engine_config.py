@@ -7,6 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from cotserve.common.sampling import ReasoningParams
+from cotserve.worker.block_manager import capacity_tokens
 from cotserve.worker.config import WorkerConfig
 from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.sequence import SamplingParams
@@ -33,6 +34,7 @@ class EngineConfig:
     kv_skip_layers: tuple[int, ...] = _WORKER_DEFAULTS["kv_skip_layers"]
     kv_topk_dense_layers: tuple[int, ...] = _WORKER_DEFAULTS["kv_topk_dense_layers"]
     enable_prefix_caching: bool = _WORKER_DEFAULTS["enable_prefix_caching"]
+    kv_group_windows: tuple[int | None, ...] = (None,)  # resolved: each KV group's sliding window (`kv_spec.KvGroup`)
 
 
 def kv_spec_of(config: EngineConfig, loaded) -> KvCacheSpec:
@@ -45,7 +47,8 @@ def check_submit(config: EngineConfig, has_reasoning: bool, prompt_len: int, par
                  budget: ReasoningParams) -> None:
     """ValueError for a request this engine can never serve: longer than the whole KV pool, more samples than a
     batch holds, or budgets for a model without reasoning markers."""
-    capacity = config.num_blocks * config.block_size
+    capacity = capacity_tokens(config.num_blocks, config.block_size, config.kv_group_windows,
+                               config.max_num_batched_tokens)
     if prompt_len + params.max_new_tokens > capacity:
         raise ValueError(f"prompt_tokens + max_new_tokens = {prompt_len + params.max_new_tokens} exceeds the KV cache "
                          f"({capacity} tokens)")

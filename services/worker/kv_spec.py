@@ -2,7 +2,9 @@
 
 `KvCacheSpec` answers, in one place, everything that follows from the `--kv-cache-dtype` setting: each layer's payload dtype (FP8 layers listed in `--kv-skip-layers` keep the model's),
 whether it has per-token scales, whether top-k page selection keeps per-page key bounds and which
-layers read every page anyway, and what a token, a block and the whole pool cost in bytes. Sizing
+layers read every page anyway, how the layers fall into KV groups (`KvGroup`: a sliding-window layer's pages are freed
+as they leave its window, so it keeps a block table of its own), and what a token, a block and the whole pool cost
+in bytes. Sizing
 (`sizing.py`) and the engine resolve it from the same settings with `KvCacheSpec.resolve`; the model
 runner allocates `LayerCache`s from it; attention reads a layer's tensors by name.
 """
@@ -10,6 +12,7 @@ runner allocates `LayerCache`s from it; attention reads a layer's tensors by nam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 
 import torch
 
@@ -48,6 +51,32 @@ class LayerKvSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class KvGroup:
+    """Layers whose pages a sequence holds under one block table: full-attention layers (`window` None) or sliding ones
+    of one window. Groups are of one size, and a pool block is one page of every layer of one group: the pool's
+    tensors are a group's worth of layer *slots*, the group's i-th layer in slot i (vLLM's hybrid allocator)."""
+
+    window: int | None
+    layers: tuple[int, ...]
+
+
+def kv_groups(windows: list[int | None], layers: tuple[LayerKvSpec, ...]) -> tuple[KvGroup, ...]:
+    """The layers by window (full attention first), cut into groups of one size (the gcd of the kinds' counts); one
+    group of every layer where there is one kind, or where layers that would share a slot store different formats
+    (`--kv-skip-layers`): the window is then only enforced in attention and no page is freed."""
+    kinds: dict[int | None, list[int]] = {}
+    for i, w in sorted(enumerate(windows), key=lambda iw: (iw[1] is not None, iw[1] or 0, iw[0])):
+        kinds.setdefault(w, []).append(i)
+    if len(kinds) == 1:
+        return (KvGroup(windows[0], tuple(range(len(windows)))),)
+    size = gcd(*map(len, kinds.values()))
+    groups = tuple(KvGroup(w, tuple(ls[j:j + size])) for w, ls in kinds.items() for j in range(0, len(ls), size))
+    if any(layers[g.layers[i]].dtype != layers[groups[0].layers[i]].dtype for g in groups for i in range(size)):
+        return (KvGroup(None, tuple(range(len(windows)))),)
+    return groups
+
+
+@dataclass(frozen=True, slots=True)
 class KvCacheSpec:
     dtype: torch.dtype  # the cache's dtype (what --kv-cache-dtype resolved to)
     layers: tuple[LayerKvSpec, ...]
@@ -56,6 +85,7 @@ class KvCacheSpec:
     head_dim: int
     topk_pages: int = 0  # decode reads this many pages per KV head in the layers that are not dense (0: all)
     v_head_dim: int = 0  # the values' size where it is not the keys' (latent attention: its RoPE key's); 0: head_dim
+    groups: tuple[KvGroup, ...] = ()  # the layers' KV groups (`kv_groups`); none: one group of every layer
 
     @classmethod
     def resolve(cls, cfg: ModelConfig, model_dtype: torch.dtype, kv_cache_dtype: str, block_size: int,
@@ -63,12 +93,30 @@ class KvCacheSpec:
         dtype = resolve_kv_dtype(kv_cache_dtype, model_dtype) if isinstance(kv_cache_dtype, str) else kv_cache_dtype
         layers = tuple(LayerKvSpec(model_dtype if dtype == FP8 and i in skip_layers else dtype,
                                    dense=not topk_pages or i in topk_dense_layers) for i in range(cfg.num_layers))
+        groups = kv_groups([cfg.window(i) for i in range(cfg.num_layers)], layers)
         if cfg.mla is not None:  # one latent and one RoPE key per token (`models/mla.py`), as a cache head each
             if topk_pages:
                 raise ValueError("kv_topk_pages: not for multi-head latent attention (its cache holds latents, which "
                                  "the page bounds cannot score against a query); leave it 0")
-            return cls(dtype, layers, block_size, 1, cfg.mla.kv_lora_rank, 0, cfg.mla.qk_rope_head_dim)
-        return cls(dtype, layers, block_size, cfg.num_kv_heads, cfg.head_dim, topk_pages)
+            return cls(dtype, layers, block_size, 1, cfg.mla.kv_lora_rank, 0, cfg.mla.qk_rope_head_dim, groups)
+        return cls(dtype, layers, block_size, cfg.num_kv_heads, cfg.head_dim, topk_pages, 0, groups)
+
+    @property
+    def kv_groups(self) -> tuple[KvGroup, ...]:
+        return self.groups or (KvGroup(None, tuple(range(len(self.layers)))),)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each KV group's window (None: full attention): what the block manager frees pages by."""
+        return tuple(g.window for g in self.kv_groups)
+
+    def slots(self) -> list[tuple[int, int]]:
+        """Each layer's (KV group, slot): the block table it reads and the pool tensors it is stored in."""
+        out = [(0, 0)] * len(self.layers)
+        for g, group in enumerate(self.kv_groups):
+            for slot, layer in enumerate(group.layers):
+                out[layer] = (g, slot)
+        return out
 
     @property
     def skip_layers(self) -> frozenset[int]:
@@ -107,27 +155,31 @@ class KvCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """One block across all layers: its tokens' keys, values and scales, and the page bounds."""
-        return self.block_size * self.bytes_per_token + len(self.layers) * self.page_bounds_bytes
+        """One pool block, a page of each layer of one KV group: its tokens' keys, values and scales, and the page
+        bounds (every layer's with one group)."""
+        per_layer = self.layer_bytes_per_token()
+        slots = self.kv_groups[0].layers
+        return self.block_size * sum(per_layer[i] for i in slots) + len(slots) * self.page_bounds_bytes
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[LayerCache]:
-        """Zeroed caches of `num_blocks` blocks, one per layer."""
+        """Zeroed caches of `num_blocks` blocks, one per layer: the layers of a slot (`slots`) share theirs."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         v_shape = shape[:3] + (self.value_dim,)
 
         def zeros(s: tuple, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(s, dtype=dtype, device=device)
 
-        out = []
-        for layer in self.layers:
+        slots = []
+        for i in self.kv_groups[0].layers:
+            layer = self.layers[i]
             cache = LayerCache(zeros(shape, layer.dtype), zeros(v_shape, layer.dtype))
             if layer.quantized:
                 cache.k_scale, cache.v_scale = zeros(shape[:3], FP8_SCALE_DTYPE), zeros(shape[:3], FP8_SCALE_DTYPE)
             if self.has_page_bounds:
                 bounds = shape[:1] + shape[2:]  # [num_blocks, kv_heads, dim]
                 cache.k_min, cache.k_max = zeros(bounds, PAGE_BOUNDS_DTYPE), zeros(bounds, PAGE_BOUNDS_DTYPE)
-            out.append(cache)
-        return out
+            slots.append(cache)
+        return [slots[slot] for _, slot in self.slots()]
 
 
 @dataclass(slots=True, eq=False)

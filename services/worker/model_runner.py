@@ -32,7 +32,8 @@ def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor
 class PreparedInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    paged: PagedBatch
+    paged: PagedBatch  # the first KV group's tables (every layer's with one group)
+    group_paged: tuple[PagedBatch, ...]  # the other KV groups': the same rows over their own block tables
     sample_rows: torch.Tensor  # [num_sampled] index of each sampling sequence's last token
 
 
@@ -47,6 +48,9 @@ class ModelRunner:
         self.block_size = spec.block_size
         self.kernels = kernels_for(self.device)  # chosen once, here
         self.caches = spec.allocate(num_blocks, self.device)
+        self.layer_groups = tuple(g for g, _ in spec.slots())  # each layer's KV group (its block table)
+        self.num_groups = len(spec.kv_groups)
+        self.windows = spec.windows
         self.scale = self.config.head_dim ** -0.5
         self.decode_layers = self._decode_layers()  # a step's layers in one C call, where they all run in C
         self.warmed = threading.Event()  # the CPU kernels are compiled (set at once where nothing compiles)
@@ -58,33 +62,38 @@ class ModelRunner:
     def prepare_inputs(self, batch: ScheduledBatch) -> PreparedInputs:
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        kv_groups = range(self.num_groups)
+        slots: list[list[int]] = [[] for _ in kv_groups]  # per KV group: each token's slot
         fresh: list[bool] = []
         decode_idx: list[int] = []
-        decode_tables: list[list[int]] = []
+        decode_tables: list[list[list[int]]] = [[] for _ in kv_groups]  # per KV group: each decode row's table
         decode_ctx: list[int] = []
-        prefill: dict[tuple[int, int], list[tuple[int, list[int]]]] = {}  # (length, context) -> (offset, table) a row
+        # (length, context) -> (offset, each KV group's table) a row
+        prefill: dict[tuple[int, int], list[tuple[int, list[list[int]]]]] = {}
         sample_rows: list[int] = []
         bs = self.block_size
         for item in batch.items:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
             offset = len(ids)
-            table = seq.block_table
+            tables = (seq.block_table, *seq.group_tables) if self.num_groups > 1 else (seq.block_table,)
             ctx = start + n
+            pages = (ctx + bs - 1) // bs
             if n == 1:  # a decode row (most rows of most steps): no ranges, no slices of the whole sequence
                 ids.append(seq.token_at(start))
                 positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+                for g, table in enumerate(tables):
+                    slots[g].append(table[start // bs] * bs + start % bs)
+                    decode_tables[g].append(table[:pages])
                 fresh.append(start % bs == 0)
                 decode_idx.append(offset)
-                decode_tables.append(table[: (ctx + bs - 1) // bs])
                 decode_ctx.append(ctx)
             else:
                 ids.extend(seq.all_token_ids[start : start + n])
                 positions.extend(range(start, start + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                for g, table in enumerate(tables):
+                    slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
                 fresh.extend(p % bs == 0 for p in range(start, start + n))
-                prefill.setdefault((n, ctx), []).append((offset, table[: (ctx + bs - 1) // bs]))
+                prefill.setdefault((n, ctx), []).append((offset, [table[:pages] for table in tables]))
             if item.samples:
                 sample_rows.append(offset + n - 1)
         dev = self.device
@@ -92,19 +101,27 @@ class ModelRunner:
         def as_long(x: list) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=dev)
 
-        # a group's rows have one context length, so their tables one width
-        groups = [PrefillGroup(n, ctx, as_long([s + i for s, _ in rows for i in range(n)]), as_long([t for _, t in rows]),
-                               as_long([ctx] * len(rows)), as_long([n] * len(rows))) for (n, ctx), rows in prefill.items()]
+        # a prefill group's rows have one context length, so their tables one width
+        shared = (as_long(decode_idx), as_long(decode_ctx), torch.tensor(fresh, dtype=torch.bool, device=dev),
+                  [(n, ctx, as_long([s + i for s, _ in rows for i in range(n)]), as_long([ctx] * len(rows)),
+                    as_long([n] * len(rows))) for (n, ctx), rows in prefill.items()])
+        rows = list(prefill.values())
+        batches = [self._group_batch(shared, g, slots[g], decode_tables[g], [[t[g] for _, t in r] for r in rows])
+                   for g in kv_groups]
+        return PreparedInputs(as_long(ids), as_long(positions), batches[0], tuple(batches[1:]), as_long(sample_rows))
 
-        paged = PagedBatch(
-            slot_mapping=as_long(slots),
-            decode_token_idx=as_long(decode_idx),
-            decode_block_tables=padded_tables(decode_tables, dev),
-            decode_context_lens=as_long(decode_ctx),
-            fresh_page=torch.tensor(fresh, dtype=torch.bool, device=dev),
-            prefill_groups=groups,
-        )
-        return PreparedInputs(as_long(ids), as_long(positions), paged, as_long(sample_rows))
+    def _group_batch(self, shared: tuple, group: int, slots: list[int], decode_tables: list[list[int]],
+                     prefill_tables: list[list[list[int]]]) -> PagedBatch:
+        """The step's rows (`shared`: what every KV group sees alike) over KV group `group`'s slots and block tables."""
+        dev = self.device
+        decode_idx, decode_ctx, fresh, prefill = shared
+        tables = [padded_tables(decode_tables, dev)] + [padded_tables(t, dev) for t in prefill_tables]
+        if self.windows[group] is not None:  # pages given back (RELEASED) are never read: any id does
+            for t in tables:
+                t.clamp_(min=0)
+        groups = [PrefillGroup(n, ctx, idx, t, lens, qlens) for (n, ctx, idx, lens, qlens), t in zip(prefill, tables[1:])]
+        return PagedBatch(torch.tensor(slots, dtype=torch.int64, device=dev), decode_idx, tables[0], decode_ctx, fresh,
+                          groups)
 
     def _in_one_call(self, batch: ScheduledBatch) -> bool:
         """Whether the step's layers run in one C call (`decode_layers`): every row a decode row or a prompt chunk of at
@@ -134,7 +151,7 @@ class ModelRunner:
 
         native = self.kernels.write_kv is cpu_native.write_kv and self.kernels.decode_attention is cpu_native.decode_attention
         if not native or decode_layers_choice() != "auto" or not all(layer.dense for layer in self.spec.layers) \
-                or not hasattr(self.model, "native_decode_layers"):
+                or self.num_groups > 1 or not hasattr(self.model, "native_decode_layers"):
             return None
         return self.model.native_decode_layers(self.caches, self.scale)
 
@@ -177,7 +194,7 @@ class ModelRunner:
 
     def cache_tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by block: payloads, FP8 scales, page bounds."""
-        return [t for cache in self.caches for t in cache.tensors()]
+        return list({id(t): t for cache in self.caches for t in cache.tensors()}.values())  # a slot's layers share
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -208,6 +225,7 @@ class ModelRunner:
             hidden = self.model.forward_natively(self.decode_layers, inputs.input_ids, inputs.positions,
                                                  paged.slot_mapping, paged.fresh_page, tables, ctx)
         else:
-            attn = PagedAttention(self.caches, self.spec, inputs.paged, self.kernels, self.scale)
+            attn = PagedAttention(self.caches, self.spec, inputs.paged, self.kernels, self.scale, inputs.group_paged,
+                                  self.layer_groups)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows)).float()

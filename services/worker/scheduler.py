@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from cotserve.worker.block_manager import NO_HIT, BlockManager, CacheHit
+from cotserve.worker.block_manager import NO_HIT, BlockManager, CacheHit, capacity_tokens
 from cotserve.worker.scheduling import PriorityYield, SchedulingPolicy
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass, TraceEvent
 
@@ -184,10 +184,8 @@ class Scheduler:
         self.waiting = WaitingQueue(self.key)
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.block_manager.num_blocks * self.block_manager.block_size
+        bm = block_manager  # the longest sequence the pool holds alone
+        self.capacity_tokens = capacity_tokens(bm.num_blocks, bm.block_size, bm.windows, max_num_batched_tokens)
 
     def can_ever_fit(self, seq: Sequence) -> bool:
         """False when the sequence at its longest needs more KV than the whole pool."""
@@ -376,7 +374,7 @@ class Scheduler:
             less_urgent = sum(v.group_size for v in victims if self.key(v)[0] > self.key(seq)[0])
             if taken - less_urgent + seq.group_size > self.max_num_seqs:
                 return False
-        reclaimable = self.block_manager.num_free_blocks + sum(len(v.block_table) for v in victims)
+        reclaimable = self.block_manager.num_free_blocks + sum(map(self.block_manager.num_held_blocks, victims))
         return self.block_manager.num_new_blocks(seq, num_tokens, hit) <= reclaimable
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch, scheduled: set[int],

@@ -46,7 +46,9 @@ class Sequence:
     """One request's tokens and progress.
 
     Invariant: `num_computed_tokens <= len(self)`; the KV cache holds exactly the first
-    `num_computed_tokens` tokens, in the blocks of `block_table`, in order.
+    `num_computed_tokens` tokens, in the blocks of `block_table`, in order (and of each of `group_tables` where the
+    cache keeps layer groups apart: `kv_spec.KvGroup`; a sliding-window group's pages out of every future query's window
+    are given back and read `block_manager.RELEASED`).
     """
 
     request_id: str
@@ -57,7 +59,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # the first KV group's pages (every layer's with one group)
+    group_tables: list[list[int]] = field(default_factory=list)  # the other KV groups' pages, a table each
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)

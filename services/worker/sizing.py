@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from cotserve.worker.block_manager import peak_blocks
 from cotserve.worker.engine_config import EngineConfig
 from cotserve.worker.kv_spec import KvCacheSpec
 from cotserve.worker.models.loader import LoadedModel
@@ -47,8 +48,9 @@ def engine_config(cfg: Any, loaded: LoadedModel) -> EngineConfig:
         bad = [layer for layer in getattr(cfg, field) if not 0 <= layer < loaded.config.num_layers]
         if bad:
             raise ValueError(f"{field}: {bad} out of range, the model's layers are 0..{loaded.config.num_layers - 1}")
-    per_block = KvCacheSpec.resolve(loaded.config, loaded.dtype, cfg.kv_cache_dtype, cfg.block_size, cfg.kv_skip_layers,
-                                    cfg.kv_topk_pages, cfg.kv_topk_dense_layers).bytes_per_block
+    spec = KvCacheSpec.resolve(loaded.config, loaded.dtype, cfg.kv_cache_dtype, cfg.block_size, cfg.kv_skip_layers,
+                               cfg.kv_topk_pages, cfg.kv_topk_dense_layers)
+    per_block = spec.bytes_per_block
     budget = cfg.kv_cache_bytes
     if budget is None:
         if loaded.device.type == "cuda":
@@ -57,9 +59,11 @@ def engine_config(cfg: Any, loaded: LoadedModel) -> EngineConfig:
             budget = int(_available_ram_bytes() * 0.05)
     num_blocks = budget // per_block
     if cfg.kv_cache_bytes is None:
-        num_blocks = min(num_blocks, cfg.max_num_seqs * -(-max_len // cfg.block_size))
+        num_blocks = min(num_blocks, cfg.max_num_seqs * peak_blocks(spec.windows, cfg.block_size, max_len,
+                                                                    cfg.max_num_batched_tokens))
     if num_blocks < 1:
         raise ValueError(f"kv_cache_bytes: {budget} bytes holds no block of {cfg.block_size} tokens "
                          f"({per_block} bytes each)")
-    same = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in ("num_blocks", "max_model_len")}
-    return EngineConfig(num_blocks=num_blocks, max_model_len=max_len, **same)
+    resolved = {"num_blocks": num_blocks, "max_model_len": max_len, "kv_group_windows": spec.windows}
+    same = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig) if f.name not in resolved}
+    return EngineConfig(**resolved, **same)

@@ -214,7 +214,8 @@ def test_the_batch_sampler_gives_each_seeded_row_what_it_would_draw_alone():
 
 def test_the_engine_takes_its_settings_from_the_worker_config(demo):
     """WorkerConfig is the one definition of the engine's settings: EngineConfig's defaults are its defaults, and
-    the worker's values reach the engine unchanged (only the pool's size and the context are resolved)."""
+    the worker's values reach the engine unchanged (only the pool's size, the context and the KV groups' windows are
+    resolved)."""
     import dataclasses
 
     from cotserve.worker.config import WorkerConfig
@@ -222,13 +223,14 @@ def test_the_engine_takes_its_settings_from_the_worker_config(demo):
 
     worker = {f.name: f.default for f in dataclasses.fields(WorkerConfig)}
     for f in dataclasses.fields(EngineConfig):
-        if f.name not in ("num_blocks", "max_model_len"):
+        if f.name not in ("num_blocks", "max_model_len", "kv_group_windows"):
             assert f.default == worker[f.name], f.name
     cfg = WorkerConfig(block_size=32, max_num_seqs=5, scheduling="fifo", kv_cache_dtype="fp8_e4m3", kv_skip_layers=(0,),
                        enable_prefix_caching=False, kv_cache_bytes=1 << 20, max_model_len=64)
     got = engine_config(cfg, demo)
     assert (got.block_size, got.max_num_seqs, got.scheduling, got.kv_cache_dtype, got.kv_skip_layers,
-            got.enable_prefix_caching, got.max_model_len) == (32, 5, "fifo", "fp8_e4m3", (0,), False, 64)
+            got.enable_prefix_caching, got.max_model_len, got.kv_group_windows) == (32, 5, "fifo", "fp8_e4m3", (0,), False,
+                                                                                    64, (None,))
     assert got.num_blocks >= 1
 
 

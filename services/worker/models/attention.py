@@ -128,14 +128,20 @@ class PagedAttention:
 
     caches: list[LayerCache]  # per layer
     spec: KvCacheSpec
-    batch: PagedBatch
+    batch: PagedBatch  # the first KV group's (every layer's with one group)
     kernels: KernelSet
     scale: float
+    group_batches: tuple[PagedBatch, ...] = ()  # the other KV groups' (`kv_spec.KvGroup`): their own block tables
+    layer_groups: tuple[int, ...] = ()  # each layer's KV group, where there are several
+
+    def _batch(self, layer: int) -> PagedBatch:
+        group = self.layer_groups[layer] if self.group_batches else 0
+        return self.group_batches[group - 1] if group else self.batch
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None,
                sinks: torch.Tensor | None = None, expand: Expand | None = None,
                scale: float | None = None) -> torch.Tensor:
-        b, c = self.batch, self.caches[layer]
+        b, c = self._batch(layer), self.caches[layer]
         if expand is not None:  # a latent and a RoPE key of their own sizes: the reference writes any shape
             write_kv_ref(k, v, c.k, c.v, b.slot_mapping, c.k_scale, c.v_scale, c.k_min, c.k_max, b.fresh_page)
             return self._gathered(layer, q, window, sinks, expand, scale)
@@ -176,7 +182,7 @@ class PagedAttention:
         through the reference (no kernel has these yet): each row's pages gathered (FP8 dequantized), decode rows
         together as rows of one query. A decode row of a layer with top-k page selection and no window sees only its
         selected pages (a window already bounds what a row reads)."""
-        b, c = self.batch, self.caches[layer]
+        b, c = self._batch(layer), self.caches[layer]
         out = None
         rows = [(b.decode_token_idx, b.decode_block_tables, b.decode_context_lens, 1)]
         rows += [(g.token_idx, g.block_tables, g.context_lens, g.query_len) for g in b.prefill_groups]
@@ -221,7 +227,7 @@ class PagedAttention:
     def _decode(self, layer: int, dq: torch.Tensor) -> torch.Tensor:
         """Decode attention for the batch's decode rows `dq` [num_decode, heads, dim], over all their pages or, in a
         layer that is not dense, the top-k selected ones."""
-        b, c = self.batch, self.caches[layer]
+        b, c = self._batch(layer), self.caches[layer]
         pages = None
         if not self.spec.layers[layer].dense:
             pages = self.kernels.select_pages(dq, c.k_min, c.k_max, b.decode_block_tables, b.decode_context_lens,

@@ -123,3 +123,79 @@ def test_a_sliding_layer_reads_only_the_pages_its_window_reaches():
     assert tables.tolist() == [[15, 16, 17], [20, 21, 22]] and ctx.tolist() == [10, 9]
     tables, ctx = attn._window_pages(torch.arange(40).view(2, 20), torch.tensor([70, 9]), qlen=6, window=8)
     assert tables[0].tolist() == [14, 15, 16, 17] and ctx.tolist() == [14, 9]  # the first query sees back to key 57
+
+
+def test_a_sliding_layer_frees_the_pages_that_leave_its_window(tmp_path):
+    """gpt-oss's sliding layer keeps a block table of its own (a KV group): a pool block is one layer's page, and the
+    sliding layer holds, after each step, only the pages its next query's window reaches (the rest given back to the
+    pool), while the full-attention layer holds every page; the tokens are transformers' greedy ones throughout."""
+    from cotserve.worker.block_manager import RELEASED
+    from cotserve.worker.kv_spec import KvGroup
+
+    hf = save_tiny_checkpoint(transformers.GptOssConfig(**TINY), tmp_path, seed=6)
+    lm = load_model(tmp_path)
+    engine = Engine(lm, EngineConfig(num_blocks=40, block_size=4, max_num_batched_tokens=8, max_model_len=128))
+    assert engine.kv_spec.kv_groups == (KvGroup(None, (1,)), KvGroup(8, (0,)))
+    assert engine.kv_spec.bytes_per_block == 4 * engine.kv_spec.layer_bytes_per_token()[0]  # one layer's page
+    assert engine.runner.caches[0] is engine.runner.caches[1]  # the two layers' pages share the pool's one slot
+    ids = torch.randint(3, 1464, (26,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine.submit("r", ids, SamplingParams(max_new_tokens=20, ignore_eos=True), lambda out: tokens.append(out.token_id))
+    tokens: list[int] = []
+    engine.drain_inbox(block=False)
+    held = []
+    while engine.scheduler.has_work():
+        engine.step()
+        for seq in engine.scheduler.running:
+            full, sliding = engine.block_manager.tables(seq)
+            computed = seq.num_computed_tokens
+            first = max(0, computed - 8 + 1) // 4  # the page of the oldest key the next query sees
+            assert len(full) == len(sliding) and RELEASED not in full
+            assert sliding[:first] == [RELEASED] * first and RELEASED not in sliding[first:]
+            assert engine.block_manager.num_used_blocks == len(full) + len(sliding) - first
+            held.append((computed, len(full) + len(sliding) - first))
+    # the last step before the end: 44 tokens in 11 pages in the full layer; the next query (at 44) sees back to key 37,
+    # so the sliding layer keeps pages 9 and 10 of its 11
+    assert held[-1] == (44, 11 + 2)
+    assert engine.block_manager.num_free_blocks == 40  # and every page back at the end
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, 26:].tolist()
+    assert tokens == expected
+
+
+def test_layers_fall_into_kv_groups_of_one_size_and_share_the_pools_slots():
+    """Full-attention layers first, then each window's, cut to the gcd of the kinds' counts (five sliding layers and
+    one full: six groups of one); layers that would share a slot but store different formats (an FP8 cache with a
+    layer kept at full precision) make one group of every layer: windows then only bound what attention reads."""
+    from cotserve.kernels.kv_fp8 import FP8
+    from cotserve.worker.kv_spec import KvGroup, LayerKvSpec, kv_groups
+
+    fp8, f32 = LayerKvSpec(FP8), LayerKvSpec(torch.float32)
+    assert kv_groups([8, None, 8, None], (fp8,) * 4) == (KvGroup(None, (1, 3)), KvGroup(8, (0, 2)))
+    assert kv_groups([8] * 5 + [None], (fp8,) * 6) == (KvGroup(None, (5,)),) + tuple(KvGroup(8, (i,)) for i in range(5))
+    assert kv_groups([None, 4, 8, None, 4, 8], (fp8,) * 6) == (
+        KvGroup(None, (0, 3)), KvGroup(4, (1, 4)), KvGroup(8, (2, 5)))
+    assert kv_groups([8, None, 8, None], (f32, fp8, fp8, fp8)) == (KvGroup(None, (0, 1, 2, 3)),)
+    assert kv_groups([None] * 3, (fp8,) * 3) == (KvGroup(None, (0, 1, 2)),)
+
+
+def test_the_pool_is_sized_and_requests_checked_by_the_kv_groups(tmp_path):
+    """A byte budget buys pages of one layer (not of both), and the longest request the engine takes is what the pool
+    holds with the sliding layer keeping only a window and a chunk of pages: refused above it, before any compute."""
+    from cotserve.worker.config import WorkerConfig
+    from cotserve.worker.engine_config import check_submit
+    from cotserve.common.sampling import ReasoningParams
+    from cotserve.worker.sizing import engine_config
+
+    save_tiny_checkpoint(transformers.GptOssConfig(**TINY), tmp_path, seed=6)
+    lm = load_model(tmp_path)
+    page = 4 * 2 * 2 * 16 * 4  # 4 tokens, keys and values, 2 KV heads of 16, fp32: one layer's page
+    cfg = engine_config(WorkerConfig(model=str(tmp_path), block_size=4, max_num_batched_tokens=8,
+                                     kv_cache_bytes=30 * page), lm)
+    assert (cfg.num_blocks, cfg.kv_group_windows) == (30, (None, 8))
+    # 100 tokens: 25 pages of the full layer, (8 + 8) / 4 + 1 = 5 of the sliding one
+    check_submit(cfg, False, 90, SamplingParams(max_new_tokens=10), ReasoningParams())
+    with pytest.raises(ValueError, match=r"= 101 exceeds the KV cache \(100 tokens\)"):
+        check_submit(cfg, False, 91, SamplingParams(max_new_tokens=10), ReasoningParams())
+    engine = Engine(lm, cfg)
+    (out,) = run_engine(engine, [list(range(3, 93))], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert len(out.token_ids) == 10 and engine.block_manager.num_free_blocks == 30
