@@ -64,6 +64,12 @@ def capacity_tokens(num_blocks: int, block_size: int, windows: tuple[int | None,
     return lo
 
 
+def long_rope_root(root: bytes) -> bytes:
+    """The hash-chain root of a sequence longer than LongRoPE's original length: its pages hold keys rotated by the
+    long factors, never a shorter sequence's (`Scheduler.append_token` recomputes one that grows past it)."""
+    return block_hash(root, [-1])
+
+
 def cache_root(*parts: object) -> bytes:
     """The root of a sequence's block-hash chain, from everything besides the tokens that decides
     a block's contents (model revision, KV cache format, salt, ...)."""

@@ -51,7 +51,8 @@ class Engine(EngineClient):
                                           self.kv_spec.windows)
         policy = make_policy(config.scheduling, config.batch_min_share, config.max_batch_tokens_when_urgent)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, policy,
-                                   max_model_len=config.max_model_len, eos_token_ids=loaded.eos_token_ids)
+                                   max_model_len=config.max_model_len, eos_token_ids=loaded.eos_token_ids,
+                                   long_rope_after=loaded.config.rope_long_after)
         self.runner = ModelRunner(loaded, config.num_blocks, self.kv_spec)
         self.kernels = f"{self.runner.kernels.name} kernels, {loaded.model.layer_ops.name} layer ops"
         """What runs the KV-cache kernels and the layers' small operations (logged when the worker starts serving)."""

@@ -51,6 +51,9 @@ class ModelRunner:
         self.layer_groups = tuple(g for g, _ in spec.slots())  # each layer's KV group (its block table)
         self.num_groups = len(spec.kv_groups)
         self.windows = spec.windows
+        # LongRoPE: a sequence longer than `long_after` asks for positions past `long_offset` (the long factors' rows)
+        self.long_after, self.long_offset = self.config.rope_long_after, getattr(
+            getattr(self.model.model, "rotary", None), "long_offset", None) or 0
         self.scale = self.config.head_dim ** -0.5
         self.decode_layers = self._decode_layers()  # a step's layers in one C call, where they all run in C
         self.warmed = threading.Event()  # the CPU kernels are compiled (set at once where nothing compiles)
@@ -76,11 +79,11 @@ class ModelRunner:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
             offset = len(ids)
             tables = (seq.block_table, *seq.group_tables) if self.num_groups > 1 else (seq.block_table,)
-            ctx = start + n
-            pages = (ctx + bs - 1) // bs
+            ctx, pages = start + n, (start + n + bs - 1) // bs
+            rope = self.long_offset if self.long_after is not None and len(seq) > self.long_after else 0
             if n == 1:  # a decode row (most rows of most steps): no ranges, no slices of the whole sequence
                 ids.append(seq.token_at(start))
-                positions.append(start)
+                positions.append(start + rope)
                 for g, table in enumerate(tables):
                     slots[g].append(table[start // bs] * bs + start % bs)
                     decode_tables[g].append(table[:pages])
@@ -89,7 +92,7 @@ class ModelRunner:
                 decode_ctx.append(ctx)
             else:
                 ids.extend(seq.all_token_ids[start : start + n])
-                positions.extend(range(start, start + n))
+                positions.extend(range(start + rope, start + n + rope))
                 for g, table in enumerate(tables):
                     slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
                 fresh.extend(p % bs == 0 for p in range(start, start + n))

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from cotserve.worker.block_manager import cache_root
+from cotserve.worker.block_manager import cache_root, long_rope_root
 from cotserve.worker.commands import AddRequest
 from cotserve.worker.engine_metrics import EngineMetrics
 from cotserve.worker.outputs import NO_TOKEN, RequestOutput, Sink, timing_of
@@ -54,6 +54,8 @@ class Requests:
         seq = Sequence(cmd.request_id, list(cmd.prompt_ids), cmd.params, cmd.sla_class, arrival_time=cmd.arrival_time,
                        tenant=cmd.tenant, group_size=vote.min_samples if vote is not None else cmd.params.n)
         seq.cache_root = cache_root(self.cache_identity, policy_version, cmd.cache_salt)
+        if self.scheduler.long_rope_after is not None and len(seq) > self.scheduler.long_rope_after:
+            seq.cache_root = long_rope_root(seq.cache_root)
         req = RequestState(sink, reasoning=cmd.budget, vote=VoteState(vote) if vote is not None else None,
                            detokenize=cmd.detokenize)
         self.by_id[seq.request_id] = req

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from cotserve.worker.block_manager import NO_HIT, BlockManager, CacheHit, capacity_tokens
+from cotserve.worker.block_manager import NO_HIT, BlockManager, CacheHit, capacity_tokens, long_rope_root
 from cotserve.worker.scheduling import PriorityYield, SchedulingPolicy
 from cotserve.worker.sequence import SamplingParams, Sequence, SequenceStatus, SlaClass, TraceEvent
 
@@ -167,7 +167,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  policy: SchedulingPolicy | None = None, max_model_len: int = 2**31 - 1,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), long_rope_after: int | None = None) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
@@ -180,6 +180,7 @@ class Scheduler:
         self.batch_paused_until = 0.0  # time.monotonic() until which BATCH sits out every step with urgent work
         self.num_batch_paused_steps_total = 0
         self.max_model_len = max_model_len
+        self.long_rope_after = long_rope_after  # LongRoPE: a longer sequence takes the long factors at every position
         self.eos_token_ids = eos_token_ids
         self.waiting = WaitingQueue(self.key)
         self.running: list[Sequence] = []
@@ -187,12 +188,8 @@ class Scheduler:
         bm = block_manager  # the longest sequence the pool holds alone
         self.capacity_tokens = capacity_tokens(bm.num_blocks, bm.block_size, bm.windows, max_num_batched_tokens)
 
-    def can_ever_fit(self, seq: Sequence) -> bool:
-        """False when the sequence at its longest needs more KV than the whole pool."""
-        return seq.max_len <= self.capacity_tokens
-
     def add(self, seq: Sequence) -> None:
-        if not self.can_ever_fit(seq):
+        if seq.max_len > self.capacity_tokens:  # at its longest it needs more KV than the whole pool
             raise ValueError(f"sequence of up to {seq.max_len} tokens exceeds the KV pool ({self.capacity_tokens} tokens)")
         seq.status = SequenceStatus.WAITING
         self.policy.on_add(seq)
@@ -332,6 +329,9 @@ class Scheduler:
         if len(seq.output_ids) >= seq.params.max_new_tokens or len(seq) >= self.max_model_len:
             self.finish(seq, SequenceStatus.FINISHED_LENGTH)
             return "length"
+        if len(seq) - 1 == self.long_rope_after and seq.status == SequenceStatus.RUNNING:
+            self._preempt(seq)  # every key again, rotated by the long factors, under a hash root of their own
+            seq.cache_root, seq.block_hashes = long_rope_root(seq.cache_root), []
         return None
 
     def is_stop_token(self, seq: Sequence, token: int) -> bool:

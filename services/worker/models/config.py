@@ -28,6 +28,7 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()  # longrope: the per-frequency factors for contexts up to the original length
+    long_factor: tuple[float, ...] = ()  # longrope: the factors for longer contexts (every position of such a sequence)
     attention_factor: float = 1.0  # longrope, yarn: cos and sin scaled by it
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions rotated (Phi-4-mini: 0.75)
     beta_fast: float = 32.0  # yarn: the correction range's bounds, in rotations
@@ -96,6 +97,12 @@ class ModelConfig:
         """`layer`'s sliding window in tokens (a query sees its own and the window - 1 keys before it); None: all."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    @property
+    def rope_long_after(self) -> int | None:
+        """LongRoPE's original length where the model has long factors: a sequence longer than it takes the long
+        factors at every position (as transformers' forward over it does); None where the length changes nothing."""
+        return self.rope.original_max_position_embeddings if self.rope.long_factor else None
+
     def is_moe_layer(self, layer: int) -> bool:
         return bool(self.num_experts) and (self.moe_layers is None or layer in self.moe_layers)
 
@@ -107,9 +114,9 @@ class ModelConfig:
     @property
     def max_context(self) -> int:
         """Longest context served exactly: a sliding window caps it (we never drop keys), and so does LongRoPE's
-        original length (its long factors, for longer contexts, are not implemented)."""
+        original length where it has no long factors."""
         longest = self.max_position_embeddings
-        if self.rope.rope_type == "longrope":
+        if self.rope.rope_type == "longrope" and not self.rope.long_factor:
             longest = min(longest, self.rope.original_max_position_embeddings)
         if self.sliding_window:
             return min(longest, self.sliding_window)
@@ -203,6 +210,7 @@ def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeConfig(theta=theta, rope_type="longrope", factor=factor, original_max_position_embeddings=original,
                       short_factor=tuple(float(f) for f in params["short_factor"]), attention_factor=float(attention),
+                      long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
                       partial_rotary_factor=partial)
 
 

@@ -33,11 +33,13 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """Inverse frequencies `[head_dim // 2]`, computed exactly as Hugging Face does (float32)."""
+def rope_inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]`, computed exactly as Hugging Face does (float32); `long`: LongRoPE's for
+    sequences past its original length."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope.rope_type == "longrope":  # the short factors: contexts up to the original length (what is served)
-        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta ** (
+    if rope.rope_type == "longrope":  # the short factors, or the long ones past the original length
+        factors = rope.long_factor if long else rope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta ** (
             torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "yarn":
         return yarn_inv_freq(rope, head_dim)
@@ -77,13 +79,19 @@ class RotaryEmbedding(nn.Module):
     use (as vLLM's cos_sin_cache): a step then gathers its tokens' rows instead of computing a cos and a sin of
     every position again (on the demo model at batch 32, 6% of the engine's step went to MKL's threaded cos and
     sin). The table holds what the computation gives, element for element (tested to the bit); without
-    `max_positions` (training, which runs on any position) each call computes them."""
+    `max_positions` (training, which runs on any position) each call computes them.
+
+    LongRoPE with long factors: a sequence longer than the original length takes them at every position; its tokens
+    ask for position p + `long_offset` (the table's second half: `ModelRunner` adds it)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int | None = None) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
         self.scale = rope.attention_factor  # LongRoPE's: cos and sin scaled (1.0 otherwise)
         self.max_positions = max_positions
+        self.long_offset = max_positions if rope.long_factor and max_positions else None
+        if self.long_offset is not None:
+            self.register_buffer("long_inv_freq", rope_inv_freq(rope, head_dim, long=True), persistent=False)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +100,18 @@ class RotaryEmbedding(nn.Module):
             return self._computed(positions, dtype)
         table = self._tables.get(dtype)
         if table is None or table[0].device != positions.device:
-            table = self._tables[dtype] = self._computed(torch.arange(self.max_positions, device=positions.device), dtype)
+            every = torch.arange(self.max_positions, device=positions.device)
+            table = self._computed(every, dtype)
+            if self.long_offset is not None:  # [short; long]: a long sequence's position p is row p + long_offset
+                long = self._computed(every, dtype, self.long_inv_freq)
+                table = (torch.cat((table[0], long[0])), torch.cat((table[1], long[1])))
+            self._tables[dtype] = table
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
-    def _computed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [num_tokens, head_dim/2]
+    def _computed(self, positions: torch.Tensor, dtype: torch.dtype,
+                  inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        freqs = positions[:, None].float() * inv_freq[None, :].float()  # [num_tokens, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         if self.scale != 1.0:
             return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)

@@ -265,8 +265,8 @@ def model_tensors(folder: Path, files: list[Path], arch, cfg: ModelConfig,
     What the model serves short of its config is logged."""
     log = logging.getLogger("cotserve.worker")
     if cfg.rope.rope_type == "longrope" and cfg.max_context < cfg.max_position_embeddings:
-        log.warning("%s: LongRoPE's long factors are not implemented: contexts are served up to its original length, "
-                    "%d tokens (of %d)", folder, cfg.max_context, cfg.max_position_embeddings)
+        log.warning("%s: LongRoPE without long factors: contexts are served up to its original length, %d tokens "
+                    "(of %d)", folder, cfg.max_context, cfg.max_position_embeddings)
     quant = Dequantizer(json.loads((folder / "config.json").read_text()))
     tensors: dict[str, torch.Tensor] = {}
     extra: set[int] = set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 
 import pytest
@@ -227,10 +228,22 @@ def test_fp8_kv_matches_transformers_over_the_same_rounded_keys_and_values(check
         assert out.token_ids == greedy(hf, ids, 8)
 
 
-def test_phi3_longrope_matches_transformers_up_to_its_original_length_and_serves_no_further(tmp_path, caplog):
-    """LongRoPE (Phi-3/Phi-4-mini): within the original length transformers uses the short factors and scales cos and
-    sin by the attention factor; logits and greedy tokens match. Longer contexts (the long factors) are not served:
-    the model's context is the original length."""
+def greedy_uncached(hf, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens with each step a forward over the whole sequence so far (no cache): what LongRoPE
+    means at every length (transformers picks the short or the long factors for a whole forward by its length)."""
+    out = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            out.append(int(hf(torch.tensor([out]), use_cache=False).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+def test_phi3_longrope_takes_the_long_factors_past_its_original_length(tmp_path, caplog):
+    """LongRoPE (Phi-3/Phi-4-mini): up to the original length (64 here) the short factors, past it the long ones at
+    every position, cos and sin scaled by the attention factor, as transformers' forward over the whole sequence. A
+    prompt past it is long from the start; a sequence that grows past it is recomputed once with the long factors,
+    under a prefix-cache root of its own: a later short request hits its short pages, a later long one its long
+    pages, and every token is transformers'."""
     # heads of 16 (transformers' Phi3 checks the factors against hidden_size / heads), 0.75 of each rotated: 6 factors
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
             "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.5 * i for i in range(6)],
@@ -240,15 +253,46 @@ def test_phi3_longrope_matches_transformers_up_to_its_original_length_and_serves
                                          rope_scaling=rope, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                                          pad_token_id=0))
     hf = save_tiny_checkpoint(cfg, tmp_path, seed=5)
+    ours = load_model(tmp_path)
+    assert ours.config.max_context == 256 and ours.config.rope.attention_factor > 1.0
+    engine = Engine(ours, EngineConfig(num_blocks=64, block_size=16, max_num_batched_tokens=40, max_model_len=256,
+                                       enable_prefix_caching=True))
+    seen = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda batch: seen.append(execute(batch)) or seen[-1]
+    long_prompt = prompt_ids(100, 12)
+    (out,) = run_engine(engine, [long_prompt], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    with torch.no_grad():
+        expected = hf(torch.tensor([long_prompt + out.token_ids[:2]])).logits[0]
+    sampled = [x for x in seen if x.shape[0]]
+    for step, logits in enumerate(sampled):  # the prompt in chunks of 40 tokens, then decode: the long factors
+        torch.testing.assert_close(logits[0], expected[99 + step], **TOL)
+    assert engine.scheduler.num_preemptions_total == 0
+
+    ids = prompt_ids(50, 11)  # crosses 64 at its 15th token
+    (grown,) = run_engine(engine, [ids], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert grown.token_ids == greedy_uncached(hf, ids, 30)
+    assert engine.scheduler.num_preemptions_total == 1  # recomputed once, as it grew past the original length
+    (short,) = run_engine(engine, [ids], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    (longer,) = run_engine(engine, [ids + grown.token_ids], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert short.token_ids == greedy_uncached(hf, ids, 10) and short.last.cached_prompt_tokens == 48
+    assert longer.token_ids == greedy_uncached(hf, ids + grown.token_ids, 5)
+    assert longer.last.cached_prompt_tokens == 64  # the grown sequence's pages, rotated by the long factors
+
+
+def test_longrope_without_long_factors_serves_up_to_its_original_length(tmp_path, caplog):
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+    cfg = transformers.Phi3Config(**dict(BASE, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         original_max_position_embeddings=64, rope_scaling=rope,
+                                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    save_tiny_checkpoint(cfg, tmp_path, seed=5)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(key), dict):
+            config[key].pop("long_factor", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
     with caplog.at_level("WARNING", logger="cotserve.worker"):
         ours = load_model(tmp_path)
-    assert ours.config.max_context == 64 and ours.config.rope.attention_factor > 1.0
-    assert "contexts are served up to its original length, 64 tokens (of 256)" in caplog.text
-    ids = prompt_ids(30, 11)
-    with torch.no_grad():
-        expected = hf(torch.tensor([ids])).logits[0]
-        got = ours.model.compute_logits(ours.model(torch.tensor(ids), torch.arange(30), DenseCausalAttention(1, 30)))
-    torch.testing.assert_close(got, expected, **TOL)
-    engine = Engine(ours, EngineConfig(num_blocks=32, block_size=16, max_model_len=64))
-    (out,) = run_engine(engine, [ids], SamplingParams(max_new_tokens=30, ignore_eos=True))
-    assert out.token_ids == greedy(hf, ids, 30)
+    assert ours.config.max_context == 64 and ours.config.rope_long_after is None
+    assert "LongRoPE without long factors: contexts are served up to its original length, 64 tokens (of 256)" in caplog.text
