@@ -249,6 +249,48 @@ def bench_families(
     console.print(table(rows, sizes, shape, prompt_tokens, max_new_tokens))
 
 
+@bench_app.command("structured")
+def bench_structured(
+    model: Path = typer.Option(None, help="Model folder (default: the bundled demo model)."),
+    batches: str = typer.Option("1,8,32", help="Engine-alone batch sizes."),
+    max_new_tokens: int = typer.Option(200, min=8, help="Tokens every request generates (the schema asks for more)."),
+    repeats: int = typer.Option(3, min=1, help="Runs of each mode per batch size, alternated; medians compared."),
+    schemas: int = typer.Option(20, min=1, help="Schemas compiled for the compile-time figures."),
+    tokenizer: Path = typer.Option(None, help="tokenizer.json for the grammar engines' mask times (default: the "
+                                              "model's)."),
+    mask_batch: int = typer.Option(32, min=1, help="Sequences whose bitmask is filled together per step."),
+) -> None:
+    """What a structured-output constraint costs: engine tokens/s under a JSON Schema against unconstrained, grammar
+    compile time per schema, and the grammar engines' bitmask time per step (xgrammar, and llguidance if installed)."""
+    from rich.table import Table
+
+    from cotserve.bench.structured import compile_times, engine_rates, mask_times
+    from cotserve.worker.config import DEMO_MODEL
+
+    console = wide_console()
+    folder = model or DEMO_MODEL
+    say = lambda m: console.print(m, style="dim")  # noqa: E731
+    sizes = int_list(batches, "1,8,32")
+    rows = engine_rates(folder, sizes, max_new_tokens, repeats, say)
+    t = Table(title=f"engine alone, {folder.name}: {max_new_tokens} tokens a request, output tok/s (median of "
+                    f"{repeats})")
+    for column in ("batch", "free", "under a JSON Schema", "ratio"):
+        t.add_column(column, justify="right")
+    for r in rows:
+        t.add_row(str(r.batch), f"{r.free:,.0f}", f"{r.constrained:,.0f}", f"{r.constrained / r.free:.2f}x")
+    console.print(t)
+    cold, warm = compile_times(folder, schemas)
+    console.print(f"compile a schema of nested objects: {cold:.2f} ms new, {warm:.3f} ms cached (median of {schemas})")
+    t = Table(title=f"bitmask of {mask_batch} sequences per step, each writing its own document of nested objects "
+                    f"({(tokenizer or folder / 'tokenizer.json').name})")
+    for column in ("engine", "tokenizer prep ms", "compile + matchers ms", "mean ms / step", "p90 ms / step", "tokens"):
+        t.add_column(column, justify="right")
+    for r in mask_times(tokenizer or folder / "tokenizer.json", mask_batch, say):
+        t.add_row(r.library, f"{r.prepare_ms:,.1f}", f"{r.compile_ms:.1f}", f"{r.mean_ms:.3f}", f"{r.p90_ms:.3f}",
+                  str(r.tokens))
+    console.print(t)
+
+
 @bench_app.command("sandbox")
 def bench_sandbox(
     runs: int = typer.Option(1000, help="Runs for the latency percentiles and for the throughput pass."),

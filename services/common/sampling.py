@@ -7,6 +7,7 @@ No torch, no grpc.
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,25 @@ FINISH_PB = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_
 """Finish reasons by name, as the engine and every API name them, and their wire values."""
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """A format the output must follow (`worker/grammar.py` enforces it): `kind` one of STRUCTURED_KINDS; `spec` the
+    schema's JSON text, the regex or the EBNF grammar; `choices` for a choice; `strict` for a JSON Schema."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    strict: bool = True
+
+    @property
+    def is_json(self) -> bool:
+        """Its output is one JSON value (votes compare them parsed)."""
+        return self.kind in ("json_object", "json_schema")
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """Validated sampling parameters (`sampling_from_pb` checks every field)."""
@@ -50,6 +70,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1  # samples of the prompt; they share its KV pages
     top_logprobs: int = 0  # with logprobs: the most likely alternatives at each position
+    structured: StructuredOutput | None = None  # the format the output (a reasoning model's answer) must follow
 
     @property
     def is_greedy(self) -> bool:
@@ -61,6 +82,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 16
 MAX_FORCING_TEXT_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
 
 _SLA = {common_pb2.SLA_CLASS_UNSPECIFIED: SlaClass.INTERACTIVE, **{pb: cls for cls, pb in SLA_PB.items()}}
 
@@ -111,6 +135,7 @@ def sampling_from_pb(
     if top_logprobs and not sp.logprobs:
         raise InvalidArgument("sampling.top_logprobs: needs sampling.logprobs (set it to true)")
     return SamplingParams(
+        structured=structured_from_pb(sp.structured_output) if sp.HasField("structured_output") else None,
         max_new_tokens=min(max_new, max_new_tokens_limit),
         temperature=float(temperature),
         top_p=float(top_p),
@@ -125,6 +150,39 @@ def sampling_from_pb(
     )
 
 
+
+
+def structured_from_pb(so: common_pb2.StructuredOutput) -> StructuredOutput:
+    """The format's shape checked (sizes, the schema is a JSON object); whether it compiles is the worker's
+    (`worker/grammar.py`), which names what it cannot take."""
+    where = "sampling.structured_output"
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument(f"{where}: set one of {', '.join(STRUCTURED_KINDS)}")
+    if kind == "json_object":
+        if not so.json_object:
+            raise InvalidArgument(f"{where}.json_object: true or unset")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        choices = tuple(so.choice.choices)
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise InvalidArgument(f"{where}.choice: {len(choices)} choices, allowed 1..{MAX_CHOICES}")
+        if not all(1 <= len(c) <= MAX_CHOICE_CHARS for c in choices):
+            raise InvalidArgument(f"{where}.choice: each choice must have 1..{MAX_CHOICE_CHARS} characters")
+        return StructuredOutput("choice", choices=choices)
+    spec = so.json_schema.schema if kind == "json_schema" else getattr(so, kind)
+    field = f"{where}.{kind}" + (".schema" if kind == "json_schema" else "")
+    if not 1 <= len(spec) <= MAX_STRUCTURED_SPEC_CHARS:
+        raise InvalidArgument(f"{field}: {len(spec)} characters, allowed 1..{MAX_STRUCTURED_SPEC_CHARS}")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except ValueError as exc:
+            raise InvalidArgument(f"{field}: not JSON ({exc})") from None
+        if not isinstance(schema, dict):
+            raise InvalidArgument(f"{field}: a JSON Schema is a JSON object, got {type(schema).__name__}")
+        return StructuredOutput("json_schema", spec, strict=so.json_schema.strict)
+    return StructuredOutput(kind, spec)
 
 
 MAX_AGREE = 16

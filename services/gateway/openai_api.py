@@ -18,6 +18,9 @@ What the body may say, and how it maps:
 - cotserve's own fields, beside OpenAI's: `top_k`, `ignore_eos`, `stop_token_ids`, `cache_salt`, `pre_processor`,
   `post_processor`, `max_thinking_tokens`, `min_thinking_tokens`, `early_exit` and `self_consistency` (the
   `ReasoningOptions` fields of the gRPC API, same names).
+- Structured output: `response_format` (`json_object`, `json_schema` with `strict`), or vLLM's `structured_outputs`
+  (`json`, `regex`, `choice`, `grammar`, `json_object`) and `guided_json` / `guided_regex` / `guided_choice` /
+  `guided_grammar`; one of them a request. A reasoning model's answer follows it, its thinking stays free.
 - Fields OpenAI has that cotserve does not implement are refused by name unless they hold their neutral value
   (`frequency_penalty: 0`, `tools: []`, ...); any other field is refused as OpenAI refuses one it does not know.
 
@@ -28,6 +31,7 @@ model's markers, and the answer in `content`. A sample a settled self-consistenc
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -54,13 +58,19 @@ FINISH_NAME = {pb: name for name, pb in FINISH_PB.items()}
 _NEUTRAL = {  # OpenAI fields cotserve does not implement, accepted only when they ask for nothing
     "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
     "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "store": (False,),
-    "response_format": ({"type": "text"},), "modalities": (["text"],), "metadata": ({},), "echo": (False,),
+    "modalities": (["text"],), "metadata": ({},), "echo": (False,),
     "suffix": ("",), "prediction": (), "functions": ([],), "function_call": ("none", "auto"),
 }
 _REASONING_FIELDS = ("max_thinking_tokens", "min_thinking_tokens", "early_exit", "self_consistency")
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+"""vLLM's structured-output fields -> the kind they ask for."""
+_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                       "json_object": "json_object"}
+"""vLLM's `structured_outputs` object's fields -> the kind they ask for."""
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
 _COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "max_tokens", "temperature", "top_p", "seed",
                   "logprobs", "user", "service_tier", "top_k", "ignore_eos", "stop_token_ids", "cache_salt",
-                  "pre_processor", "post_processor", "best_of", *_REASONING_FIELDS}
+                  "pre_processor", "post_processor", "best_of", *_REASONING_FIELDS, *_STRUCTURED_FIELDS}
 _FIELDS = {"chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "reasoning_effort",
                                      "chat_template_kwargs"},
            "completion": _COMMON_FIELDS | {"prompt"}}
@@ -71,6 +81,7 @@ PARAM_OF = {  # the relay's field names (its InvalidArgument messages begin with
     "prompt / messages": "messages", "pre_processor": "pre_processor", "post_processor": "post_processor",
     "cache_salt": "cache_salt", "model": "model", "prompt": "prompt", "messages": "messages",
     "chat_template_kwargs": "chat_template_kwargs",
+    "sampling.structured_output": "response_format",
     **{f"reasoning.{name}": name for name in _REASONING_FIELDS}, "reasoning": "reasoning_effort",
 }
 _INT32, _UINT32, _UINT64 = (-(1 << 31), (1 << 31) - 1), (0, (1 << 32) - 1), (0, (1 << 64) - 1)
@@ -160,6 +171,7 @@ def parse(kind: str, data: Any) -> ApiRequest:
     else:
         _prompt(body, req)
     _sampling(kind, body, api)
+    _structured(body, api.request.sampling)
     tier = body.get("service_tier", "string", "auto")
     if tier not in SERVICE_TIERS:
         raise ApiError("service_tier", f"{tier!r} is not one of {', '.join(SERVICE_TIERS)}")
@@ -281,6 +293,71 @@ def _sampling(kind: str, body: _Body, api: ApiRequest) -> None:
         if top is not None:
             api.logprobs = sp.logprobs = True
             sp.top_logprobs = top
+
+
+def _structured(body: _Body, sp: common_pb2.SamplingParams) -> None:
+    """`response_format` (OpenAI's), or vLLM's `structured_outputs` / `guided_*`: at most one format a request."""
+    given = [name for name in _STRUCTURED_FIELDS if body.data.get(name) is not None
+             and not (name == "response_format" and body.data[name] == {"type": "text"})]
+    if len(given) > 1:
+        raise ApiError(given[1], f"give one of {', '.join(_STRUCTURED_FIELDS)} (got {given[0]} too)")
+    if not given:
+        return
+    name = given[0]
+    so = sp.structured_output
+    if name == "response_format":
+        _response_format(body.get(name, "object"), so)
+    elif name == "structured_outputs":
+        options = body.get(name, "object")
+        chosen = [key for key in options if options[key] is not None]
+        unknown = [key for key in chosen if key not in _STRUCTURED_OUTPUTS]
+        if unknown or len(chosen) != 1:
+            raise ApiError(name, f"give exactly one of {', '.join(_STRUCTURED_OUTPUTS)}"
+                                 + (f" (unknown: {unknown[0]!r})" if unknown else ""))
+        _format(f"{name}.{chosen[0]}", _STRUCTURED_OUTPUTS[chosen[0]], options[chosen[0]], so)
+    else:
+        _format(name, _GUIDED[name], body.data[name], so)
+
+
+def _response_format(value: dict[str, Any], so: common_pb2.StructuredOutput) -> None:
+    kind = value.get("type")
+    if kind == "json_object":
+        so.json_object = True
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError("response_format.json_schema", "expected {name, schema: a JSON Schema object, strict?}")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise ApiError("response_format.json_schema.strict", f"expected a boolean, got {_type_name(strict)}")
+        so.json_schema.schema = json.dumps(spec["schema"])
+        so.json_schema.strict = bool(strict)
+    else:
+        raise ApiError("response_format.type", f"{kind!r} is not one of text, json_object, json_schema")
+
+
+def _format(param: str, kind: str, value: Any, so: common_pb2.StructuredOutput) -> None:
+    """One of vLLM's formats: a JSON Schema (an object, or its JSON text), a regex, a choice or a grammar."""
+    if kind == "json_object":
+        if value is not True:
+            raise ApiError(param, "expected true")
+        so.json_object = True
+    elif kind == "json_schema":
+        if isinstance(value, str):
+            so.json_schema.schema = value
+        elif isinstance(value, dict):
+            so.json_schema.schema = json.dumps(value)
+        else:
+            raise ApiError(param, f"expected a JSON Schema (an object or its JSON text), got {_type_name(value)}")
+        so.json_schema.strict = True
+    elif kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise ApiError(param, f"expected an array of strings, got {_type_name(value)}")
+        so.choice.choices.extend(value)
+    elif not isinstance(value, str):
+        raise ApiError(param, f"expected a string, got {_type_name(value)}")
+    else:
+        setattr(so, kind, value)
 
 
 def _reasoning(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:

@@ -33,6 +33,11 @@ _SELF_CONSISTENCY = {"type": "object", "additionalProperties": False, "propertie
     "drop_fraction": {"type": "number", "minimum": 0, "maximum": 0.9},
     "confidence_weighted": {"type": "boolean"}}}
 
+_TEXT_SPEC = {"type": "string", "minLength": 1, "maxLength": sampling.MAX_STRUCTURED_SPEC_CHARS}
+_JSON_SCHEMA = {"oneOf": [{"type": "object"}, _TEXT_SPEC], "description": "A JSON Schema, or its JSON text."}
+_CHOICES = {"type": "array", "minItems": 1, "maxItems": sampling.MAX_CHOICES,
+            "items": {"type": "string", "minLength": 1, "maxLength": sampling.MAX_CHOICE_CHARS}}
+
 COMMON: dict[str, Any] = {
     "model": {"type": "string", "description": "A served model's name or alias (default: the only one served)."},
     "stream": {"type": "boolean"},
@@ -59,6 +64,22 @@ COMMON: dict[str, Any] = {
     "min_thinking_tokens": {"type": "integer", "minimum": 0, "maximum": (1 << 32) - 1},
     "early_exit": _EARLY_EXIT,
     "self_consistency": _SELF_CONSISTENCY,
+    "response_format": {"oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"const": "json_schema"},
+            "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}}],
+        "description": "The answer's format (a reasoning model's thinking stays free). One structured-output field a "
+                       "request: this, structured_outputs or a guided_* field."},
+    "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False,
+                           "properties": {"json": _JSON_SCHEMA, "regex": _TEXT_SPEC, "choice": _CHOICES,
+                                          "grammar": _TEXT_SPEC, "json_object": {"const": True}},
+                           "description": "vLLM's: exactly one format."},
+    "guided_json": _JSON_SCHEMA,
+    "guided_regex": _TEXT_SPEC,
+    "guided_choice": _CHOICES,
+    "guided_grammar": {**_TEXT_SPEC, "description": "EBNF (GBNF), start rule root."},
 }
 _PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
          "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
@@ -35,19 +36,48 @@ class Sampling:
     logprobs: bool = False  # each token's log-probability in the chunks and the result
     ignore_eos: bool = False  # generate on past the end-of-sequence token, up to max_new_tokens
     n: int | None = None  # samples of the prompt (1..16): the result's `choices`, the chunks' `index`
+    # structured output, one of these (a reasoning model's answer follows it; its thinking stays free):
+    json_schema: Mapping[str, Any] | str | None = None  # the answer is JSON that validates against this schema
+    json_object: bool = False  # the answer is a JSON object
+    regex: str | None = None  # the answer matches this regular expression
+    choice: Sequence[str] | None = None  # the answer is one of these strings
+    grammar: str | None = None  # the answer follows this EBNF grammar (GBNF; start rule `root`)
 
     def to_pb(self) -> common_pb2.SamplingParams:
-        """The proto message, field by field of the same name (None: not sent, so the server's default holds)."""
+        """The proto message, field by field of the same name (None: not sent, so the server's default holds);
+        InvalidArgument when more than one structured-output format is given."""
         sp = common_pb2.SamplingParams()
+        formats = [name for name in _FORMATS if getattr(self, name) not in (None, False)]
+        if len(formats) > 1:
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"{formats[1]}: give one structured-output format "
+                                  f"(got {formats[0]} too)")
+        for name in formats:
+            self._format(sp.structured_output, name, getattr(self, name))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None:
+            if value is None or f.name in _FORMATS:
                 continue
             if isinstance(value, (list, tuple)):
                 getattr(sp, f.name).extend(value)
             else:
                 setattr(sp, f.name, value)
         return sp
+
+
+    @staticmethod
+    def _format(so: common_pb2.StructuredOutput, name: str, value: Any) -> None:
+        if name == "json_schema":
+            so.json_schema.schema = value if isinstance(value, str) else json.dumps(value)
+            so.json_schema.strict = True
+        elif name == "json_object":
+            so.json_object = True
+        elif name == "choice":
+            so.choice.choices.extend(value)
+        else:
+            setattr(so, name, value)
+
+
+_FORMATS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True, frozen=True)

@@ -23,6 +23,7 @@ from cotserve.worker.detokenizer import TokenBytes
 from cotserve.worker.engine_client import EngineClient
 from cotserve.worker.engine_config import EngineConfig, kv_spec_of
 from cotserve.worker.engine_metrics import EngineMetrics, EngineStats
+from cotserve.worker.grammar import fill_masks, grammars_for
 from cotserve.worker.model_runner import ModelRunner
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.models.moe import RoutingPolicy
@@ -171,7 +172,8 @@ class Engine(EngineClient):
             result = self.sampler.sample(
                 logits, [s.seq_id for s in sampling], [s.params for s in sampling],
                 [ReasoningController.banned_token(r, s) for r, s in zip(reqs, sampling)],
-                [s.params.logprobs or ReasoningController.wants_logprob(r, s) for r, s in zip(reqs, sampling)])
+                [s.params.logprobs or ReasoningController.wants_logprob(r, s) for r, s in zip(reqs, sampling)],
+                self._grammar_masks(sampling, logits.shape[-1]))
         except Exception as exc:  # noqa: BLE001 - the engine must keep serving other requests
             log.exception("engine step failed; failing %d requests", len(batch.items))
             for item in batch.items:
@@ -181,6 +183,19 @@ class Engine(EngineClient):
         self._update(batch, sampling, result)
         self.metrics.step_done(time.monotonic() - start)
         self._publish_stats()
+
+    def _grammar_masks(self, sampling: list[Sequence], vocab_size: int):
+        """Structured output: the step's token bitmask and the rows it constrains, or None when no row is (a
+        sequence's grammar state is made when it first samples, from the tokens it has: forks and probes too)."""
+        if all(s.params.structured is None for s in sampling):
+            return None
+        for s in sampling:
+            if s.params.structured is not None and s.grammar is None:
+                if self.grammars is None:
+                    self.grammars = grammars_for(self.loaded, self.reasoning)
+                s.grammar = self.grammars.state(s.params.structured, self.reasoning, s.prompt_ids, s.output_ids)
+        mask, rows = fill_masks([s.grammar for s in sampling], vocab_size)
+        return (mask, rows) if rows else None
 
     def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:
         """Logits row and sequence of each token to sample: a sequence whose samples fork now

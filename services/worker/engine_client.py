@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from cotserve.common.sampling import ReasoningParams
 from cotserve.worker.commands import (
@@ -14,6 +14,7 @@ from cotserve.worker.commands import (
 )
 from cotserve.worker.engine_config import EngineConfig, check_submit, needs_engine_text
 from cotserve.worker.engine_metrics import EngineStats
+from cotserve.worker.grammar import Grammars, grammars_for
 from cotserve.worker.outputs import Sink
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.scheduler import check_batch_pause
@@ -28,6 +29,8 @@ class EngineClient:
     config: EngineConfig | None
     reasoning: ReasoningFormat | None  # the model's reasoning markers; None: budgets are refused
     _stats: EngineStats
+    loaded: Any = None  # the model (its tokenizer compiles structured-output formats here: `grammar.Grammars`)
+    grammars: Grammars | None = None
 
     def _send(self, cmd: Command, sink: Sink | None = None) -> None:
         """Deliver `cmd` to the engine thread (`sink`: where an AddRequest's outputs go)."""
@@ -44,6 +47,10 @@ class EngineClient:
         make itself when told not to."""
         assert self.config is not None, "start() first"
         check_submit(self.config, self.reasoning is not None, len(cmd.prompt_ids), cmd.params, cmd.budget)
+        if cmd.params.structured is not None and self.loaded is not None:  # compiled (and cached) before any compute
+            if self.grammars is None:
+                self.grammars = grammars_for(self.loaded, self.reasoning)
+            self.grammars.compile(cmd.params.structured)
         if not cmd.detokenize and needs_engine_text(cmd.params, cmd.budget):
             raise ValueError("detokenize=False: this request's reasoning controls need its text here")
 

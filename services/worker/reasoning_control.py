@@ -12,6 +12,8 @@ took a token, a probe finished, a sample finished) and carries out the actions i
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 
 from cotserve.worker.engine_metrics import EngineMetrics
@@ -19,6 +21,18 @@ from cotserve.worker.outputs import VoteResult
 from cotserve.worker.reasoning import Ballot, ReasoningFormat, ThinkingTracker, confidence, mean_probability, tally
 from cotserve.worker.request_state import RequestState
 from cotserve.worker.sequence import SamplingParams, Sequence
+
+
+def comparable(answer: str, params: SamplingParams) -> str:
+    """An answer as votes and early-exit probes compare it: under a JSON format (structured output) the value parsed
+    and written canonically, so equal values agree however they were spaced or ordered; any other answer as it is."""
+    fmt = params.structured
+    if fmt is None or not fmt.is_json:
+        return answer
+    try:
+        return json.dumps(json.loads(answer), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except ValueError:
+        return answer
 
 
 @dataclass(slots=True, frozen=True)
@@ -117,7 +131,8 @@ class ReasoningController:
         if seq.num_computed_tokens != len(seq) - 1 or len(seq) + len(end_ids) >= self.max_model_len:
             return None
         params = SamplingParams(max_new_tokens=req.reasoning.early_exit.probe_max_tokens,
-                                stop_token_ids=seq.params.stop_token_ids, ignore_eos=seq.params.ignore_eos)
+                                stop_token_ids=seq.params.stop_token_ids, ignore_eos=seq.params.ignore_eos,
+                                structured=seq.params.structured)  # its answer as the sample's will be
         return Sequence(seq.request_id, seq.all_token_ids[:-1] + end_ids, params, seq.sla_class, index=seq.index,
                         arrival_time=seq.arrival_time, cache_root=seq.cache_root, probe_of=seq,
                         num_forced_tokens=len(end_ids), tenant=seq.tenant, fair_tag=seq.fair_tag)
@@ -129,7 +144,7 @@ class ReasoningController:
         tracker = req.trackers[parent.index]
         if parent.is_finished or not tracker.is_thinking:
             return []
-        answer = self.fmt.answer(self.tokenizer.decode(answer_ids))
+        answer = comparable(self.fmt.answer(self.tokenizer.decode(answer_ids)), probe.params)
         tracker.probe_answers.append((answer, mean_probability(probe.output_logprobs)))
         if tracker.converged() is None:
             return []
@@ -146,7 +161,7 @@ class ReasoningController:
         vote = req.vote
         if vote is None:
             return []
-        vote.ballots.append(Ballot(answer_text or "", confidence(seq.output_logprobs)))
+        vote.ballots.append(Ballot(comparable(answer_text or "", seq.params), confidence(seq.output_logprobs)))
         reason = vote.settled()
         if reason is None and req.num_unfinished == 0:
             if vote.started < vote.params.max_samples:

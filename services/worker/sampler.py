@@ -47,16 +47,13 @@ class Sampler:
         params: list[SamplingParams],
         banned: list[int | None] | None = None,  # per row: a token it may not sample (or None)
         want_logprobs: list[bool] | None = None,  # per row: the sampled token's logprob is needed (default: params.logprobs)
+        allowed: tuple[torch.Tensor, list[int]] | None = None,  # structured output: token bitmask and the rows it holds
     ) -> SampleResult:
         """The whole batch in a few tensor operations: bans, greedy argmax, temperature, top-k and top-p
         (each row with its own values), softmax and logprobs. Only the draw itself is per row for a
         seeded request (its own generator, so its tokens do not depend on the batch); every unseeded
         row draws in one call from the shared generator."""
-        logits = logits.float()
-        if banned is not None and any(t is not None for t in banned):
-            rows = [r for r, t in enumerate(banned) if t is not None]
-            logits = logits.clone()
-            logits[rows, [banned[r] for r in rows]] = float("-inf")
+        logits = self._restricted(logits.float(), banned, allowed)
         tokens = logits.argmax(dim=-1)
         scaled = logits  # what each row's logprob is taken over: the filtered, tempered logits when sampling
         sampled = [r for r, p in enumerate(params) if not p.is_greedy]
@@ -96,6 +93,23 @@ class Sampler:
                     if kr:
                         top[r] = (tuple(row_ids[:kr]), tuple(row_lp[:kr]))
         return SampleResult(tokens.tolist(), out_lp, top)
+
+    @staticmethod
+    def _restricted(logits: torch.Tensor, banned: list[int | None] | None,
+                    allowed: tuple[torch.Tensor, list[int]] | None) -> torch.Tensor:
+        """`logits` (a copy, where anything changes) with each row's banned token and the tokens its structured-output
+        mask leaves out at -inf."""
+        original = logits
+        if banned is not None and any(t is not None for t in banned):
+            rows = [r for r, t in enumerate(banned) if t is not None]
+            logits = logits.clone()
+            logits[rows, [banned[r] for r in rows]] = float("-inf")
+        if allowed is not None:
+            from cotserve.worker.grammar import apply_masks
+
+            logits = logits.clone() if logits is original else logits
+            apply_masks(logits, *allowed)
+        return logits
 
     @staticmethod
     def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:  # [rows, vocab]

@@ -320,9 +320,7 @@ class Scheduler:
         the token joins the sequence, and a sequence it ends is finished here (blocks freed): "stop" for one of its
         stop tokens (its stop_token_ids; end of sequence unless ignore_eos), "length" at max_new_tokens or the
         model's length; None while it goes on. Stop strings need text, so the engine finishes those (`finish`)."""
-        seq.output_ids.append(token)
-        if logprob is not None:
-            seq.output_logprobs.append(logprob)
+        seq.append(token, logprob)
         if self.is_stop_token(seq, token):
             self.finish(seq, SequenceStatus.FINISHED_STOPPED)
             return "stop"

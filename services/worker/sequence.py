@@ -8,6 +8,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from cotserve.common.sampling import SamplingParams, SlaClass
 
@@ -79,10 +80,19 @@ class Sequence:
     num_forced_tokens: int = 0  # a probe: the end-marker tokens it was given
     tenant: str = ""  # who the request is for (tenant-fair scheduling)
     fair_tag: float = 0.0  # tenant-fair scheduling's virtual start time, fixed when it first joins the queue
+    grammar: Any = None  # structured output: its place in the format's grammar (`grammar.GrammarState`), once sampled
 
     @property
     def is_probe(self) -> bool:
         return self.probe_of is not None
+
+    def append(self, token: int, logprob: float | None = None) -> None:
+        """One output token joins the sequence (and its grammar state, if it has one)."""
+        self.output_ids.append(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
     def record(self, event: TraceEvent) -> None:
         self.events.append((event, time.time_ns()))

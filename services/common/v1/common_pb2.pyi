@@ -418,6 +418,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUT_FIELD_NUMBER: _builtins.int
     max_new_tokens: _builtins.int
     """Tokens to generate at most; 1..the model's context, default 256."""
     temperature: _builtins.float
@@ -448,6 +449,12 @@ class SamplingParams(_message.Message):
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end generation when produced (besides the model's end-of-sequence ids)."""
 
+    @_builtins.property
+    def structured_output(self) -> Global___StructuredOutput:
+        """Constrain the output (a reasoning model's answer, after its thinking) to a format: each token is sampled
+        among those the format allows. Unset: free text.
+        """
+
     def __init__(
         self,
         *,
@@ -462,10 +469,11 @@ class SamplingParams(_message.Message):
         ignore_eos: _builtins.bool = ...,
         n: _builtins.int | None = ...,
         top_logprobs: _builtins.int | None = ...,
+        structured_output: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "max_new_tokens", b"max_new_tokens", "n", b"n", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "max_new_tokens", b"max_new_tokens", "n", b"n", "seed", b"seed", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "n", b"n", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "n", b"n", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured_output", b"structured_output", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_new_tokens: _TypeAlias = _typing.Literal["max_new_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_new_tokens: _TypeAlias = _typing.Literal["_max_new_tokens", b"_max_new_tokens"]  # noqa: Y015
@@ -497,6 +505,102 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class StructuredOutput(_message.Message):
+    """A format the output must follow, enforced token by token by the worker's grammar engine. A format that cannot
+    be compiled is INVALID_ARGUMENT, before any compute.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_object: _builtins.bool
+    """Any JSON object."""
+    regex: _builtins.str
+    """A regular expression the whole output matches."""
+    grammar: _builtins.str
+    """A grammar in EBNF (GBNF as llama.cpp writes it; its start rule is `root`)."""
+    @_builtins.property
+    def json_schema(self) -> Global___JsonSchema:
+        """A JSON Schema (as JSON text): the output is one JSON value that validates against it."""
+
+    @_builtins.property
+    def choice(self) -> Global___Choices:
+        """Exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_object: _builtins.bool = ...,
+        json_schema: Global___JsonSchema | None = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choices | None = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StructuredOutput: _TypeAlias = StructuredOutput  # noqa: Y015
+
+@_typing.final
+class JsonSchema(_message.Message):
+    """A JSON Schema for StructuredOutput."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEMA_FIELD_NUMBER: _builtins.int
+    STRICT_FIELD_NUMBER: _builtins.int
+    schema: _builtins.str
+    """The schema, as JSON text (at most 64 KiB)."""
+    strict: _builtins.bool
+    """Strict (OpenAI's `strict: true`): objects take only the properties the schema names, unless it says otherwise
+    with additionalProperties. Not strict: JSON Schema's own default (any other property is allowed).
+    """
+    def __init__(
+        self,
+        *,
+        schema: _builtins.str = ...,
+        strict: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schema", b"schema", "strict", b"strict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JsonSchema: _TypeAlias = JsonSchema  # noqa: Y015
+
+@_typing.final
+class Choices(_message.Message):
+    """The strings of a choice (1..256 of them, each 1..1024 characters)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choices: _TypeAlias = Choices  # noqa: Y015
 
 @_typing.final
 class TokenLogprob(_message.Message):
