@@ -189,7 +189,8 @@ def _llguidance(tok, seqs: list[list[int]]) -> tuple[float, float, list[float]]:
     lltok = llguidance.hf.from_tokenizer(tok)
     prepare = time.perf_counter() - start
     start = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(NESTED, defaults={"whitespace_flexible": False})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(NESTED, defaults={
+        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})  # json.dumps' spacing, as xgrammar's
     matchers = [llguidance.LLMatcher(lltok, grammar) for _ in seqs]
     compiled = time.perf_counter() - start
     mask = lt.allocate_token_bitmask(len(seqs), lltok.vocab_size)

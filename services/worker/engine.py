@@ -173,7 +173,7 @@ class Engine(EngineClient):
                 logits, [s.seq_id for s in sampling], [s.params for s in sampling],
                 [ReasoningController.banned_token(r, s) for r, s in zip(reqs, sampling)],
                 [s.params.logprobs or ReasoningController.wants_logprob(r, s) for r, s in zip(reqs, sampling)],
-                self._grammar_masks(sampling, logits.shape[-1]))
+                self._grammar_masks(sampling))
         except Exception as exc:  # noqa: BLE001 - the engine must keep serving other requests
             log.exception("engine step failed; failing %d requests", len(batch.items))
             for item in batch.items:
@@ -184,17 +184,17 @@ class Engine(EngineClient):
         self.metrics.step_done(time.monotonic() - start)
         self._publish_stats()
 
-    def _grammar_masks(self, sampling: list[Sequence], vocab_size: int):
+    def _grammar_masks(self, sampling: list[Sequence]) -> tuple | None:
         """Structured output: the step's token bitmask and the rows it constrains, or None when no row is (a
         sequence's grammar state is made when it first samples, from the tokens it has: forks and probes too)."""
         if all(s.params.structured is None for s in sampling):
             return None
+        if self.grammars is None:
+            self.grammars = grammars_for(self.loaded, self.reasoning)
         for s in sampling:
             if s.params.structured is not None and s.grammar is None:
-                if self.grammars is None:
-                    self.grammars = grammars_for(self.loaded, self.reasoning)
                 s.grammar = self.grammars.state(s.params.structured, self.reasoning, s.prompt_ids, s.output_ids)
-        mask, rows = fill_masks([s.grammar for s in sampling], vocab_size)
+        mask, rows = fill_masks(self.grammars, [s.grammar for s in sampling])
         return (mask, rows) if rows else None
 
     def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:

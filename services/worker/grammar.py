@@ -49,6 +49,7 @@ class Grammars:
         self.reserved = reserved  # token ids no grammar may produce (the reasoning markers)
         self._compiler = None
         self.json_safe: np.ndarray | None = None  # bitmask words of the tokens free of control characters
+        self.batch: Any = None  # xgrammar's BatchGrammarMatcher (`fill_masks`), made on first use
         self._lock = threading.Lock()
 
     def _build(self):
@@ -171,23 +172,25 @@ class GrammarState:
             self.phase = Phase.OFF
 
 
-def fill_masks(states: list[GrammarState | None], vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+def fill_masks(grammars: Grammars, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]]:
     """The int32 token bitmask [len(states), ceil(vocab / 32)] of a step's rows and the rows it constrains (those
     whose state is constrained), filled in one batched call; an undecided state may also take its thinking's start
     marker."""
     import xgrammar as xgr
 
     rows = [r for r, s in enumerate(states) if s is not None and s.constrained]
-    mask = xgr.allocate_token_bitmask(len(states), vocab_size)
-    xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask([states[r].matcher for r in rows], mask,
-                                                                         indices=rows)
-    bits = mask.numpy().view(np.uint32)
-    for row in rows:
-        state = states[row]
-        if state.allowed is not None:
-            bits[row] &= state.allowed
-        if state.phase == Phase.UNDECIDED:
-            token = state.start_ids[0]
+    mask = xgr.allocate_token_bitmask(len(states), grammars.vocab_size)
+    if grammars.batch is None:
+        grammars.batch = xgr.BatchGrammarMatcher(max_threads=1)
+    grammars.batch.batch_fill_next_token_bitmask([states[r].matcher for r in rows], mask, indices=rows)
+    narrowed = [r for r in rows if states[r].allowed is not None]
+    undecided = [r for r in rows if states[r].phase == Phase.UNDECIDED]
+    if narrowed or undecided:
+        bits = mask.numpy().view(np.uint32)
+        if narrowed:
+            bits[narrowed] &= states[narrowed[0]].allowed  # (one model: one set of tokens free of control characters)
+        for row in undecided:
+            token = states[row].start_ids[0]
             bits[row, token // 32] |= np.uint32(1 << (token % 32))
     return mask, rows
 
@@ -196,4 +199,5 @@ def apply_masks(logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> No
     """Tokens a row's mask leaves out get -inf, in place, in `rows` (the mask's rows are the logits')."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device), vocab_size=logits.shape[-1], indices=rows)
+    indices = None if len(rows) == logits.shape[0] else rows
+    xgr.apply_token_bitmask_inplace(logits, mask.to(logits.device), vocab_size=logits.shape[-1], indices=indices)
