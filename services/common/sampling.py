@@ -32,7 +32,7 @@ SLA_PB = {SlaClass.REALTIME: common_pb2.SLA_CLASS_REALTIME, SlaClass.INTERACTIVE
 SLA_PB_BY_NAME = {cls.name.lower(): pb for cls, pb in SLA_PB.items()}
 """The classes' wire values by their lower-case names (flags, tenants files, the SDK's `sla=`)."""
 FINISH_PB = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-             "cancelled": common_pb2.FINISH_REASON_CANCELLED}
+             "cancelled": common_pb2.FINISH_REASON_CANCELLED, "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS}
 """Finish reasons by name, as the engine and every API name them, and their wire values."""
 
 

@@ -21,8 +21,11 @@ What the body may say, and how it maps:
 - Structured output: `response_format` (`json_object`, `json_schema` with `strict`), or vLLM's `structured_outputs`
   (`json`, `regex`, `choice`, `grammar`, `json_object`) and `guided_json` / `guided_regex` / `guided_choice` /
   `guided_grammar`; one of them a request. A reasoning model's answer follows it, its thinking stays free.
+- Tool calling: `tools`, `tool_choice`, `parallel_tool_calls`, and `messages` with an assistant's `tool_calls` and
+  tool turns' `tool_call_id` (the gRPC API's ToolOptions and ChatMessage fields); calls come back as
+  `message.tool_calls` / `delta.tool_calls` with finish reason `tool_calls`.
 - Fields OpenAI has that cotserve does not implement are refused by name unless they hold their neutral value
-  (`frequency_penalty: 0`, `tools: []`, ...); any other field is refused as OpenAI refuses one it does not know.
+  (`frequency_penalty: 0`, `logit_bias: {}`, ...); any other field is refused as OpenAI refuses one it does not know.
 
 A reasoning model's thinking is returned as vLLM returns it: `message.reasoning` / `delta.reasoning`, without the
 model's markers, and the answer in `content`. A sample a settled self-consistency vote stopped ends with
@@ -56,8 +59,7 @@ DEFAULT_MAX_TOKENS = {"chat": None, "completion": 16}
 FINISH_NAME = {pb: name for name, pb in FINISH_PB.items()}
 
 _NEUTRAL = {  # OpenAI fields cotserve does not implement, accepted only when they ask for nothing
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "store": (False,),
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "store": (False,),
     "modalities": (["text"],), "metadata": ({},), "echo": (False,),
     "suffix": ("",), "prediction": (), "functions": ([],), "function_call": ("none", "auto"),
 }
@@ -72,7 +74,7 @@ _COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "max_tokens"
                   "logprobs", "user", "service_tier", "top_k", "ignore_eos", "stop_token_ids", "cache_salt",
                   "pre_processor", "post_processor", "best_of", *_REASONING_FIELDS, *_STRUCTURED_FIELDS}
 _FIELDS = {"chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "reasoning_effort",
-                                     "chat_template_kwargs"},
+                                     "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"},
            "completion": _COMMON_FIELDS | {"prompt"}}
 PARAM_OF = {  # the relay's field names (its InvalidArgument messages begin with one) -> this API's
     "sampling.max_new_tokens": "max_tokens", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
@@ -80,7 +82,8 @@ PARAM_OF = {  # the relay's field names (its InvalidArgument messages begin with
     "sampling.top_logprobs": "top_logprobs", "sampling.seed": "seed", "sla_class": "service_tier",
     "prompt / messages": "messages", "pre_processor": "pre_processor", "post_processor": "post_processor",
     "cache_salt": "cache_salt", "model": "model", "prompt": "prompt", "messages": "messages",
-    "chat_template_kwargs": "chat_template_kwargs",
+    "chat_template_kwargs": "chat_template_kwargs", "tools.choice": "tool_choice", "tool_choice": "tool_choice",
+    "tools": "tools",
     "sampling.structured_output": "response_format",
     **{f"reasoning.{name}": name for name in _REASONING_FIELDS}, "reasoning": "reasoning_effort",
 }
@@ -168,6 +171,7 @@ def parse(kind: str, data: Any) -> ApiRequest:
     if kind == "chat":
         _messages(body, req)
         _template_kwargs(body, req)
+        _tools(body, req)
     else:
         _prompt(body, req)
     _sampling(kind, body, api)
@@ -205,10 +209,10 @@ def _messages(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ApiError(where, f"expected an object, got {_type_name(m)}")
-        unknown = set(m) - {"role", "content", "name", "reasoning", "reasoning_content"}
+        unknown = set(m) - {"role", "content", "name", "reasoning", "reasoning_content", "tool_calls", "tool_call_id"}
         if unknown:
             raise ApiError(f"{where}.{sorted(unknown)[0]}", "not supported by cotserve (messages take role, content, "
-                                                            "name and reasoning)")
+                                                            "name, reasoning, tool_calls and tool_call_id)")
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise ApiError(f"{where}.role", "required: a non-empty string")
@@ -220,6 +224,62 @@ def _messages(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
         thought = m.get("reasoning", m.get("reasoning_content"))
         if thought is not None:
             msg.reasoning_content = thought
+        _message_tools(m, msg, where)
+
+
+def _message_tools(m: dict[str, Any], msg: common_pb2.ChatMessage, where: str) -> None:
+    """An assistant turn's `tool_calls`, a tool turn's `tool_call_id` and `name`."""
+    if m.get("tool_call_id") is not None:
+        if not isinstance(m["tool_call_id"], str):
+            raise ApiError(f"{where}.tool_call_id", f"expected a string, got {_type_name(m['tool_call_id'])}")
+        msg.tool_call_id = m["tool_call_id"]
+    if isinstance(m.get("name"), str):
+        msg.name = m["name"]
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ApiError(f"{where}.tool_calls", f"expected an array, got {_type_name(calls)}")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(f"{where}.tool_calls[{j}]", "expected {id, type: function, function: {name, arguments}}")
+        arguments = fn.get("arguments", "")
+        msg.tool_calls.add(id=str(call.get("id") or ""), name=fn["name"],
+                           arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def _tools(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
+    """`tools` (functions), `tool_choice` and `parallel_tool_calls` as the gRPC API's ToolOptions."""
+    tools = body.get("tools", "array", [])
+    choice = body.data.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", "boolean")
+    if not tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError("tool_choice", "needs tools")
+        return
+    options = req.tools
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(f"tools[{i}]", "expected {type: function, function: {name, description?, parameters?}}")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ApiError(f"tools[{i}].function.parameters", f"expected a JSON Schema object, got {_type_name(params)}")
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise ApiError(f"tools[{i}].function.description", f"expected a string, got {_type_name(description)}")
+        options.tools.add(name=fn["name"], description=description, parameters=json.dumps(params) if params else "")
+    if choice in (None, "auto"):
+        options.choice.auto = True
+    elif choice in ("none", "required"):
+        setattr(options.choice, choice, True)
+    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        options.choice.function = choice["function"]["name"]
+    else:
+        raise ApiError("tool_choice", 'expected "none", "auto", "required" or {"type": "function", "function": {"name"}}')
+    if parallel is not None:
+        options.parallel_tool_calls = parallel
 
 
 def _template_kwargs(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
@@ -480,6 +540,7 @@ class Responder:
     _splits: dict[int, ReasoningSplit] = field(default_factory=dict)
     _offsets: dict[int, CompletionLogprobs] = field(default_factory=dict)
     _roles_sent: set[int] = field(default_factory=set)
+    _calls_sent: dict[int, int] = field(default_factory=dict)  # tool calls sent per choice
 
     @property
     def object_id(self) -> str:
@@ -510,13 +571,23 @@ class Responder:
                 delta["role"] = "assistant"
             if reasoning:  # also as reasoning_content: the name DeepSeek's API and most clients read
                 delta["reasoning"] = delta["reasoning_content"] = reasoning
-            if content or not reasoning:
+            if content or not (reasoning or chunk.tool_calls):
                 delta["content"] = content
+            if chunk.tool_calls:
+                delta["tool_calls"] = self._tool_calls(chunk)
             logprobs = {"content": chat_logprobs(chunk.token_logprobs)} if self.api.logprobs else None
             return {"index": chunk.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         logprobs = self._offsets.setdefault(chunk.index, CompletionLogprobs()).add(chunk.token_logprobs) \
             if self.api.logprobs else None
         return {"index": chunk.index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+
+    def _tool_calls(self, chunk: gateway_pb2.GenerateStreamResponse) -> list[dict[str, Any]]:
+        """A chunk's calls in OpenAI's shape, each with its index among its choice's calls (id and name once, the
+        arguments whole)."""
+        first = self._calls_sent.get(chunk.index, 0)
+        self._calls_sent[chunk.index] = first + len(chunk.tool_calls)
+        return [{"index": first + i, "id": call.id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}} for i, call in enumerate(chunk.tool_calls)]
 
     def chunk(self, chunk: gateway_pb2.GenerateStreamResponse) -> list[dict[str, Any]]:
         """The stream events one relay chunk makes: its choice's delta, then (on the stream's last chunk) the vote
@@ -539,7 +610,9 @@ class Responder:
         for chunk in chunks:
             delta = self._choice_delta(chunk)
             choice = choices.setdefault(chunk.index, {"index": chunk.index, "finish_reason": None, "logprobs": None,
-                                                      "parts": {"content": [], "reasoning": [], "text": []}})
+                                                      "parts": {"content": [], "reasoning": [], "text": []},
+                                                      "tool_calls": []})
+            choice["tool_calls"].extend(delta.get("delta", {}).get("tool_calls", []))
             for name in ("content", "reasoning"):
                 choice["parts"][name].append(delta.get("delta", {}).get(name, ""))
             choice["parts"]["text"].append(delta.get("text", ""))
@@ -567,7 +640,7 @@ def _merge_logprobs(have: dict[str, list] | None, more: dict[str, list]) -> dict
 
 
 def _finish_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
-    parts = choice.pop("parts")
+    parts, calls = choice.pop("parts"), choice.pop("tool_calls")
     if kind != "chat":
         return {"index": choice["index"], "text": "".join(parts["text"]), "logprobs": choice["logprobs"],
                 "finish_reason": choice["finish_reason"]}
@@ -575,6 +648,9 @@ def _finish_choice(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
     reasoning = "".join(parts["reasoning"])
     if reasoning:  # also as reasoning_content: the name DeepSeek's API and most clients read
         message["reasoning"] = message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+        message["content"] = message["content"] or None
     return {"index": choice["index"], "message": message, "logprobs": choice["logprobs"],
             "finish_reason": choice["finish_reason"]}
 

@@ -87,7 +87,17 @@ _MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": Fals
     "role": {"type": "string", "minLength": 1, "maxLength": 64},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _PART}, {"type": "null"}]},
     "name": {"type": "string"},
-    "reasoning": {"type": "string"}, "reasoning_content": {"type": "string"}}}
+    "reasoning": {"type": "string"}, "reasoning_content": {"type": "string"},
+    "tool_call_id": {"type": "string"},
+    "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}}}
+_TOOL = {"type": "object", "required": ["function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}
 
 
 def _body(required: str, properties: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +115,14 @@ CHAT = _body("messages", {
     "top_logprobs": {"type": "integer", "minimum": 0, "maximum": sampling.MAX_TOP_LOGPROBS,
                      "description": "Needs logprobs: true."},
     "reasoning_effort": {"type": "string", "enum": ["none", "minimal", "low", "medium", "high"]},
+    "tools": {"type": "array", "maxItems": 128, "items": _TOOL,
+              "description": "Functions the model may call (names unique); needs a model whose worker parses calls."},
+    "tool_choice": {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                              {"type": "object", "required": ["function"], "properties": {
+                                  "type": {"const": "function"},
+                                  "function": {"type": "object", "required": ["name"],
+                                               "properties": {"name": {"type": "string"}}}}}]},
+    "parallel_tool_calls": {"type": "boolean"},
     "chat_template_kwargs": {"type": "object", "maxProperties": chat.MAX_TEMPLATE_KWARGS,
                              "propertyNames": {"pattern": f"^{chat.NAME.pattern}$", "not": {"enum": sorted(chat.RESERVED)}},
                              "description": "Variables for the model's chat template (e.g. enable_thinking)."},

@@ -17,9 +17,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from cotserve.common.chat import template_kwargs
-from cotserve.common.errors import CotserveError, InvalidArgument, RelayedError, Unavailable
+from cotserve.common.errors import CotserveError, FailedPrecondition, InvalidArgument, RelayedError, Unavailable
 from cotserve.common.sampling import check_self_consistency, max_new_tokens_of, reasoning_from_pb, sampling_from_pb, sla_from_pb
 from cotserve.common.streams import coalesce
+from cotserve.common.tools import tools_from_pb
 from cotserve.common.v1 import common_pb2
 from cotserve.gateway.metrics import GatewayMetrics
 from cotserve.gateway.observer import AttemptObserver, to_client_chunk
@@ -28,6 +29,7 @@ from cotserve.gateway.processors import Processors
 from cotserve.gateway.rules import Call, Chain, RequestContext, Stage, prompt_text
 from cotserve.gateway.slo_link import SloLink
 from cotserve.gateway.tenants import Tenant, TenantRegistry
+from cotserve.gateway.tool_calls import ToolCalls
 from cotserve.gateway.v1 import gateway_pb2
 from cotserve.worker.v1 import worker_pb2
 
@@ -134,6 +136,14 @@ class Relay:
             template_kwargs(request.chat_template_kwargs)
             wreq.chat_template_kwargs.CopyFrom(request.chat_template_kwargs)
         ctx.samples_at_once = params.n
+        if request.HasField("tools"):
+            if not request.messages:
+                raise InvalidArgument("tools: only with messages (the chat template shows them to the model)")
+            ctx.tools = tools_from_pb(request.tools)
+            if ctx.tools.shown and not info.tool_call_parser:
+                raise FailedPrecondition(f"tools: model {model!r} writes no tool calls its worker can parse (start "
+                                         "the worker with --tool-call-parser)")
+            wreq.tools.CopyFrom(request.tools)
         if request.HasField("reasoning"):
             reasoning = reasoning_from_pb(request.reasoning)  # the worker checks what its model's format allows
             check_self_consistency(reasoning, params)
@@ -156,9 +166,12 @@ class Relay:
         # reasoning/answer split would give the rewritten text back, unless the tenant may have raw tokens.
         withhold = bool(request.post_processor) and not ctx.tenant.raw_tokens
         completion: dict[int, list[str]] = {}  # per sample
+        calls = ToolCalls() if ctx.tools is not None and ctx.tools.shown else None
         try:
             await self.chain.admit(Stage.REQUEST, ctx)
             async for out in self._stream(ctx):
+                if calls is not None:
+                    calls.take(out)
                 ctx.generated += max(1, len(out.token_ids))
                 if out.HasField("usage"):
                     usage = out.usage

@@ -81,6 +81,7 @@ class RequestContext:
 
     call: Call
     request: Any  # gateway_pb2.GenerateStreamRequest or GenerateRequest, as the edge received it
+    tools: Any = None  # the request's checked tools (`common.tools.ToolSpec`), when it has some
     start: float = field(default_factory=time.monotonic)
     tenant: Tenant | None = None  # CALLER on
     model: str = ""  # REQUEST on

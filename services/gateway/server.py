@@ -49,6 +49,7 @@ async def collect(chunks: AsyncIterator[gateway_pb2.GenerateStreamResponse]) -> 
         choice.token_ids.extend(chunk.token_ids)  # (none when withheld, none on a cancelled sample's last chunk)
         choice.logprobs.extend(chunk.logprobs)
         choice.token_logprobs.extend(chunk.token_logprobs)
+        choice.tool_calls.extend(chunk.tool_calls)
         if chunk.finish_reason:
             choice.finish_reason = chunk.finish_reason
         if chunk.HasField("reasoning_text"):

@@ -7,12 +7,13 @@ from cotserve.sdk.errors import (
 )
 from cotserve.sdk.options import RequestOptions, Sampling
 from cotserve.sdk.types import (
-    Choice, EarlyExit, GenerateResult, ModelInfo, Reasoning, SelfConsistency, SelfConsistencyResult, StreamChunk, Timing, Usage, Vote,
+    Choice, EarlyExit, GenerateResult, ModelInfo, Reasoning, SelfConsistency, SelfConsistencyResult, StreamChunk, Timing, ToolCall,
+    Usage, Vote,
 )
 
 __all__ = [
     "AsyncClient", "Choice", "Client", "CotserveError", "DeadlineExceeded", "EarlyExit", "FailedPrecondition", "GenerateResult",
     "InvalidArgument", "ModelInfo", "NotFound", "PermissionDenied", "Reasoning", "RequestOptions", "ResourceExhausted",
     "Sampling", "SelfConsistency",
-    "SelfConsistencyResult", "StreamChunk", "Timing", "Unauthenticated", "Unavailable", "Unimplemented", "Usage", "Vote",
+    "SelfConsistencyResult", "StreamChunk", "Timing", "ToolCall", "Unauthenticated", "Unavailable", "Unimplemented", "Usage", "Vote",
 ]

@@ -89,6 +89,10 @@ class RequestOptions:
     post_processor: str = ""  # a sandbox module run on each sample's completed text
     pre_processor: str = ""  # a sandbox module run on the prompt
     cache_salt: str = ""  # narrows who shares the worker's cached prompt blocks with this request
+    tools: Sequence[Mapping[str, Any]] | None = None  # functions the model may call (with messages): each {name,
+    # description, parameters (a JSON Schema)}; the result's `tool_calls` has the calls it made
+    tool_choice: str | None = None  # "auto" (the default with tools), "none", "required", or a function's name
+    parallel_tool_calls: bool | None = None  # several calls in one answer (default: yes)
     chat_template_kwargs: Mapping[str, Any] | None = None  # variables for the chat template (with messages), e.g.
     # {"enable_thinking": False}
 
@@ -140,16 +144,44 @@ def build_request(cls, prompt: str, messages: Sequence[Mapping[str, str]] | None
     class."""
     turns = []
     for i, m in enumerate(messages or ()):
-        unknown = set(m) - {"role", "content", "reasoning_content"}
+        unknown = set(m) - {"role", "content", "reasoning_content", "tool_calls", "tool_call_id", "name"}
         if unknown:
             raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, f"messages[{i}]: unknown key(s) "
-                                  f"{', '.join(sorted(unknown))} (allowed: role, content, reasoning_content)")
-        turns.append(common_pb2.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
-                                            reasoning_content=m.get("reasoning_content") or ""))
+                                  f"{', '.join(sorted(unknown))} (allowed: role, content, reasoning_content, "
+                                  "tool_calls, tool_call_id, name)")
+        turn = common_pb2.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
+                                      reasoning_content=m.get("reasoning_content") or "",
+                                      tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
+        for call in m.get("tool_calls") or ():  # the result's ToolCall objects, or OpenAI's dicts
+            if isinstance(call, Mapping):
+                fn = call.get("function", call)
+                turn.tool_calls.add(id=call.get("id", ""), name=fn["name"], arguments=fn.get("arguments", ""))
+            else:
+                turn.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+        turns.append(turn)
     req = cls(prompt=prompt, messages=turns, model=options.model, sampling=sampling.to_pb(), sla_class=options.sla_pb(),
               post_processor=options.post_processor, pre_processor=options.pre_processor, cache_salt=options.cache_salt)
     if reasoning is not None:
         req.reasoning.CopyFrom(reasoning.to_pb())
     if options.chat_template_kwargs:
         req.chat_template_kwargs.update(dict(options.chat_template_kwargs))
+    if options.tools:
+        _tools(req.tools, options.tools, options.tool_choice, options.parallel_tool_calls)
     return req
+
+
+def _tools(out: common_pb2.ToolOptions, tools: Sequence[Mapping[str, Any]], choice: str | None,
+           parallel: bool | None) -> None:
+    """`tools` (each {name, description?, parameters?}, or OpenAI's {type: function, function: {...}}) and the
+    choice: "auto" (None), "none", "required" or a function's name."""
+    for tool in tools:
+        fn = tool.get("function", tool)
+        params = fn.get("parameters")
+        out.tools.add(name=fn["name"], description=fn.get("description", ""),
+                      parameters=json.dumps(params) if isinstance(params, Mapping) else (params or ""))
+    if choice in (None, "auto", "none", "required"):
+        setattr(out.choice, choice or "auto", True)
+    else:
+        out.choice.function = choice
+    if parallel is not None:
+        out.parallel_tool_calls = parallel

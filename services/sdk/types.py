@@ -113,16 +113,26 @@ class SelfConsistencyResult:
 
 
 @dataclass(slots=True, frozen=True)
+class ToolCall:
+    """A call the model made of one of the request's tools."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(slots=True, frozen=True)
 class Choice:
     """One sample of a completion."""
 
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" or "length"
+    finish_reason: str | None  # "stop", "length" or "tool_calls"
     logprobs: list[float] | None = None
     reasoning_text: str | None = None  # a reasoning model's thinking, without the markers
     answer_text: str | None = None  # a reasoning model's answer
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls it made (not in its text)
 
 
 @dataclass(slots=True, frozen=True)
@@ -140,6 +150,7 @@ class GenerateResult:
     reasoning_text: str | None = None  # the first sample's thinking (reasoning models)
     answer_text: str | None = None  # the first sample's answer (reasoning models); the voted one with self-consistency
     self_consistency: SelfConsistencyResult | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # the first sample's calls (with tools)
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,6 +170,7 @@ class StreamChunk:
     reasoning_text: str | None = None  # on each sample's last chunk, for a reasoning model
     answer_text: str | None = None  # likewise
     self_consistency: SelfConsistencyResult | None = None  # the stream's last chunk, with self-consistency
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls whose text ended in this chunk (with tools)
 
 
 @dataclass(slots=True, frozen=True)
@@ -190,19 +202,23 @@ def _timing(t: common_pb2.Timing) -> Timing:
     return Timing(t.queue_ms, t.ttft_ms, t.total_ms)
 
 
+def _calls(msg) -> list[ToolCall]:
+    return [ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls]
+
+
 def result_from_pb(r: gateway_pb2.GenerateResponse) -> GenerateResult:
     choices = [Choice(c.index, c.text, list(c.token_ids), _FINISH[c.finish_reason], list(c.logprobs) if c.logprobs else None,
-                      _opt(c, "reasoning_text"), _opt(c, "answer_text")) for c in r.choices]
+                      _opt(c, "reasoning_text"), _opt(c, "answer_text"), _calls(c)) for c in r.choices]
     return GenerateResult(r.text, list(r.token_ids), _FINISH[r.finish_reason], _usage(r.usage), _timing(r.timing),
                           list(r.logprobs) if r.logprobs else None, choices, _opt(r, "reasoning_text"), _opt(r, "answer_text"),
-                          _vote(r))
+                          _vote(r), choices[0].tool_calls if choices else [])
 
 
 def chunk_from_pb(c: gateway_pb2.GenerateStreamResponse) -> StreamChunk:
     last = c.HasField("usage")
     return StreamChunk(c.text, list(c.token_ids), list(c.logprobs) if c.logprobs else None, _FINISH[c.finish_reason],
                        _usage(c.usage) if last else None, _timing(c.timing) if last else None, c.index, _PARTS[c.part],
-                       _opt(c, "reasoning_text"), _opt(c, "answer_text"), _vote(c))
+                       _opt(c, "reasoning_text"), _opt(c, "answer_text"), _vote(c), _calls(c))
 
 
 def model_from_pb(m: gateway_pb2.ModelEntry) -> ModelInfo:

@@ -9,6 +9,7 @@ from typing import ClassVar
 
 from cotserve.common.config import Cli, legacy_env
 from cotserve.common.tls import TlsSettings
+from cotserve.common.tools import PARSERS as TOOL_PARSERS
 from cotserve.worker.scheduling import POLICIES
 
 DEMO_MODEL = Path(__file__).parent / "demo" / "cotserve-demo"
@@ -43,6 +44,9 @@ class WorkerConfig(TlsSettings):
     """How the model marks its reasoning: auto (harmony for gpt-oss's tokenizer, else think where the tokenizer has
     <think> and </think>, else none), think (text between --reasoning-start and --reasoning-end: Qwen3, Phi-4-reasoning,
     DeepSeek-R1), harmony (gpt-oss's analysis and final channels) or none."""
+    tool_call_parser: str = "auto"
+    """How the model writes tool calls: auto (hermes when its chat template writes <tool_call>, else none: requests
+    with tools are refused), hermes (<tool_call>{"name", "arguments"}</tool_call>: Qwen2.5, Qwen3, Hermes) or none."""
     reasoning_start: str | None = None
     """Text that opens the model's thinking (default: <think> when the tokenizer has it and </think>)."""
     reasoning_end: str | None = None
@@ -144,6 +148,8 @@ class WorkerConfig(TlsSettings):
             (0 <= self.port <= 65535, f"port: {self.port}, allowed 0..65535"),
             (self.scheduling in POLICIES, f"scheduling: {self.scheduling!r}, allowed: {', '.join(POLICIES)}"),
             (self.reasoning_parser in PARSERS, f"reasoning_parser: {self.reasoning_parser!r}, allowed: {', '.join(PARSERS)}"),
+            (self.tool_call_parser in ("auto", "none", *TOOL_PARSERS),
+             f"tool_call_parser: {self.tool_call_parser!r}, allowed: auto, none, {', '.join(TOOL_PARSERS)}"),
             (self.max_batch_tokens_when_urgent >= 1,
              f"max_batch_tokens_when_urgent: {self.max_batch_tokens_when_urgent}, must be >= 1"),
             (0.0 <= self.batch_min_share <= 1.0, f"batch_min_share: {self.batch_min_share}, allowed 0..1"),

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from cotserve.common.chat import template_kwargs
+from cotserve.common.tools import ToolSpec, template_tool_calls, tools_from_pb
 from cotserve.common.errors import FailedPrecondition, InvalidArgument
 from cotserve.common.sampling import (
-    ReasoningParams, SamplingParams, SlaClass, check_self_consistency, finish_reason_to_pb, reasoning_from_pb, sampling_from_pb, sla_from_pb,
+    ReasoningParams, SamplingParams, SlaClass, StructuredOutput, check_self_consistency, finish_reason_to_pb, reasoning_from_pb, sampling_from_pb, sla_from_pb,
 )
 from cotserve.worker.detokenizer import TokenTexts
 from cotserve.worker.reasoning import ReasoningFormat
@@ -45,9 +47,9 @@ def check_text_length(text: str, field: str, max_tokens: int, token_chars: int) 
 
 def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                      reasoning: ReasoningFormat | None = None, token_chars: int | None = None,
-                     chat_template: Any = None) -> GenerateCall:
-    """Validate and tokenize (rendering chat messages with the model's `chat_template` first). Long prompts take a
-    while to tokenize: call this off the event loop."""
+                     chat_template: Any = None, tool_parser: str = "") -> GenerateCall:
+    """Validate and tokenize (rendering chat messages with the model's `chat_template` first, with the request's
+    tools). Long prompts take a while to tokenize: call this off the event loop."""
     if sum(map(bool, (req.prompt_text, req.prompt_token_ids, req.messages))) > 1:
         raise InvalidArgument("prompt_text, prompt_token_ids and messages: set exactly one")
     max_prompt = max_model_len - 1
@@ -64,6 +66,9 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
             raise InvalidArgument(f"prompt_token_ids: token {bad} is out of range (0..{vocab_size - 1})")
     elif req.messages:
         variables = template_kwargs(req.chat_template_kwargs) if req.HasField("chat_template_kwargs") else {}
+        tools = _tools(req, tool_parser)
+        if tools is not None and tools.shown:
+            variables["tools"] = tools.template_tools()
         text = render_messages(req.messages, chat_template, variables)
         check_text_length(text, "messages", max_prompt, chars)
         ids = tokenizer.encode(text, add_special_tokens=False).ids  # the template wrote the special tokens
@@ -81,6 +86,11 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     params = sampling_from_pb(
         req.sampling, vocab_size=vocab_size, max_model_len=max_model_len, max_new_tokens_limit=max_model_len - len(ids)
     )
+    if req.HasField("tools") and (tools := tools_from_pb(req.tools)).forced:
+        if params.structured is not None:
+            raise InvalidArgument("tools.choice: a required or named tool choice is a format of its own; drop "
+                                  "sampling.structured_output")
+        params = dataclasses.replace(params, structured=StructuredOutput("tool_calls", tools.grammar_spec()))
     budget = reasoning_from_pb(req.reasoning) if req.HasField("reasoning") else ReasoningParams()
     check_self_consistency(budget, params)
     check_budget(budget, reasoning)
@@ -95,11 +105,27 @@ def render_messages(messages, chat_template: Any, variables: dict[str, Any] | No
                                  "tokenizer_config.json); send a prompt instead")
     turns = []
     for m in messages:
-        turn = {"role": m.role, "content": m.content}
+        turn: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.reasoning_content:  # by the names templates read it: Qwen3's and DeepSeek's, and gpt-oss's `thinking`
             turn["reasoning_content"] = turn["thinking"] = m.reasoning_content
+        if m.tool_calls:
+            turn["tool_calls"] = template_tool_calls(m.tool_calls)
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key):
+                turn[key] = getattr(m, key)
         turns.append(turn)
     return chat_template.render(turns, add_generation_prompt=True, **(variables or {}))
+
+
+def _tools(req: worker_pb2.GenerateRequest, parser: str) -> ToolSpec | None:
+    """The request's tools, checked; FAILED_PRECONDITION where the model writes no calls the worker can parse."""
+    if not req.HasField("tools"):
+        return None
+    tools = tools_from_pb(req.tools)
+    if tools.shown and not parser:
+        raise FailedPrecondition("tools: this model's chat template writes no tool calls the worker can parse; start "
+                                 "the worker with --tool-call-parser hermes if the model writes <tool_call> blocks")
+    return tools
 
 
 def check_budget(budget: ReasoningParams, fmt: ReasoningFormat | None) -> None:

@@ -78,7 +78,7 @@ class Grammars:
     def compile(self, fmt: StructuredOutput):
         """The compiled grammar of `fmt`; ValueError naming the field when it cannot be compiled."""
         c = self.compiler
-        where = f"sampling.structured_output.{fmt.kind}"
+        where = "tools" if fmt.kind == "tool_calls" else f"sampling.structured_output.{fmt.kind}"
         try:
             if fmt.kind == "json_object":
                 return c.compile_json_schema(_ANY_JSON_OBJECT, any_whitespace=False, strict_mode=False)
@@ -90,6 +90,8 @@ class Grammars:
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(choice) for choice in fmt.choices))
             if fmt.kind == "grammar":
                 return c.compile_grammar(fmt.spec)
+            if fmt.kind == "tool_calls":
+                return c.compile_grammar(_tool_calls_grammar(json.loads(fmt.spec)))
         except (RuntimeError, ValueError) as exc:  # xgrammar's parse and compile errors
             where += ".schema" if fmt.kind == "json_schema" else ""
             raise ValueError(f"{where}: cannot be compiled: {_first_line(exc)}") from None
@@ -108,6 +110,23 @@ class Grammars:
         for token in output_ids:
             state.accept(token)
         return state
+
+
+def _tool_calls_grammar(spec: dict[str, Any]):
+    """Hermes' tool calls (`common.tools`): 1..max_calls blocks `<tool_call>` + {"name": one of the functions,
+    "arguments": its parameters' schema} + `</tool_call>`, a newline between two."""
+    import xgrammar as xgr
+
+    schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                         "properties": {"name": {"const": c["name"]}, "arguments": c["parameters"]}}
+                        for c in spec["calls"]]}
+    call = xgr.Grammar.concat(xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+                              xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+                              xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'))
+    newline = xgr.Grammar.from_ebnf('root ::= "\\n"')
+    counts = [xgr.Grammar.concat(call, *[g for _ in range(k) for g in (newline, call)]) if k else call
+              for k in range(spec["max_calls"])]
+    return counts[0] if len(counts) == 1 else xgr.Grammar.union(*counts)
 
 
 def grammars_for(loaded: Any, reasoning: Any) -> Grammars:

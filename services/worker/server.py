@@ -39,6 +39,7 @@ from cotserve.worker.models.loader import DTYPES, LoadedModel, load_front, load_
 from cotserve.worker.reasoning import ReasoningFormat
 from cotserve.worker.scheduler import MAX_BATCH_PAUSE_S
 from cotserve.worker.sequence import TraceEvent
+from cotserve.common.tools import resolve_parser
 from cotserve.worker.convert import check_text_length, generate_from_pb, max_token_chars, output_to_pb
 from cotserve.worker.detokenizer import TokenTexts
 from cotserve.worker.utilization import UtilizationProbe
@@ -207,6 +208,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, tracer_provider: TracerProvider | None = None, stream_interval: int = 1,
                  batch_stream_interval: int = 1, stream_stagger: bool = True) -> None:
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer("cotserve.worker")
+        self.tool_call_parser = ""  # how the model writes tool calls ("": tools are refused), set by `attach`
         self.stream_interval = stream_interval  # WorkerConfig.stream_interval
         self.batch_stream_interval = max(stream_interval, batch_stream_interval)  # WorkerConfig.batch_stream_interval
         self._engine: Engine | None = None
@@ -221,9 +223,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.mux_calls: set[MultiplexCall] = set()  # the Multiplex calls open now (each adds and removes itself)
         self.draining = False
 
-    def attach(self, engine: Engine | EngineProcess, loaded: LoadedModel) -> None:
-        """Called once the model is loaded; until then every RPC is UNAVAILABLE."""
+    def attach(self, engine: Engine | EngineProcess, loaded: LoadedModel, tool_call_parser: str = "auto") -> None:
+        """Called once the model is loaded; until then every RPC is UNAVAILABLE. `tool_call_parser` is
+        `--tool-call-parser`."""
         self._engine, self._loaded = engine, loaded
+        template = loaded.chat_template
+        self.tool_call_parser = resolve_parser(tool_call_parser, template.source if template is not None else None)
         self._token_chars = max_token_chars(loaded.tokenizer)
         self._token_texts = TokenTexts(loaded.tokenizer)
         pid = getattr(engine, "pid", None)
@@ -249,7 +254,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Tokenize (off the event loop for a long prompt) and hand the request to the engine; the converted call
         and the inbox its outputs arrive in."""
         args = (request, self.loaded.tokenizer, self.loaded.config.vocab_size, self.engine.config.max_model_len,
-                self.engine.reasoning, self._token_chars, self.loaded.chat_template)
+                self.engine.reasoning, self._token_chars, self.loaded.chat_template, self.tool_call_parser)
         if len(request.prompt_text) + sum(len(m.content) for m in request.messages) <= INLINE_TOKENIZE_CHARS:
             call = generate_from_pb(*args)
         else:
@@ -357,6 +362,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             max_token_chars=self._token_chars,
             reasoning_start=self.engine.reasoning.text_markers[0] if self.engine.reasoning else "",
             reasoning_end=self.engine.reasoning.text_markers[1] if self.engine.reasoning else "",
+            tool_call_parser=self.tool_call_parser,
             kv_cache=worker_pb2.KvCacheInfo(
                 dtype=self.engine.kv_spec.dtype_name, block_size_tokens=ec.block_size,
                 total_blocks=ec.num_blocks, bytes_per_token=self.engine.kv_spec.bytes_per_token,
@@ -487,7 +493,7 @@ async def start_worker(cfg: WorkerConfig, tracer_provider: TracerProvider | None
     if loaded.config.num_experts and cfg.redis_url:
         follower = PolicyFollower(cfg.redis_url, engine, loaded.name, cfg.worker_id or server.address, tracer_provider)
         await follower.start()  # the current policy is in force before the first request
-    servicer.attach(engine, loaded)
+    servicer.attach(engine, loaded, cfg.tool_call_parser)
     await server.set_serving()
     log.info("SERVING %s (rev %s) on %s: %s, %d KV blocks x %d tokens, context %d, %s scheduling, prefix cache %s, %s",
              loaded.name, loaded.revision, server.address, loaded.dtype, econfig.num_blocks, econfig.block_size,

@@ -35,8 +35,8 @@ def test_bad_chats_name_the_field(demo_gateway, kwargs, message):
 
 
 def test_the_sdk_names_an_unknown_message_key(demo_gateway):
-    with Client(demo_gateway) as c, pytest.raises(InvalidArgument, match="messages\\[0\\]: unknown key\\(s\\) name"):
-        c.generate(messages=[{"role": "user", "content": "x", "name": "bob"}])
+    with Client(demo_gateway) as c, pytest.raises(InvalidArgument, match="messages\\[0\\]: unknown key\\(s\\) image"):
+        c.generate(messages=[{"role": "user", "content": "x", "image": "a.png"}])
 
 
 def test_a_model_without_a_chat_template_refuses_a_chat(tmp_path):

@@ -44,8 +44,9 @@ def test_the_request_has_exactly_the_fields_given():
 def test_a_bad_sla_class_or_chat_key_names_what_is_allowed():
     with pytest.raises(InvalidArgument, match="sla: 'urgent' is not an SLA class \\(allowed: realtime, interactive, batch\\)"):
         build_request(gateway_pb2.GenerateRequest, "x", None, Sampling(), RequestOptions(sla="urgent"), None)
-    with pytest.raises(InvalidArgument, match=r"messages\[0\]: unknown key\(s\) name"):
-        build_request(gateway_pb2.GenerateRequest, "", [{"role": "user", "name": "x"}], Sampling(), RequestOptions(), None)
+    with pytest.raises(InvalidArgument, match=r"messages\[0\]: unknown key\(s\) image \(allowed: role, content, "
+                                              r"reasoning_content, tool_calls, tool_call_id, name\)"):
+        build_request(gateway_pb2.GenerateRequest, "", [{"role": "user", "image": "x"}], Sampling(), RequestOptions(), None)
 
 
 def test_an_unknown_keyword_is_a_type_error():

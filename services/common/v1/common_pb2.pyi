@@ -63,6 +63,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """max_new_tokens was reached, or the model's context is full."""
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 3
     """A self-consistency vote was settled before this sample finished; it was stopped and its pages freed."""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 4
+    """The sample ended with one or more tool calls (its tool_calls), which the caller is to run."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why generation ended."""
@@ -75,6 +77,8 @@ FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_new_tokens was reached, or the model's context is full."""
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 3
 """A self-consistency vote was settled before this sample finished; it was stopped and its pages freed."""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 4
+"""The sample ended with one or more tool calls (its tool_calls), which the caller is to run."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _TextPart:
@@ -753,26 +757,172 @@ class ChatMessage(_message.Message):
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
     REASONING_CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """Who speaks: system, user, assistant, tool, or another role the model's template knows."""
     content: _builtins.str
     """What the turn says."""
     reasoning_content: _builtins.str
     """An assistant turn's reasoning, for templates that show it (they read it as reasoning_content)."""
+    tool_call_id: _builtins.str
+    """A tool turn: the id of the call it answers."""
+    name: _builtins.str
+    """A tool turn: the function's name (some templates show it)."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An assistant turn's tool calls (the template renders them in the model's own format)."""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
         reasoning_content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "reasoning_content", b"reasoning_content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "reasoning_content", b"reasoning_content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Its name: 1..64 of a-z, A-Z, 0-9, _ and -."""
+    description: _builtins.str
+    """What it does (the model reads it)."""
+    parameters: _builtins.str
+    """A JSON Schema of its arguments (an object), as JSON text; empty: any object."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters", b"parameters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """Which tools the model may or must call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AUTO_FIELD_NUMBER: _builtins.int
+    NONE_FIELD_NUMBER: _builtins.int
+    REQUIRED_FIELD_NUMBER: _builtins.int
+    FUNCTION_FIELD_NUMBER: _builtins.int
+    auto: _builtins.bool
+    """The model decides (the default when tools are given)."""
+    none: _builtins.bool
+    """No call: the tools are not shown to the model."""
+    required: _builtins.bool
+    """At least one call (enforced token by token)."""
+    function: _builtins.str
+    """A call of this function (enforced token by token)."""
+    def __init__(
+        self,
+        *,
+        auto: _builtins.bool = ...,
+        none: _builtins.bool = ...,
+        required: _builtins.bool = ...,
+        function: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["auto", b"auto", "choice", b"choice", "function", b"function", "none", b"none", "required", b"required"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["auto", b"auto", "choice", b"choice", "function", b"function", "none", b"none", "required", b"required"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_choice: _TypeAlias = _typing.Literal["auto", "none", "required", "function"]  # noqa: Y015
+    _WhichOneofArgType_choice: _TypeAlias = _typing.Literal["choice", b"choice"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_choice) -> _WhichOneofReturnType_choice | None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolOptions(_message.Message):
+    """The tools of a chat request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOLS_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    parallel_tool_calls: _builtins.bool
+    """Several calls in one answer; default true."""
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """1..128 functions, names unique."""
+
+    @_builtins.property
+    def choice(self) -> Global___ToolChoice:
+        """Unset: auto."""
+
+    def __init__(
+        self,
+        *,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        choice: Global___ToolChoice | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "choice", b"choice", "parallel_tool_calls", b"parallel_tool_calls"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "choice", b"choice", "parallel_tool_calls", b"parallel_tool_calls", "tools", b"tools"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+
+Global___ToolOptions: _TypeAlias = ToolOptions  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """One call the model made of a function it was given."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Unique in the response ("call_" and 24 hex digits)."""
+    name: _builtins.str
+    """The function's name."""
+    arguments: _builtins.str
+    """Its arguments, as JSON text (an object)."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class LayerPolicy(_message.Message):

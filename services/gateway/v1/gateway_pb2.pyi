@@ -258,6 +258,7 @@ class GenerateStreamRequest(_message.Message):
     REASONING_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text; set this or messages, not both."""
     model: _builtins.str
@@ -292,6 +293,12 @@ class GenerateStreamRequest(_message.Message):
         thinking), as vLLM and SGLang take them: at most 32, each name an identifier the template does not own.
         """
 
+    @_builtins.property
+    def tools(self) -> _common_pb2.ToolOptions:
+        """Functions the model may call (with messages): rendered by the model's chat template, its calls parsed out of
+        the answer (tool_calls on the chunks) in its family's format; required and a named function are enforced.
+        """
+
     def __init__(
         self,
         *,
@@ -305,10 +312,11 @@ class GenerateStreamRequest(_message.Message):
         reasoning: _common_pb2.ReasoningOptions | None = ...,
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
         chat_template_kwargs: _struct_pb2.Struct | None = ...,
+        tools: _common_pb2.ToolOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling", "tools", b"tools"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -334,6 +342,7 @@ class GenerateStreamResponse(_message.Message):
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     SELF_CONSISTENCY_FIELD_NUMBER: _builtins.int
     TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Text delta."""
     finish_reason: _common_pb2.FinishReason.ValueType
@@ -373,6 +382,10 @@ class GenerateStreamResponse(_message.Message):
     def token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """With sampling.logprobs: each token's text, log-probability and top alternatives (one per token id)."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]:
+        """Tool calls of this sample, each on the chunk where its text ended (that text is not in any chunk's text)."""
+
     def __init__(
         self,
         *,
@@ -388,10 +401,11 @@ class GenerateStreamResponse(_message.Message):
         answer_text: _builtins.str | None = ...,
         self_consistency: _common_pb2.SelfConsistencyResult | None = ...,
         token_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        tool_calls: _abc.Iterable[_common_pb2.ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "part", b"part", "reasoning_text", b"reasoning_text", "self_consistency", b"self_consistency", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015
@@ -420,6 +434,7 @@ class GenerateRequest(_message.Message):
     REASONING_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """The prompt text; set this or messages, not both."""
     model: _builtins.str
@@ -450,6 +465,10 @@ class GenerateRequest(_message.Message):
     def chat_template_kwargs(self) -> _struct_pb2.Struct:
         """Extra variables for the chat template, as in GenerateStreamRequest."""
 
+    @_builtins.property
+    def tools(self) -> _common_pb2.ToolOptions:
+        """Functions the model may call, as in GenerateStreamRequest."""
+
     def __init__(
         self,
         *,
@@ -463,10 +482,11 @@ class GenerateRequest(_message.Message):
         reasoning: _common_pb2.ReasoningOptions | None = ...,
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
         chat_template_kwargs: _struct_pb2.Struct | None = ...,
+        tools: _common_pb2.ToolOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling", "tools", b"tools"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "messages", b"messages", "model", b"model", "post_processor", b"post_processor", "pre_processor", b"pre_processor", "prompt", b"prompt", "reasoning", b"reasoning", "sampling", b"sampling", "sla_class", b"sla_class", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -486,6 +506,7 @@ class Choice(_message.Message):
     REASONING_TEXT_FIELD_NUMBER: _builtins.int
     ANSWER_TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Sample index, 0..n-1."""
     text: _builtins.str
@@ -508,6 +529,10 @@ class Choice(_message.Message):
     def token_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
         """With sampling.logprobs: each token's text, log-probability and top alternatives (one per token id)."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]:
+        """The calls this sample made (finish_reason TOOL_CALLS); their text is not in text or answer_text."""
+
     def __init__(
         self,
         *,
@@ -519,10 +544,11 @@ class Choice(_message.Message):
         reasoning_text: _builtins.str | None = ...,
         answer_text: _builtins.str | None = ...,
         token_logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        tool_calls: _abc.Iterable[_common_pb2.ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "reasoning_text", b"reasoning_text"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "text", b"text", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text", "_reasoning_text", b"_reasoning_text", "answer_text", b"answer_text", "finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "text", b"text", "token_ids", b"token_ids", "token_logprobs", b"token_logprobs", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__answer_text: _TypeAlias = _typing.Literal["answer_text"]  # noqa: Y015
     _WhichOneofArgType__answer_text: _TypeAlias = _typing.Literal["_answer_text", b"_answer_text"]  # noqa: Y015

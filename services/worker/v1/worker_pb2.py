@@ -26,7 +26,7 @@ from cotserve.common.v1 import common_pb2 as cotserve_dot_common_dot_v1_dot_comm
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/worker/v1/worker.proto\x12\x12\x63otserve.worker.v1\x1a\x1f\x63otserve/common/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\"\x9d\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x05 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x37\n\treasoning\x18\x07 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\r\x12\x31\n\x08messages\x18\t \x03(\x0b\x32\x1f.cotserve.common.v1.ChatMessage\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x35\n\x14\x63hat_template_kwargs\x18\x0b \x01(\x0b\x32\x17.google.protobuf.Struct\"\xe8\x03\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x04part\x18\x08 \x01(\x0e\x32\x1c.cotserve.common.v1.TextPart\x12\x1b\n\x0ereasoning_text\x18\t \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\n \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\x0b \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResult\x12\x38\n\x0etoken_logprobs\x18\x0c \x03(\x0b\x32 .cotserve.common.v1.TokenLogprobB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\r\n\x0bInfoRequest\"f\n\x0bKvCacheInfo\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_token\x18\x04 \x01(\x04\"\xfa\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x31\n\x08kv_cache\x18\x07 \x01(\x0b\x32\x1f.cotserve.worker.v1.KvCacheInfo\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x13\n\x0bnum_experts\x18\n \x01(\r\x12\x1b\n\x13num_experts_per_tok\x18\x0b \x01(\r\x12\x17\n\x0fmax_token_chars\x18\x0c \x01(\r\x12\x15\n\rmodel_aliases\x18\r \x03(\t\x12\x17\n\x0freasoning_start\x18\x0e \x01(\t\x12\x15\n\rreasoning_end\x18\x0f \x01(\t\"\x0e\n\x0cStatsRequest\"\x99\x07\n\rStatsResponse\x12\x18\n\x10num_running_seqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_seqs\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1b\n\x13step_latency_p50_ms\x18\x05 \x01(\x01\x12\x1b\n\x13step_latency_p95_ms\x18\x06 \x01(\x01\x12\x1e\n\x16generated_tokens_per_s\x18\x07 \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x08 \x01(\x04\x12#\n\x1bnum_requests_finished_total\x18\t \x01(\x04\x12\x1f\n\x17num_waiting_urgent_seqs\x18\n \x01(\r\x12\x1a\n\x12moe_policy_version\x18\x0b \x01(\x04\x12\x13\n\x0butilization\x18\x0c \x01(\x01\x12\x1a\n\x12utilization_is_cpu\x18\r \x01(\x08\x12\x19\n\x11memory_used_bytes\x18\x0e \x01(\x04\x12\x15\n\rkv_bytes_used\x18\x0f \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x10 \x01(\x04\x12)\n!prefix_cache_queried_tokens_total\x18\x11 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x12 \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18\x13 \x01(\r\x12$\n\x1cprefix_cache_evictions_total\x18\x14 \x01(\x04\x12$\n\x1cprompt_tokens_computed_total\x18\x15 \x01(\x04\x12\x1b\n\x13kv_blocks_used_peak\x18\x16 \x01(\r\x12\x1e\n\x16reasoning_tokens_total\x18\x17 \x01(\x04\x12\x1a\n\x12probe_tokens_total\x18\x18 \x01(\x04\x12\x19\n\x11\x65\x61rly_exits_total\x18\x19 \x01(\x04\x12#\n\x1bthinking_tokens_saved_total\x18\x1a \x01(\x04\x12\x1f\n\x17vote_samples_used_total\x18\x1b \x01(\x04\x12 \n\x18vote_samples_saved_total\x18\x1c \x01(\x04\x12\x15\n\rkernels_ready\x18\x1d \x01(\x08\x12 \n\x18\x62\x61tch_paused_steps_total\x18\x1e \x01(\x04\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"(\n\x11PauseBatchRequest\x12\x13\n\x0b\x64uration_ms\x18\x01 \x01(\r\"\x14\n\x12PauseBatchResponse\"\x84\x01\n\x10MultiplexRequest\x12\x31\n\x04open\x18\x01 \x01(\x0b\x32!.cotserve.worker.v1.MultiplexOpenH\x00\x12\x35\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32#.cotserve.worker.v1.MultiplexCancelH\x00\x42\x06\n\x04kind\"\xed\x01\n\rMultiplexOpen\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x34\n\x07request\x18\x02 \x01(\x0b\x32#.cotserve.worker.v1.GenerateRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12J\n\rtrace_context\x18\x04 \x03(\x0b\x32\x33.cotserve.worker.v1.MultiplexOpen.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x0fMultiplexCancel\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"G\n\x11MultiplexResponse\x12\x32\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\".cotserve.worker.v1.MultiplexChunk\"\x8a\x01\n\x0eMultiplexChunk\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x36\n\x08response\x18\x02 \x01(\x0b\x32$.cotserve.worker.v1.GenerateResponse\x12-\n\x03\x65nd\x18\x03 \x01(\x0b\x32 .cotserve.worker.v1.MultiplexEnd\"-\n\x0cMultiplexEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t2\x93\x04\n\rWorkerService\x12W\n\x08Generate\x12#.cotserve.worker.v1.GenerateRequest\x1a$.cotserve.worker.v1.GenerateResponse0\x01\x12I\n\x04Info\x12\x1f.cotserve.worker.v1.InfoRequest\x1a .cotserve.worker.v1.InfoResponse\x12L\n\x05Stats\x12 .cotserve.worker.v1.StatsRequest\x1a!.cotserve.worker.v1.StatsResponse\x12U\n\x08Tokenize\x12#.cotserve.worker.v1.TokenizeRequest\x1a$.cotserve.worker.v1.TokenizeResponse\x12[\n\nPauseBatch\x12%.cotserve.worker.v1.PauseBatchRequest\x1a&.cotserve.worker.v1.PauseBatchResponse\x12\\\n\tMultiplex\x12$.cotserve.worker.v1.MultiplexRequest\x1a%.cotserve.worker.v1.MultiplexResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63otserve/worker/v1/worker.proto\x12\x12\x63otserve.worker.v1\x1a\x1f\x63otserve/common/v1/common.proto\x1a\x1cgoogle/protobuf/struct.proto\"\xcd\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".cotserve.common.v1.SamplingParams\x12/\n\tsla_class\x18\x05 \x01(\x0e\x32\x1c.cotserve.common.v1.SlaClass\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x37\n\treasoning\x18\x07 \x01(\x0b\x32$.cotserve.common.v1.ReasoningOptions\x12\x19\n\x11max_prompt_tokens\x18\x08 \x01(\r\x12\x31\n\x08messages\x18\t \x03(\x0b\x32\x1f.cotserve.common.v1.ChatMessage\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x35\n\x14\x63hat_template_kwargs\x18\x0b \x01(\x0b\x32\x17.google.protobuf.Struct\x12.\n\x05tools\x18\x0c \x01(\x0b\x32\x1f.cotserve.common.v1.ToolOptions\"\xe8\x03\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .cotserve.common.v1.FinishReason\x12(\n\x05usage\x18\x05 \x01(\x0b\x32\x19.cotserve.common.v1.Usage\x12*\n\x06timing\x18\x06 \x01(\x0b\x32\x1a.cotserve.common.v1.Timing\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\x04part\x18\x08 \x01(\x0e\x32\x1c.cotserve.common.v1.TextPart\x12\x1b\n\x0ereasoning_text\x18\t \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61nswer_text\x18\n \x01(\tH\x01\x88\x01\x01\x12\x43\n\x10self_consistency\x18\x0b \x01(\x0b\x32).cotserve.common.v1.SelfConsistencyResult\x12\x38\n\x0etoken_logprobs\x18\x0c \x03(\x0b\x32 .cotserve.common.v1.TokenLogprobB\x11\n\x0f_reasoning_textB\x0e\n\x0c_answer_text\"\r\n\x0bInfoRequest\"f\n\x0bKvCacheInfo\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\r\x12\x17\n\x0f\x62ytes_per_token\x18\x04 \x01(\x04\"\x94\x03\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0emodel_revision\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\r\x12\x31\n\x08kv_cache\x18\x07 \x01(\x0b\x32\x1f.cotserve.worker.v1.KvCacheInfo\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x13\n\x0bnum_experts\x18\n \x01(\r\x12\x1b\n\x13num_experts_per_tok\x18\x0b \x01(\r\x12\x17\n\x0fmax_token_chars\x18\x0c \x01(\r\x12\x15\n\rmodel_aliases\x18\r \x03(\t\x12\x17\n\x0freasoning_start\x18\x0e \x01(\t\x12\x15\n\rreasoning_end\x18\x0f \x01(\t\x12\x18\n\x10tool_call_parser\x18\x10 \x01(\t\"\x0e\n\x0cStatsRequest\"\x99\x07\n\rStatsResponse\x12\x18\n\x10num_running_seqs\x18\x01 \x01(\r\x12\x18\n\x10num_waiting_seqs\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x1b\n\x13step_latency_p50_ms\x18\x05 \x01(\x01\x12\x1b\n\x13step_latency_p95_ms\x18\x06 \x01(\x01\x12\x1e\n\x16generated_tokens_per_s\x18\x07 \x01(\x01\x12\x1d\n\x15num_preemptions_total\x18\x08 \x01(\x04\x12#\n\x1bnum_requests_finished_total\x18\t \x01(\x04\x12\x1f\n\x17num_waiting_urgent_seqs\x18\n \x01(\r\x12\x1a\n\x12moe_policy_version\x18\x0b \x01(\x04\x12\x13\n\x0butilization\x18\x0c \x01(\x01\x12\x1a\n\x12utilization_is_cpu\x18\r \x01(\x08\x12\x19\n\x11memory_used_bytes\x18\x0e \x01(\x04\x12\x15\n\rkv_bytes_used\x18\x0f \x01(\x04\x12\x16\n\x0ekv_bytes_total\x18\x10 \x01(\x04\x12)\n!prefix_cache_queried_tokens_total\x18\x11 \x01(\x04\x12%\n\x1dprefix_cache_hit_tokens_total\x18\x12 \x01(\x04\x12\x1b\n\x13prefix_cache_blocks\x18\x13 \x01(\r\x12$\n\x1cprefix_cache_evictions_total\x18\x14 \x01(\x04\x12$\n\x1cprompt_tokens_computed_total\x18\x15 \x01(\x04\x12\x1b\n\x13kv_blocks_used_peak\x18\x16 \x01(\r\x12\x1e\n\x16reasoning_tokens_total\x18\x17 \x01(\x04\x12\x1a\n\x12probe_tokens_total\x18\x18 \x01(\x04\x12\x19\n\x11\x65\x61rly_exits_total\x18\x19 \x01(\x04\x12#\n\x1bthinking_tokens_saved_total\x18\x1a \x01(\x04\x12\x1f\n\x17vote_samples_used_total\x18\x1b \x01(\x04\x12 \n\x18vote_samples_saved_total\x18\x1c \x01(\x04\x12\x15\n\rkernels_ready\x18\x1d \x01(\x08\x12 \n\x18\x62\x61tch_paused_steps_total\x18\x1e \x01(\x04\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"(\n\x11PauseBatchRequest\x12\x13\n\x0b\x64uration_ms\x18\x01 \x01(\r\"\x14\n\x12PauseBatchResponse\"\x84\x01\n\x10MultiplexRequest\x12\x31\n\x04open\x18\x01 \x01(\x0b\x32!.cotserve.worker.v1.MultiplexOpenH\x00\x12\x35\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32#.cotserve.worker.v1.MultiplexCancelH\x00\x42\x06\n\x04kind\"\xed\x01\n\rMultiplexOpen\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x34\n\x07request\x18\x02 \x01(\x0b\x32#.cotserve.worker.v1.GenerateRequest\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12J\n\rtrace_context\x18\x04 \x03(\x0b\x32\x33.cotserve.worker.v1.MultiplexOpen.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"$\n\x0fMultiplexCancel\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"G\n\x11MultiplexResponse\x12\x32\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\".cotserve.worker.v1.MultiplexChunk\"\x8a\x01\n\x0eMultiplexChunk\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x36\n\x08response\x18\x02 \x01(\x0b\x32$.cotserve.worker.v1.GenerateResponse\x12-\n\x03\x65nd\x18\x03 \x01(\x0b\x32 .cotserve.worker.v1.MultiplexEnd\"-\n\x0cMultiplexEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t2\x93\x04\n\rWorkerService\x12W\n\x08Generate\x12#.cotserve.worker.v1.GenerateRequest\x1a$.cotserve.worker.v1.GenerateResponse0\x01\x12I\n\x04Info\x12\x1f.cotserve.worker.v1.InfoRequest\x1a .cotserve.worker.v1.InfoResponse\x12L\n\x05Stats\x12 .cotserve.worker.v1.StatsRequest\x1a!.cotserve.worker.v1.StatsResponse\x12U\n\x08Tokenize\x12#.cotserve.worker.v1.TokenizeRequest\x1a$.cotserve.worker.v1.TokenizeResponse\x12[\n\nPauseBatch\x12%.cotserve.worker.v1.PauseBatchRequest\x1a&.cotserve.worker.v1.PauseBatchResponse\x12\\\n\tMultiplex\x12$.cotserve.worker.v1.MultiplexRequest\x1a%.cotserve.worker.v1.MultiplexResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,41 +36,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MULTIPLEXOPEN_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_MULTIPLEXOPEN_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=119
-  _globals['_GENERATEREQUEST']._serialized_end=532
-  _globals['_GENERATERESPONSE']._serialized_start=535
-  _globals['_GENERATERESPONSE']._serialized_end=1023
-  _globals['_INFOREQUEST']._serialized_start=1025
-  _globals['_INFOREQUEST']._serialized_end=1038
-  _globals['_KVCACHEINFO']._serialized_start=1040
-  _globals['_KVCACHEINFO']._serialized_end=1142
-  _globals['_INFORESPONSE']._serialized_start=1145
-  _globals['_INFORESPONSE']._serialized_end=1523
-  _globals['_STATSREQUEST']._serialized_start=1525
-  _globals['_STATSREQUEST']._serialized_end=1539
-  _globals['_STATSRESPONSE']._serialized_start=1542
-  _globals['_STATSRESPONSE']._serialized_end=2463
-  _globals['_TOKENIZEREQUEST']._serialized_start=2465
-  _globals['_TOKENIZEREQUEST']._serialized_end=2524
-  _globals['_TOKENIZERESPONSE']._serialized_start=2526
-  _globals['_TOKENIZERESPONSE']._serialized_end=2579
-  _globals['_PAUSEBATCHREQUEST']._serialized_start=2581
-  _globals['_PAUSEBATCHREQUEST']._serialized_end=2621
-  _globals['_PAUSEBATCHRESPONSE']._serialized_start=2623
-  _globals['_PAUSEBATCHRESPONSE']._serialized_end=2643
-  _globals['_MULTIPLEXREQUEST']._serialized_start=2646
-  _globals['_MULTIPLEXREQUEST']._serialized_end=2778
-  _globals['_MULTIPLEXOPEN']._serialized_start=2781
-  _globals['_MULTIPLEXOPEN']._serialized_end=3018
-  _globals['_MULTIPLEXOPEN_TRACECONTEXTENTRY']._serialized_start=2967
-  _globals['_MULTIPLEXOPEN_TRACECONTEXTENTRY']._serialized_end=3018
-  _globals['_MULTIPLEXCANCEL']._serialized_start=3020
-  _globals['_MULTIPLEXCANCEL']._serialized_end=3056
-  _globals['_MULTIPLEXRESPONSE']._serialized_start=3058
-  _globals['_MULTIPLEXRESPONSE']._serialized_end=3129
-  _globals['_MULTIPLEXCHUNK']._serialized_start=3132
-  _globals['_MULTIPLEXCHUNK']._serialized_end=3270
-  _globals['_MULTIPLEXEND']._serialized_start=3272
-  _globals['_MULTIPLEXEND']._serialized_end=3317
-  _globals['_WORKERSERVICE']._serialized_start=3320
-  _globals['_WORKERSERVICE']._serialized_end=3851
+  _globals['_GENERATEREQUEST']._serialized_end=580
+  _globals['_GENERATERESPONSE']._serialized_start=583
+  _globals['_GENERATERESPONSE']._serialized_end=1071
+  _globals['_INFOREQUEST']._serialized_start=1073
+  _globals['_INFOREQUEST']._serialized_end=1086
+  _globals['_KVCACHEINFO']._serialized_start=1088
+  _globals['_KVCACHEINFO']._serialized_end=1190
+  _globals['_INFORESPONSE']._serialized_start=1193
+  _globals['_INFORESPONSE']._serialized_end=1597
+  _globals['_STATSREQUEST']._serialized_start=1599
+  _globals['_STATSREQUEST']._serialized_end=1613
+  _globals['_STATSRESPONSE']._serialized_start=1616
+  _globals['_STATSRESPONSE']._serialized_end=2537
+  _globals['_TOKENIZEREQUEST']._serialized_start=2539
+  _globals['_TOKENIZEREQUEST']._serialized_end=2598
+  _globals['_TOKENIZERESPONSE']._serialized_start=2600
+  _globals['_TOKENIZERESPONSE']._serialized_end=2653
+  _globals['_PAUSEBATCHREQUEST']._serialized_start=2655
+  _globals['_PAUSEBATCHREQUEST']._serialized_end=2695
+  _globals['_PAUSEBATCHRESPONSE']._serialized_start=2697
+  _globals['_PAUSEBATCHRESPONSE']._serialized_end=2717
+  _globals['_MULTIPLEXREQUEST']._serialized_start=2720
+  _globals['_MULTIPLEXREQUEST']._serialized_end=2852
+  _globals['_MULTIPLEXOPEN']._serialized_start=2855
+  _globals['_MULTIPLEXOPEN']._serialized_end=3092
+  _globals['_MULTIPLEXOPEN_TRACECONTEXTENTRY']._serialized_start=3041
+  _globals['_MULTIPLEXOPEN_TRACECONTEXTENTRY']._serialized_end=3092
+  _globals['_MULTIPLEXCANCEL']._serialized_start=3094
+  _globals['_MULTIPLEXCANCEL']._serialized_end=3130
+  _globals['_MULTIPLEXRESPONSE']._serialized_start=3132
+  _globals['_MULTIPLEXRESPONSE']._serialized_end=3203
+  _globals['_MULTIPLEXCHUNK']._serialized_start=3206
+  _globals['_MULTIPLEXCHUNK']._serialized_end=3344
+  _globals['_MULTIPLEXEND']._serialized_start=3346
+  _globals['_MULTIPLEXEND']._serialized_end=3391
+  _globals['_WORKERSERVICE']._serialized_start=3394
+  _globals['_WORKERSERVICE']._serialized_end=3925
 # @@protoc_insertion_point(module_scope)

@@ -37,6 +37,7 @@ class GenerateRequest(_message.Message):
     MESSAGES_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller's id for logs and traces; the worker makes one up when empty."""
     prompt_text: _builtins.str
@@ -76,6 +77,12 @@ class GenerateRequest(_message.Message):
     def chat_template_kwargs(self) -> _struct_pb2.Struct:
         """Extra variables for the chat template, with messages (the gateway checked them; the worker checks again)."""
 
+    @_builtins.property
+    def tools(self) -> _common_pb2.ToolOptions:
+        """Functions the model may call, with messages: the template renders them; a required or named choice
+        constrains the answer to calls in the model's format (tool_call_parser).
+        """
+
     def __init__(
         self,
         *,
@@ -90,10 +97,11 @@ class GenerateRequest(_message.Message):
         messages: _abc.Iterable[_common_pb2.ChatMessage] | None = ...,
         tenant: _builtins.str = ...,
         chat_template_kwargs: _struct_pb2.Struct | None = ...,
+        tools: _common_pb2.ToolOptions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat_template_kwargs", b"chat_template_kwargs", "reasoning", b"reasoning", "sampling", b"sampling", "tools", b"tools"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "chat_template_kwargs", b"chat_template_kwargs", "max_prompt_tokens", b"max_prompt_tokens", "messages", b"messages", "prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "reasoning", b"reasoning", "request_id", b"request_id", "sampling", b"sampling", "sla_class", b"sla_class", "tenant", b"tenant", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -261,6 +269,7 @@ class InfoResponse(_message.Message):
     MODEL_ALIASES_FIELD_NUMBER: _builtins.int
     REASONING_START_FIELD_NUMBER: _builtins.int
     REASONING_END_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_PARSER_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """Served model name: the first --served-model-name, else the checkpoint's (its folder's name, or the repo id
     of a Hugging Face cache snapshot).
@@ -291,6 +300,10 @@ class InfoResponse(_message.Message):
     """Text that opens the model's thinking (empty for a model without reasoning markers)."""
     reasoning_end: _builtins.str
     """Text that closes the model's thinking (empty for a model without reasoning markers)."""
+    tool_call_parser: _builtins.str
+    """How the model writes tool calls ("hermes": <tool_call>{"name", "arguments"}</tool_call>); empty: tools are
+    refused.
+    """
     @_builtins.property
     def kv_cache(self) -> Global___KvCacheInfo:
         """The KV cache."""
@@ -317,10 +330,11 @@ class InfoResponse(_message.Message):
         model_aliases: _abc.Iterable[_builtins.str] | None = ...,
         reasoning_start: _builtins.str = ...,
         reasoning_end: _builtins.str = ...,
+        tool_call_parser: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_cache", b"kv_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "max_token_chars", b"max_token_chars", "model_aliases", b"model_aliases", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "reasoning_end", b"reasoning_end", "reasoning_start", b"reasoning_start", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["architecture", b"architecture", "device", b"device", "dtype", b"dtype", "kv_cache", b"kv_cache", "max_context_tokens", b"max_context_tokens", "max_num_seqs", b"max_num_seqs", "max_token_chars", b"max_token_chars", "model_aliases", b"model_aliases", "model_name", b"model_name", "model_revision", b"model_revision", "num_experts", b"num_experts", "num_experts_per_tok", b"num_experts_per_tok", "reasoning_end", b"reasoning_end", "reasoning_start", b"reasoning_start", "tool_call_parser", b"tool_call_parser", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
