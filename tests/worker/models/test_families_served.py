@@ -22,6 +22,15 @@ FAMILIES = {
                                                          norm_topk_prob=True, tie_word_embeddings=False)),
     "tiny-phi3": transformers.Phi3Config(**dict(BASE, partial_rotary_factor=0.5, tie_word_embeddings=False,
                                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # latent attention in the paged pool, MoE with a shared expert and the grouped router
+    "tiny-deepseek-v3": transformers.DeepseekV3Config(**dict(
+        BASE, num_hidden_layers=2, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, head_dim=8, moe_intermediate_size=32, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+        tie_word_embeddings=False)),
+    # sinks, a sliding window of 8 (its own KV group: its pages freed as they leave it), MoE with clamped experts
+    "tiny-gpt-oss": transformers.GptOssConfig(**dict(BASE, num_hidden_layers=2, num_local_experts=4,
+                                                     num_experts_per_tok=2, sliding_window=8, tie_word_embeddings=False)),
 }
 
 
