@@ -71,6 +71,16 @@ class SamplingParams:
     n: int = 1  # samples of the prompt; they share its KV pages
     top_logprobs: int = 0  # with logprobs: the most likely alternatives at each position
     structured: StructuredOutput | None = None  # the format the output (a reasoning model's answer) must follow
+    presence_penalty: float = 0.0  # subtracted once from each generated token's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence of each generated token
+    repetition_penalty: float = 1.0  # seen tokens (prompt and output): positive logits divided, negative multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to the logits
+    min_p: float = 0.0  # tokens below min_p x the most likely one's probability are left out
+
+    @property
+    def penalizes(self) -> bool:
+        """The sampler needs the sample's tokens (presence, frequency or repetition penalty)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:
@@ -82,6 +92,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_SAMPLES = 16
 MAX_FORCING_TEXT_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300
 MAX_STRUCTURED_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
@@ -134,7 +145,9 @@ def sampling_from_pb(
                               f"(0..{min(MAX_TOP_LOGPROBS, vocab_size)})")
     if top_logprobs and not sp.logprobs:
         raise InvalidArgument("sampling.top_logprobs: needs sampling.logprobs (set it to true)")
+    penalties = _penalties_from_pb(sp, vocab_size)
     return SamplingParams(
+        **penalties,
         structured=structured_from_pb(sp.structured_output) if sp.HasField("structured_output") else None,
         max_new_tokens=min(max_new, max_new_tokens_limit),
         temperature=float(temperature),
@@ -150,6 +163,32 @@ def sampling_from_pb(
     )
 
 
+
+
+def _penalties_from_pb(sp: common_pb2.SamplingParams, vocab_size: int) -> dict:
+    """Penalties, logit bias and min_p, each checked against its range."""
+    out: dict = {}
+    for name, low, high in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0)):
+        if sp.HasField(name):
+            value = getattr(sp, name)
+            if not (math.isfinite(value) and low <= value <= high):
+                raise InvalidArgument(f"sampling.{name}: {value:g} is out of range ({low:g}..{high:g})")
+            out[name] = float(value)
+    if sp.HasField("repetition_penalty"):
+        value = sp.repetition_penalty
+        if not (math.isfinite(value) and 0.0 < value <= 2.0):
+            raise InvalidArgument(f"sampling.repetition_penalty: {value:g} is out of range (0 < it <= 2; 1 is off)")
+        out["repetition_penalty"] = float(value)
+    if sp.logit_bias:
+        if len(sp.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"sampling.logit_bias: {len(sp.logit_bias)} tokens, at most {MAX_LOGIT_BIAS}")
+        for token, bias in sp.logit_bias.items():
+            if token >= vocab_size:
+                raise InvalidArgument(f"sampling.logit_bias: token {token} is out of range (0..{vocab_size - 1})")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise InvalidArgument(f"sampling.logit_bias: {bias:g} for token {token} is out of range (-100..100)")
+        out["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in sp.logit_bias.items()))
+    return out
 
 
 def structured_from_pb(so: common_pb2.StructuredOutput) -> StructuredOutput:

@@ -21,11 +21,12 @@ What the body may say, and how it maps:
 - Structured output: `response_format` (`json_object`, `json_schema` with `strict`), or vLLM's `structured_outputs`
   (`json`, `regex`, `choice`, `grammar`, `json_object`) and `guided_json` / `guided_regex` / `guided_choice` /
   `guided_grammar`; one of them a request. A reasoning model's answer follows it, its thinking stays free.
+- `presence_penalty`, `frequency_penalty` and `logit_bias` (OpenAI's), `repetition_penalty` and `min_p` (vLLM's).
 - Tool calling: `tools`, `tool_choice`, `parallel_tool_calls`, and `messages` with an assistant's `tool_calls` and
   tool turns' `tool_call_id` (the gRPC API's ToolOptions and ChatMessage fields); calls come back as
   `message.tool_calls` / `delta.tool_calls` with finish reason `tool_calls`.
 - Fields OpenAI has that cotserve does not implement are refused by name unless they hold their neutral value
-  (`frequency_penalty: 0`, `logit_bias: {}`, ...); any other field is refused as OpenAI refuses one it does not know.
+  (`store: false`, `modalities: ["text"]`, ...); any other field is refused as OpenAI refuses one it does not know.
 
 A reasoning model's thinking is returned as vLLM returns it: `message.reasoning` / `delta.reasoning`, without the
 model's markers, and the answer in `content`. A sample a settled self-consistency vote stopped ends with
@@ -59,7 +60,7 @@ DEFAULT_MAX_TOKENS = {"chat": None, "completion": 16}
 FINISH_NAME = {pb: name for name, pb in FINISH_PB.items()}
 
 _NEUTRAL = {  # OpenAI fields cotserve does not implement, accepted only when they ask for nothing
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "logit_bias": ({},), "store": (False,),
+    "store": (False,),
     "modalities": (["text"],), "metadata": ({},), "echo": (False,),
     "suffix": ("",), "prediction": (), "functions": ([],), "function_call": ("none", "auto"),
 }
@@ -70,9 +71,11 @@ _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choic
                        "json_object": "json_object"}
 """vLLM's `structured_outputs` object's fields -> the kind they ask for."""
 _STRUCTURED_FIELDS = ("response_format", "structured_outputs", *_GUIDED)
+_PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 _COMMON_FIELDS = {"model", "stream", "stream_options", "n", "stop", "max_tokens", "temperature", "top_p", "seed",
                   "logprobs", "user", "service_tier", "top_k", "ignore_eos", "stop_token_ids", "cache_salt",
-                  "pre_processor", "post_processor", "best_of", *_REASONING_FIELDS, *_STRUCTURED_FIELDS}
+                  "pre_processor", "post_processor", "best_of", *_REASONING_FIELDS, *_STRUCTURED_FIELDS, *_PENALTIES,
+                  "logit_bias"}
 _FIELDS = {"chat": _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "reasoning_effort",
                                      "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"},
            "completion": _COMMON_FIELDS | {"prompt"}}
@@ -84,7 +87,8 @@ PARAM_OF = {  # the relay's field names (its InvalidArgument messages begin with
     "cache_salt": "cache_salt", "model": "model", "prompt": "prompt", "messages": "messages",
     "chat_template_kwargs": "chat_template_kwargs", "tools.choice": "tool_choice", "tool_choice": "tool_choice",
     "tools": "tools",
-    "sampling.structured_output": "response_format",
+    "sampling.structured_output": "response_format", "sampling.logit_bias": "logit_bias",
+    **{f"sampling.{name}": name for name in _PENALTIES},
     **{f"reasoning.{name}": name for name in _REASONING_FIELDS}, "reasoning": "reasoning_effort",
 }
 _INT32, _UINT32, _UINT64 = (-(1 << 31), (1 << 31) - 1), (0, (1 << 32) - 1), (0, (1 << 64) - 1)
@@ -319,7 +323,7 @@ def _sampling(kind: str, body: _Body, api: ApiRequest) -> None:
     max_tokens = max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS[kind]
     if max_tokens is not None:
         sp.max_new_tokens = max_tokens
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", *_PENALTIES):
         value = body.get(name, "number")
         if value is not None:
             setattr(sp, name, value)
@@ -341,6 +345,12 @@ def _sampling(kind: str, body: _Body, api: ApiRequest) -> None:
         raise ApiError("stop_token_ids", "expected an array of token ids (integers >= 0)")
     sp.stop_token_ids.extend(ids)
     sp.ignore_eos = body.get("ignore_eos", "boolean", False)
+    for token, bias in body.get("logit_bias", "object", {}).items():  # token ids as strings (JSON keys), OpenAI's
+        if not token.isdigit() or len(token) > 10:
+            raise ApiError("logit_bias", f"{token[:20]!r}: keys are token ids (integers >= 0 as strings)")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise ApiError("logit_bias", f"the bias of token {token} must be a finite number, got {_type_name(bias)}")
+        sp.logit_bias[int(token)] = float(bias)
     if kind == "chat":
         api.logprobs = sp.logprobs = body.get("logprobs", "boolean", False)
         top = body.int_in("top_logprobs", _UINT32)

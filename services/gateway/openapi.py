@@ -64,6 +64,14 @@ COMMON: dict[str, Any] = {
     "min_thinking_tokens": {"type": "integer", "minimum": 0, "maximum": (1 << 32) - 1},
     "early_exit": _EARLY_EXIT,
     "self_consistency": _SELF_CONSISTENCY,
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2, "description": "1: off."},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "logit_bias": {"type": "object", "maxProperties": sampling.MAX_LOGIT_BIAS,
+                   "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                   "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "Token id (as a string) -> bias added to its logit."},
     "response_format": {"oneOf": [
         {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
         {"type": "object", "required": ["type", "json_schema"], "properties": {

@@ -36,6 +36,11 @@ class Sampling:
     logprobs: bool = False  # each token's log-probability in the chunks and the result
     ignore_eos: bool = False  # generate on past the end-of-sequence token, up to max_new_tokens
     n: int | None = None  # samples of the prompt (1..16): the result's `choices`, the chunks' `index`
+    presence_penalty: float | None = None  # -2..2, subtracted once from each generated token's logit
+    frequency_penalty: float | None = None  # -2..2, subtracted per time a token was generated
+    repetition_penalty: float | None = None  # (0, 2], 1 off: seen tokens' positive logits divided, negative multiplied
+    min_p: float | None = None  # 0..1: tokens below min_p x the likeliest one's probability are left out
+    logit_bias: Mapping[int, float] | None = None  # token id -> -100..100 added to its logit
     # structured output, one of these (a reasoning model's answer follows it; its thinking stays free):
     json_schema: Mapping[str, Any] | str | None = None  # the answer is JSON that validates against this schema
     json_object: bool = False  # the answer is a JSON object
@@ -56,6 +61,9 @@ class Sampling:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is None or f.name in _FORMATS:
+                continue
+            if isinstance(value, Mapping):
+                getattr(sp, f.name).update(value)
                 continue
             if isinstance(value, (list, tuple)):
                 getattr(sp, f.name).extend(value)

@@ -173,7 +173,8 @@ class Engine(EngineClient):
                 logits, [s.seq_id for s in sampling], [s.params for s in sampling],
                 [ReasoningController.banned_token(r, s) for r, s in zip(reqs, sampling)],
                 [s.params.logprobs or ReasoningController.wants_logprob(r, s) for r, s in zip(reqs, sampling)],
-                self._grammar_masks(sampling))
+                self._grammar_masks(sampling),
+                [(s.prompt_ids, s.output_ids) for s in sampling] if any(s.params.penalizes for s in sampling) else None)
         except Exception as exc:  # noqa: BLE001 - the engine must keep serving other requests
             log.exception("engine step failed; failing %d requests", len(batch.items))
             for item in batch.items:

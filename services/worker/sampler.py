@@ -1,4 +1,5 @@
-"""Logits to token ids for the whole batch: greedy, temperature, top-k, top-p, seed, logprobs.
+"""Logits to token ids for the whole batch: logit bias, repetition / frequency / presence penalties, greedy,
+temperature, min-p, top-k, top-p, seed, logprobs.
 
 A seeded request draws from its own `torch.Generator`, advanced once per token, so its output
 does not depend on what else shares the batch.
@@ -11,6 +12,42 @@ from dataclasses import dataclass
 import torch
 
 from cotserve.common.sampling import SamplingParams
+
+
+def penalized(logits: torch.Tensor, params: list[SamplingParams],
+              history: list[tuple[list[int], list[int]]] | None) -> torch.Tensor:
+    """`logits` (a copy, where any row asks) with each row's logit bias added and its penalties applied, as OpenAI
+    and vLLM define them: every token of the prompt or the output so far has a positive logit divided by the
+    repetition penalty and a negative one multiplied by it; every generated token loses the presence penalty once
+    and the frequency penalty per time it was generated. The rows that penalize are done together."""
+    rows = [r for r, p in enumerate(params) if p.logit_bias or p.penalizes]
+    if not rows:
+        return logits
+    logits, dev, vocab = logits.clone(), logits.device, logits.shape[-1]
+    pen = [r for r in rows if params[r].penalizes]
+    if pen:
+        if history is None:
+            raise ValueError("sampler: penalties need each row's tokens (history)")
+        counts = torch.zeros(len(pen), vocab, device=dev)
+        seen = torch.zeros(len(pen), vocab, dtype=torch.bool, device=dev)
+        for i, r in enumerate(pen):
+            prompt, output = history[r]
+            if output:
+                counts[i].index_add_(0, torch.tensor(output, device=dev), torch.ones(len(output), device=dev))
+            if params[r].repetition_penalty != 1.0 and prompt:
+                seen[i, torch.tensor(prompt, device=dev)] = True
+        seen |= counts > 0
+        column = lambda name: torch.tensor([getattr(params[r], name) for r in pen], device=dev)[:, None]  # noqa: E731
+        sub = logits[pen]
+        rep = column("repetition_penalty")
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
+        logits[pen] = sub
+    for r in rows:
+        if params[r].logit_bias:
+            ids, bias = zip(*params[r].logit_bias)
+            logits[r, list(ids)] += torch.tensor(bias, device=dev)
+    return logits
 
 
 @dataclass(slots=True)
@@ -48,12 +85,13 @@ class Sampler:
         banned: list[int | None] | None = None,  # per row: a token it may not sample (or None)
         want_logprobs: list[bool] | None = None,  # per row: the sampled token's logprob is needed (default: params.logprobs)
         allowed: tuple[torch.Tensor, list[int]] | None = None,  # structured output: token bitmask and the rows it holds
+        history: list[tuple[list[int], list[int]]] | None = None,  # per row: (prompt ids, output ids), for penalties
     ) -> SampleResult:
         """The whole batch in a few tensor operations: bans, greedy argmax, temperature, top-k and top-p
         (each row with its own values), softmax and logprobs. Only the draw itself is per row for a
         seeded request (its own generator, so its tokens do not depend on the batch); every unseeded
         row draws in one call from the shared generator."""
-        logits = self._restricted(logits.float(), banned, allowed)
+        logits = self._restricted(penalized(logits.float(), params, history), banned, allowed)
         tokens = logits.argmax(dim=-1)
         scaled = logits  # what each row's logprob is taken over: the filtered, tempered logits when sampling
         sampled = [r for r, p in enumerate(params) if not p.is_greedy]
@@ -115,6 +153,11 @@ class Sampler:
     def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:  # [rows, vocab]
         """Top-k then top-p, each row with its own k and p (k = 0 and p = 1 leave a row as it is)."""
         vocab = logits.shape[-1]
+        mins = [p.min_p for p in params]
+        if max(mins) > 0.0:  # tokens below min_p x the likeliest one's probability (of the tempered logits)
+            probs = torch.softmax(logits, dim=-1)
+            floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(mins, device=logits.device)[:, None]
+            logits = logits.masked_fill(probs < floor, float("-inf"))
         ks = [p.top_k if p.top_k and p.top_k < vocab else vocab for p in params]
         top_ps = [p.top_p for p in params]
         if min(ks) == vocab and min(top_ps) >= 1.0:

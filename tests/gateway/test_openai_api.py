@@ -22,13 +22,16 @@ def test_a_chat_body_maps_onto_the_relay_request():
                          "max_completion_tokens": 40, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 7,
                          "stop": "\n", "logprobs": True, "top_logprobs": 3, "service_tier": "flex", "user": "u1",
                          "stream": True, "stream_options": {"include_usage": True}, "top_k": 5, "cache_salt": "s",
-                         "frequency_penalty": 0, "tools": []})
+                         "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.25, "min_p": 0.125,
+                         "logit_bias": {"7": -3, "12": 100}, "tools": []})
     req = api.request
     assert [(m.role, m.content, m.reasoning_content) for m in req.messages] == [
         ("system", "Add.", ""), ("assistant", "2", "1+1=2"), ("user", "2+2=", "")]
     sp = req.sampling
     assert (sp.max_new_tokens, round(sp.temperature, 6), round(sp.top_p, 6), sp.n, sp.seed, list(sp.stop)) == (40, 0.5, 0.9, 2, 7, ["\n"])
     assert (sp.logprobs, sp.top_logprobs, sp.top_k) == (True, 3, 5)
+    assert (sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty, sp.min_p) == (0.5, -0.25, 1.25, 0.125)
+    assert dict(sp.logit_bias) == {7: -3.0, 12: 100.0}
     assert req.sla_class == common_pb2.SLA_CLASS_BATCH and api.service_tier == "flex"
     assert (api.stream, api.include_usage, api.user, req.model, req.cache_salt) == (True, True, "u1", "m", "s")
 
@@ -75,7 +78,10 @@ def test_defaults_service_tiers_and_reasoning_effort():
     ("chat", {**CHAT, "reasoning_effort": "max"}, "reasoning_effort", "is not one of"),
     ("chat", {**CHAT, "reasoning_effort": "low", "max_thinking_tokens": 5}, "max_thinking_tokens", "not both"),
     ("chat", {**CHAT, "early_exit": {"probe_every_tokens": "x"}}, "early_exit", "probe_every_tokens"),
-    ("chat", {**CHAT, "frequency_penalty": 0.5}, "frequency_penalty", "not supported by cotserve"),
+    ("chat", {**CHAT, "store": True}, "store", "not supported by cotserve"),
+    ("chat", {**CHAT, "frequency_penalty": "x"}, "frequency_penalty", "expected a finite number"),
+    ("chat", {**CHAT, "logit_bias": {"a": 1}}, "logit_bias", "keys are token ids"),
+    ("chat", {**CHAT, "logit_bias": {"5": "x"}}, "logit_bias", "must be a finite number"),
     ("chat", {**CHAT, "frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
     ("chat", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ("chat", {**CHAT, "prompt": "x"}, "prompt", "Unrecognized request argument"),

@@ -384,3 +384,22 @@ def test_chat_template_kwargs_reach_the_template_and_turn_thinking_off(tmp_path)
     assert bad.value.status_code == 400 and bad.value.body["param"] == "chat_template_kwargs.messages"
     assert sdk_direct.reasoning_text == "" and sdk_direct.usage.reasoning_tokens == 0
     assert "chat_template_kwargs.messages: set by the renderer itself" in bad.value.body["message"]
+
+
+def test_logit_bias_and_penalties_change_what_is_sampled(http_gateway):
+    """A bias of -100 on the greedy first token makes another the first (the SDK over gRPC, and the HTTP API); a
+    frequency penalty changes an output that repeats its tokens."""
+    address, base = http_gateway
+    with Client(address) as sdk:
+        plain = sdk.generate(prompt="1+1+1+1+1+1+1+1+1+1=", max_new_tokens=40, ignore_eos=True)
+        biased = sdk.generate(prompt="1+1+1+1+1+1+1+1+1+1=", max_new_tokens=40, ignore_eos=True,
+                              logit_bias={plain.token_ids[0]: -100.0})
+    assert biased.token_ids[0] != plain.token_ids[0]
+    assert max(plain.token_ids.count(t) for t in set(plain.token_ids)) > 2
+    with _client(base) as client:
+        http = client.completions.create(model="cotserve-demo", prompt="1+1+1+1+1+1+1+1+1+1=", max_tokens=40,
+                                         frequency_penalty=2.0, extra_body={"ignore_eos": True})
+        bias = client.completions.create(model="cotserve-demo", prompt="1+1+1+1+1+1+1+1+1+1=", max_tokens=1,
+                                         logit_bias={str(plain.token_ids[0]): -100})
+    assert http.choices[0].text != plain.text  # (what a penalty does to the logits: test_sampler.py's reference)
+    assert bias.choices[0].text == biased.text[:len(bias.choices[0].text)]

@@ -69,3 +69,44 @@ def test_logprobs_are_of_the_sampled_distribution_and_top_logprobs_come_most_lik
     assert none.logprobs == [None] and none.top is None
     asked = s.sample(x, [1], [SamplingParams()], want_logprobs=[True])  # a probe or a vote asks without the client
     assert asked.logprobs[0] == pytest.approx(want, abs=1e-6)
+
+
+def reference_penalized(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Penalties and bias one token at a time, as OpenAI and vLLM define them (the sampler does the rows together)."""
+    from collections import Counter
+
+    row = row.clone()
+    for t in set(prompt) | set(output):
+        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+    for t, count in Counter(output).items():
+        row[t] -= p.frequency_penalty * count + p.presence_penalty
+    for t, bias in p.logit_bias:
+        row[t] += bias
+    return row
+
+
+def test_penalties_and_logit_bias_match_a_reference_computation_row_by_row():
+    torch.manual_seed(0)
+    x = torch.randn(4, 40) * 3
+    history = [([1, 2, 3], [5, 5, 7, 9]), ([4], [4, 4, 4, 10]), ([0, 11], [11, 12]), ([], [])]
+    params = [SamplingParams(logprobs=True, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3),
+              SamplingParams(logprobs=True, frequency_penalty=-2.0, logit_bias=((3, 5.0), (4, -100.0))),
+              SamplingParams(logprobs=True, repetition_penalty=0.7, presence_penalty=-1.0),
+              SamplingParams(logprobs=True)]
+    got = Sampler(CPU).sample(x, [1, 2, 3, 4], params, history=history)
+    for r, (p, (prompt, output)) in enumerate(zip(params, history)):
+        expected = reference_penalized(x[r], p, prompt if p.repetition_penalty != 1.0 else [], output)
+        assert got.token_ids[r] == int(expected.argmax())
+        assert got.logprobs[r] == pytest.approx(float(torch.log_softmax(expected, -1)[got.token_ids[r]]), abs=1e-5)
+    assert got.token_ids[1] != 4  # -100: as good as banned
+    assert got.token_ids[3] == int(x[3].argmax())  # a row without any: untouched
+
+
+def test_min_p_keeps_only_tokens_near_the_likeliest():
+    s = Sampler(CPU)
+    x = logits([2.0, 2.0 - math.log(2), 2.0 - math.log(4), 0.0])  # probabilities 1 : 1/2 : 1/4 : small
+    p = SamplingParams(temperature=1.0, seed=1, min_p=0.4, logprobs=True)
+    drawn = {s.sample(x, [7], [p]).token_ids[0] for _ in range(200)}
+    assert drawn == {0, 1}  # 1/4 and less are below 0.4 x the likeliest
+    got = s.sample(x, [8], [SamplingParams(temperature=1.0, seed=2, min_p=0.4, logprobs=True)])
+    assert got.logprobs[0] == pytest.approx(math.log((1 if got.token_ids[0] == 0 else 0.5) / 1.5), abs=1e-5)
