@@ -1,5 +1,6 @@
 """The gateway's OpenAI-compatible HTTP API (`--http-port`): `POST /v1/chat/completions`, `POST /v1/completions`,
-`GET /v1/models`, `GET /health` and `GET /openapi.json` (`gateway/openapi.py`), served by aiohttp on the gateway's
+`GET /v1/models` (and `/v1/models/{id}`), `GET /health` and `GET /openapi.json` (`gateway/openapi.py`), served by
+aiohttp on the gateway's
 own event loop beside its gRPC server.
 
 Every request goes through the same relay as a gRPC one (`gateway/relay.py`): the tenant's key
@@ -21,6 +22,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import traceback
 import uuid
@@ -30,7 +32,7 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 from opentelemetry import propagate, trace
 
-from cotserve.common.errors import CotserveError
+from cotserve.common.errors import CotserveError, NotFound
 from cotserve.gateway.openai_api import PARAM_OF, ApiError, Responder, models_json, parse
 from cotserve.gateway.relay import Relay
 from cotserve.gateway.v1 import gateway_pb2
@@ -124,6 +126,15 @@ def _internal(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
     log.error("internal error %s: %s\n%s", error_id, type(exc).__name__, "".join(traceback.format_tb(exc.__traceback__)))
     message = f"internal error (error id {error_id}; the service's log has the details)"
     return 500, {"error": {"message": message, "type": "server_error", "param": None, "code": "internal"}}, {}
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def client_request_id(value: str | None) -> str | None:
+    """A client's `x-request-id`, kept as the response's id and header when it is 1..128 of letters, digits and
+    `._:-` (anything else is replaced by one of the gateway's own)."""
+    return value if value is not None and _REQUEST_ID.fullmatch(value) else None
 
 
 def _json_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> web.Response:
@@ -232,6 +243,7 @@ class OpenAIServer:
         self.body_timeout_s = body_timeout_s  # a request body must have arrived within this long
         self.max_connections_per_client = max_connections_per_client
         self.ssl_context = ssl_context  # HTTPS with the gateway's certificate when it has one
+        self.started = int(time.time())  # the models' `created`: when this gateway began serving them
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -239,6 +251,7 @@ class OpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_get("/health", self._health)
         app.router.add_get("/openapi.json", self._openapi)
         # handler_cancellation: a client that disconnects cancels its request, streamed or not (the worker's pages
@@ -323,7 +336,21 @@ class OpenAIServer:
         except CotserveError as exc:
             status, body, headers = error_body(exc)
             return _json_response(status, body, headers)
-        return _json_response(200, models_json(self.relay.pool.models()))
+        return _json_response(200, models_json(self.relay.pool.models(), self.started))
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """`GET /v1/models/{id}`: one served name or alias, or 404 naming what is served."""
+        try:
+            self.relay.authenticate(HttpCall(request))
+            wanted = request.match_info["model"]
+            for entry in models_json(self.relay.pool.models(), self.started)["data"]:
+                if entry["id"] == wanted:
+                    return _json_response(200, entry)
+            self.relay.pool.resolve_model(wanted)  # raises NotFound naming the served models
+            raise NotFound(f"model: {wanted!r} is not served here")
+        except CotserveError as exc:
+            status, body, headers = error_body(exc)
+            return _json_response(status, body, headers)
 
     async def _health(self, request: web.Request) -> web.Response:
         healthy = any(w.healthy for w in self.relay.pool.workers)
@@ -354,7 +381,7 @@ class OpenAIServer:
 
     async def _serve(self, request: web.Request, kind: str, span) -> web.StreamResponse:
         """Read, relay, answer: an error before the first chunk is an HTTP error; a stream's later one an event."""
-        request_id = uuid.uuid4().hex
+        request_id = client_request_id(request.headers.get("x-request-id")) or uuid.uuid4().hex
         try:
             api = parse(kind, await self._body(request))
             if api.user:

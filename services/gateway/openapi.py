@@ -181,6 +181,11 @@ def document(version: str) -> dict[str, Any]:
                     "type": "object", "required": ["object", "data"],
                     "properties": {"object": {"const": "list"}, "data": {"type": "array"}}}}}},
                 **_errors(401)}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One served model (a name or an alias).",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "The model.", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["id", "object", "created", "owned_by"]}}}}, **_errors(401, 404)}}},
             "/health": {"get": {"summary": "Whether a worker is in rotation.", "security": [{}], "responses": {
                 "200": {"description": "Serving."}, **_errors(503)}}},
         },

@@ -104,8 +104,11 @@ def render_messages(messages, chat_template: Any, variables: dict[str, Any] | No
         raise FailedPrecondition("messages: this model has no chat template (chat_template.jinja, or chat_template in "
                                  "tokenizer_config.json); send a prompt instead")
     turns = []
+    knows_developer = "developer" in chat_template.source
     for m in messages:
-        turn: dict[str, Any] = {"role": m.role, "content": m.content}
+        # OpenAI's `developer` role is the system turn of a template that has none of that name
+        role = "system" if m.role == "developer" and not knows_developer else m.role
+        turn: dict[str, Any] = {"role": role, "content": m.content}
         if m.reasoning_content:  # by the names templates read it: Qwen3's and DeepSeek's, and gpt-oss's `thinking`
             turn["reasoning_content"] = turn["thinking"] = m.reasoning_content
         if m.tool_calls:

@@ -403,3 +403,25 @@ def test_logit_bias_and_penalties_change_what_is_sampled(http_gateway):
                                          logit_bias={str(plain.token_ids[0]): -100})
     assert http.choices[0].text != plain.text  # (what a penalty does to the logits: test_sampler.py's reference)
     assert bias.choices[0].text == biased.text[:len(bias.choices[0].text)]
+
+
+def test_one_model_by_id_a_clients_request_id_and_the_developer_role(http_gateway):
+    _, base = http_gateway
+    with _client(base) as client:
+        model = client.models.retrieve("cotserve-demo")
+        listed = client.models.list().data[0]
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve("nope")
+        raw = client.chat.completions.with_raw_response.create(
+            model="cotserve-demo", messages=MESSAGES, max_tokens=48, extra_headers={"x-request-id": "trace-42.a:b"})
+        odd = client.chat.completions.with_raw_response.create(
+            model="cotserve-demo", messages=MESSAGES, max_tokens=1, extra_headers={"x-request-id": "no spaces please"})
+        plain = client.chat.completions.create(model="cotserve-demo", messages=MESSAGES, max_tokens=48)
+        developer = client.chat.completions.create(
+            model="cotserve-demo", messages=[{"role": "developer", "content": "Be brief."}, *MESSAGES], max_tokens=48)
+    assert (model.id, model.created, model.owned_by) == ("cotserve-demo", listed.created, "cotserve") and model.created > 0
+    assert missing.value.body["code"] == "model_not_found" and "cotserve-demo" in missing.value.message
+    assert raw.headers["x-request-id"] == "trace-42.a:b" and raw.parse().id == "chatcmpl-trace-42.a:b"
+    assert odd.headers["x-request-id"] != "no spaces please" and len(odd.headers["x-request-id"]) == 32
+    # the demo template drops system turns and refuses other roles: developer is read as system
+    assert developer.choices[0].message.content == plain.choices[0].message.content

@@ -36,7 +36,7 @@ def test_the_document_is_served_and_names_every_field_the_parser_reads(api):
     base, _ = api
     doc = json.load(urllib.request.urlopen(f"{base}/openapi.json", timeout=10))
     assert doc["openapi"].startswith("3.1") and set(doc["paths"]) == {"/v1/chat/completions", "/v1/completions",
-                                                                      "/v1/models", "/health"}
+                                                                      "/v1/models", "/v1/models/{model}", "/health"}
     for path, kind in (("/v1/chat/completions", "chat"), ("/v1/completions", "completion")):
         body = body_of(doc, path)
         assert set(body["properties"]) == _FIELDS[kind], path
@@ -68,7 +68,7 @@ def test_no_body_gets_a_server_error_or_leaves_anything_behind(api, mode):
     for result in schema.get_all_operations():
         operation = result.ok()
         if mode == "negative" and operation.method.upper() == "GET":
-            continue  # nothing to break: the GETs take no parameters
+            continue  # nothing to break: the GETs take no body (a model id in the path is any string)
 
         @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck),
                   derandomize="COTSERVE_FUZZ_EXAMPLES" not in os.environ)
@@ -80,7 +80,8 @@ def test_no_body_gets_a_server_error_or_leaves_anything_behind(api, mode):
 
         call()
     posts = {"POST /v1/chat/completions", "POST /v1/completions"}
-    assert set(statuses) == (posts | {"GET /v1/models", "GET /health"} if mode == "positive" else posts)
+    gets = {"GET /v1/models", "GET /v1/models/{model}", "GET /health"}
+    assert set(statuses) == (posts | gets if mode == "positive" else posts)
     if mode == "positive":  # valid bodies are served, not only refused
         assert 200 in statuses["POST /v1/chat/completions"] and 200 in statuses["POST /v1/completions"], statuses
     else:
