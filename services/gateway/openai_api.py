@@ -246,11 +246,11 @@ def _message_tools(m: dict[str, Any], msg: common_pb2.ChatMessage, where: str) -
         raise ApiError(f"{where}.tool_calls", f"expected an array, got {_type_name(calls)}")
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ApiError(f"{where}.tool_calls[{j}]", "expected {id, type: function, function: {name, arguments}}")
-        arguments = fn.get("arguments", "")
-        msg.tool_calls.add(id=str(call.get("id") or ""), name=fn["name"],
-                           arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or call.get("type", "function") != "function"
+                or not isinstance(call.get("id", ""), str) or not isinstance(fn.get("arguments", ""), str)):
+            raise ApiError(f"{where}.tool_calls[{j}]", "expected {id: string, type: function, function: {name: string, "
+                                                       "arguments: JSON text}}")
+        msg.tool_calls.add(id=call.get("id", ""), name=fn["name"], arguments=fn.get("arguments", ""))
 
 
 def _tools(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
@@ -267,6 +267,8 @@ def _tools(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ApiError(f"tools[{i}]", "expected {type: function, function: {name, description?, parameters?}}")
+        if not isinstance(fn.get("strict", False), bool):
+            raise ApiError(f"tools[{i}].function.strict", f"expected a boolean, got {_type_name(fn['strict'])}")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ApiError(f"tools[{i}].function.parameters", f"expected a JSON Schema object, got {_type_name(params)}")
@@ -278,7 +280,8 @@ def _tools(body: _Body, req: gateway_pb2.GenerateStreamRequest) -> None:
         options.choice.auto = True
     elif choice in ("none", "required"):
         setattr(options.choice, choice, True)
-    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+    elif (isinstance(choice, dict) and choice.get("type", "function") == "function"
+          and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str)):
         options.choice.function = choice["function"]["name"]
     else:
         raise ApiError("tool_choice", 'expected "none", "auto", "required" or {"type": "function", "function": {"name"}}')

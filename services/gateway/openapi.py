@@ -94,10 +94,11 @@ _PART = {"type": "object", "required": ["type", "text"], "additionalProperties":
 _MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
     "role": {"type": "string", "minLength": 1, "maxLength": 64},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _PART}, {"type": "null"}]},
-    "name": {"type": "string"},
-    "reasoning": {"type": "string"}, "reasoning_content": {"type": "string"},
-    "tool_call_id": {"type": "string"},
-    "tool_calls": {"type": "array", "items": {"type": "object", "required": ["function"], "properties": {
+    # (an optional field sent as null is read as absent, as OpenAI reads it)
+    "name": {"type": ["string", "null"]},
+    "reasoning": {"type": ["string", "null"]}, "reasoning_content": {"type": ["string", "null"]},
+    "tool_call_id": {"type": ["string", "null"]},
+    "tool_calls": {"type": ["array", "null"], "items": {"type": "object", "required": ["function"], "properties": {
         "id": {"type": "string"}, "type": {"const": "function"},
         "function": {"type": "object", "required": ["name"], "properties": {
             "name": {"type": "string"}, "arguments": {"type": "string"}}}}}}}}

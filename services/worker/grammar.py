@@ -35,7 +35,8 @@ class Phase(enum.IntEnum):
     UNDECIDED = 0  # a reasoning model's first token: the thinking's start marker or the grammar's
     THINKING = 1  # free text until the end marker
     ACTIVE = 2  # every token from the grammar
-    OFF = 3  # no constraint any more (a token the grammar refused was forced in: the reply left the format)
+    OFF = 3  # no constraint any more: a token the grammar refused was forced in (the reply left the format)
+    DONE = 4  # the format is complete (its stop token taken; a sample that goes on, with ignore_eos, is free)
 
 
 class Grammars:
@@ -187,8 +188,11 @@ class GrammarState:
             if tuple(self._recent) == self.end_ids:
                 self.phase = Phase.ACTIVE
             return
-        if self.phase == Phase.ACTIVE and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
-            self.phase = Phase.OFF
+        if self.phase == Phase.ACTIVE:
+            if not self.matcher.accept_token(token):
+                self.phase = Phase.OFF
+            elif self.matcher.is_terminated():
+                self.phase = Phase.DONE
 
 
 def fill_masks(grammars: Grammars, states: list[GrammarState | None]) -> tuple[torch.Tensor, list[int]]:

@@ -60,7 +60,7 @@ def test_defaults_service_tiers_and_reasoning_effort():
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]", "only text parts"),
     ("chat", {"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages[0].audio", "not supported"),
     ("chat", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
-     "messages[0].tool_calls[0]", "expected {id, type: function"),
+     "messages[0].tool_calls[0]", "expected {id: string, type: function"),
     ("chat", {**CHAT, "tools": [{"type": "function", "function": {"description": "x"}}]}, "tools[0]", "expected"),
     ("chat", {**CHAT, "tools": [{"function": {"name": "f", "parameters": []}}]}, "tools[0].function.parameters",
      "expected a JSON Schema object"),

@@ -84,7 +84,9 @@ def test_a_json_object_a_regex_a_choice_and_a_grammar_hold_for_every_sample(demo
     assert len(finished) >= 5 and all(isinstance(value, dict) for value in finished)
     grammars = grammars_for(demo, None)
     for out in outs:
-        assert grammars.state(fmt, None, [], out.token_ids).phase == Phase.ACTIVE  # no token left the grammar
+        # no token left the grammar: a finished one is complete, a truncated one still in it
+        assert grammars.state(fmt, None, [], out.token_ids).phase == (Phase.DONE if out.finish_reason == "stop"
+                                                                      else Phase.ACTIVE)
     pattern = r"[A-Z][a-z]{2,5}-[0-9]{3}"
     texts = [o.text for o in sample(demo, None, StructuredOutput("regex", pattern), 20)]
     assert all(re.fullmatch(pattern, t) for t in texts) and len(set(texts)) > 10
@@ -136,7 +138,7 @@ def test_early_exit_probes_decode_under_the_grammar(demo, fmt):
         original(probe, token, lp, now)
         if probe.is_finished:
             probe_texts.append(demo.tokenizer.decode(probe.output_ids))
-            assert probe.grammar is not None and probe.grammar.phase in (Phase.ACTIVE,)
+            assert probe.grammar is not None and probe.grammar.phase in (Phase.ACTIVE, Phase.DONE)
 
     engine.requests.probe_token = probe_token
     out = []
@@ -195,3 +197,13 @@ def test_a_vote_over_constrained_answers_counts_only_well_formed_ones(demo, fmt)
     vote = outs[-1].vote
     assert vote.answer in ("even", "odd") and {e.answer for e in vote.votes} <= {"even", "odd"}
     assert sum(e.count for e in vote.votes) == vote.samples_used >= 3
+
+
+def test_a_sample_that_goes_on_past_its_finished_format_is_free_after_it(demo):
+    """With ignore_eos the end-of-sequence token that completes the format does not end the sample: the tokens after
+    it are unconstrained (the format is done), and the step never asks the finished matcher for a mask."""
+    outs = sample(demo, None, StructuredOutput("choice", choices=("yes", "no")), 4, max_new_tokens=12, ignore_eos=True)
+    for out in outs:
+        assert len(out.token_ids) == 12 and out.finish_reason == "length"
+        assert demo.tokenizer.decode(out.token_ids[:1]) in ("y", "n", "yes", "no") or out.text[:3] in ("yes", "no")
+        assert out.text.startswith(("yes", "no"))
