@@ -2,7 +2,7 @@
 the model's tokens and enforced token by token, through xgrammar.
 
 Why xgrammar (over llguidance, the other maintained engine vLLM and SGLang use): on this project's CPU it fills the
-token bitmask of 32 sequences in a quarter to a fifth of llguidance's time for a JSON schema of nested objects, with
+token bitmask of 32 sequences in a third to a quarter of llguidance's time for a JSON schema of nested objects, with
 a 200k-token vocabulary and with the demo model's (docs/design-notes.md has the measurement and the command).
 
 - `Grammars` compiles a format once per tokenizer (xgrammar's compiler caches by the format's text); a format it
@@ -47,7 +47,7 @@ class Grammars:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
-        self.reserved = reserved  # token ids no grammar may produce (the reasoning markers)
+        self.reserved = reserved  # token ids no grammar may produce (special tokens, the reasoning markers)
         self._compiler = None
         self.json_safe: np.ndarray | None = None  # bitmask words of the tokens free of control characters
         self.batch: Any = None  # xgrammar's BatchGrammarMatcher (`fill_masks`), made on first use
