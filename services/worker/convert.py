@@ -9,7 +9,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from cotserve.common.chat import template_kwargs
-from cotserve.common.tools import ToolSpec, template_tool_calls, tools_from_pb
+from cotserve.common.tools import template_tool_calls, tools_from_pb
 from cotserve.common.errors import FailedPrecondition, InvalidArgument
 from cotserve.common.sampling import (
     ReasoningParams, SamplingParams, SlaClass, StructuredOutput, check_self_consistency, finish_reason_to_pb, reasoning_from_pb, sampling_from_pb, sla_from_pb,
@@ -56,6 +56,7 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     if req.max_prompt_tokens:
         max_prompt = min(max_prompt, req.max_prompt_tokens)
     chars = token_chars or max_token_chars(tokenizer)
+    tools = tools_from_pb(req.tools) if req.HasField("tools") else None
     if req.prompt_text:
         check_text_length(req.prompt_text, "prompt_text", max_prompt, chars)
         ids = tokenizer.encode(req.prompt_text).ids
@@ -66,8 +67,8 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
             raise InvalidArgument(f"prompt_token_ids: token {bad} is out of range (0..{vocab_size - 1})")
     elif req.messages:
         variables = template_kwargs(req.chat_template_kwargs) if req.HasField("chat_template_kwargs") else {}
-        tools = _tools(req, tool_parser)
         if tools is not None and tools.shown:
+            check_tool_parser(tool_parser)
             variables["tools"] = tools.template_tools()
         text = render_messages(req.messages, chat_template, variables)
         check_text_length(text, "messages", max_prompt, chars)
@@ -86,7 +87,7 @@ def generate_from_pb(req: worker_pb2.GenerateRequest, tokenizer: Tokenizer, voca
     params = sampling_from_pb(
         req.sampling, vocab_size=vocab_size, max_model_len=max_model_len, max_new_tokens_limit=max_model_len - len(ids)
     )
-    if req.HasField("tools") and (tools := tools_from_pb(req.tools)).forced:
+    if tools is not None and tools.forced:
         if params.structured is not None:
             raise InvalidArgument("tools.choice: a required or named tool choice is a format of its own; drop "
                                   "sampling.structured_output")
@@ -120,15 +121,11 @@ def render_messages(messages, chat_template: Any, variables: dict[str, Any] | No
     return chat_template.render(turns, add_generation_prompt=True, **(variables or {}))
 
 
-def _tools(req: worker_pb2.GenerateRequest, parser: str) -> ToolSpec | None:
-    """The request's tools, checked; FAILED_PRECONDITION where the model writes no calls the worker can parse."""
-    if not req.HasField("tools"):
-        return None
-    tools = tools_from_pb(req.tools)
-    if tools.shown and not parser:
+def check_tool_parser(parser: str) -> None:
+    """FAILED_PRECONDITION where the model writes no tool calls the worker can parse."""
+    if not parser:
         raise FailedPrecondition("tools: this model's chat template writes no tool calls the worker can parse; start "
                                  "the worker with --tool-call-parser hermes if the model writes <tool_call> blocks")
-    return tools
 
 
 def check_budget(budget: ReasoningParams, fmt: ReasoningFormat | None) -> None:

@@ -23,7 +23,7 @@ from cotserve.worker.detokenizer import TokenBytes
 from cotserve.worker.engine_client import EngineClient
 from cotserve.worker.engine_config import EngineConfig, kv_spec_of
 from cotserve.worker.engine_metrics import EngineMetrics, EngineStats
-from cotserve.worker.grammar import fill_masks, grammars_for
+from cotserve.worker.grammar import fill_masks
 from cotserve.worker.model_runner import ModelRunner
 from cotserve.worker.models.loader import LoadedModel
 from cotserve.worker.models.moe import RoutingPolicy
@@ -190,12 +190,11 @@ class Engine(EngineClient):
         sequence's grammar state is made when it first samples, from the tokens it has: forks and probes too)."""
         if all(s.params.structured is None for s in sampling):
             return None
-        if self.grammars is None:
-            self.grammars = grammars_for(self.loaded, self.reasoning)
+        grammars = self.grammar_compiler()
         for s in sampling:
             if s.params.structured is not None and s.grammar is None:
-                s.grammar = self.grammars.state(s.params.structured, self.reasoning, s.prompt_ids, s.output_ids)
-        mask, rows = fill_masks(self.grammars, [s.grammar for s in sampling])
+                s.grammar = grammars.state(s.params.structured, self.reasoning, s.prompt_ids, s.output_ids)
+        mask, rows = fill_masks(grammars, [s.grammar for s in sampling])
         return (mask, rows) if rows else None
 
     def _sampling_rows(self, sampling: list[Sequence]) -> tuple[list[int], list[Sequence]]:

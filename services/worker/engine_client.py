@@ -48,11 +48,15 @@ class EngineClient:
         assert self.config is not None, "start() first"
         check_submit(self.config, self.reasoning is not None, len(cmd.prompt_ids), cmd.params, cmd.budget)
         if cmd.params.structured is not None and self.loaded is not None:  # compiled (and cached) before any compute
-            if self.grammars is None:
-                self.grammars = grammars_for(self.loaded, self.reasoning)
-            self.grammars.compile(cmd.params.structured)
+            self.grammar_compiler().compile(cmd.params.structured)
         if not cmd.detokenize and needs_engine_text(cmd.params, cmd.budget):
             raise ValueError("detokenize=False: this request's reasoning controls need its text here")
+
+    def grammar_compiler(self) -> Grammars:
+        """The model's structured-output compiler (`grammar.Grammars`), made on first use."""
+        if self.grammars is None:
+            self.grammars = grammars_for(self.loaded, self.reasoning)
+        return self.grammars
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
                sla_class: SlaClass = SlaClass.INTERACTIVE, cache_salt: str = "",

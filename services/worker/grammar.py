@@ -162,14 +162,10 @@ class GrammarState:
             self.phase = Phase.ACTIVE
         elif reasoning.opens_thinking(prompt_ids):
             self.phase = Phase.THINKING
-        elif self._ended(prompt_ids[-(len(self.end_ids) + 2):]):  # the prompt closed the thinking (Qwen3 without it)
+        elif reasoning.closes_thinking(prompt_ids):
             self.phase = Phase.ACTIVE
         else:
             self.phase = Phase.UNDECIDED
-
-    def _ended(self, tail: list[int]) -> bool:
-        n = len(self.end_ids)
-        return any(tuple(tail[i:i + n]) == self.end_ids for i in range(len(tail) - n + 1))
 
     @property
     def constrained(self) -> bool:

@@ -136,10 +136,13 @@ class ReasoningFormat:
         tail = prompt_ids[-(n + self.OPENED_WITHIN):]
         for at in range(len(tail) - n, -1, -1):
             if tuple(tail[at:at + n]) == self.start_ids:
-                after = tuple(tail[at + n:])
-                m = len(self.end_ids)
-                return not any(after[i:i + m] == self.end_ids for i in range(len(after) - m + 1))
+                return not _holds(tail[at + n:], self.end_ids)
         return False
+
+    def closes_thinking(self, prompt_ids: list[int]) -> bool:
+        """The prompt ends with the end marker, or with it and a token or two (Qwen3's template without thinking
+        writes an empty thought and a blank line): its output is the answer from the start."""
+        return bool(self.end_ids) and _holds(prompt_ids[-(len(self.end_ids) + self.OPENED_WITHIN):], self.end_ids)
 
     def split(self, text: str, thinking_at_start: bool = False) -> tuple[str, str]:
         """A sample's whole output text as (reasoning, answer): the reasoning between the markers
@@ -164,6 +167,12 @@ class ReasoningFormat:
         if m is None:
             return ""
         return (m.group(1) if m.groups() else m.group(0)).strip()
+
+
+def _holds(seq: list[int], ids: tuple[int, ...]) -> bool:
+    """`ids` appear in `seq`, in a row."""
+    n = len(ids)
+    return any(tuple(seq[i:i + n]) == ids for i in range(len(seq) - n + 1))
 
 
 class ThinkingTracker:
